@@ -1,0 +1,76 @@
+"""Compose the Hydra config from ``conf/`` and command-line overrides into a typed :class:`PipelineConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from pipeline.config import PipelineConfig, register_configs
+from pipeline.errors import ConfigError, PipelineError
+
+
+def conf_dir() -> Path:
+    return Path(os.environ.get("PIPELINE_CONF_DIR", Path(__file__).resolve().parents[1] / "conf"))
+
+
+def experiments() -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
+
+
+def compose_dict(overrides: list[str]) -> DictConfig:
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"bad config override: {first} (keys are listed by `python -m pipeline +experiment=tiny dry_run=true`)"
+        ) from e
+
+
+def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
+    """Hydra's ``+key=`` adds keys even to structured nodes; a typo must fail instead of being ignored."""
+    schema = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if known is not None and key not in known:
+            raise ConfigError(f"unknown config key {full!r}: valid keys here are {', '.join(sorted(known))}")
+        if not OmegaConf.is_missing(node, str(key)):
+            child = node[key]
+            if isinstance(child, DictConfig):
+                _reject_unknown_keys(child, f"{full}.")
+
+
+def to_typed(cfg: DictConfig) -> PipelineConfig:
+    _reject_unknown_keys(cfg)
+    if OmegaConf.is_missing(cfg, "experiment"):
+        raise ConfigError(
+            f"no experiment chosen: add +experiment=<name> to the command (available: {', '.join(experiments())})"
+        )
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"config value missing: {e.full_key} must be set") from e
+    except PipelineError:
+        raise
+    except (OmegaConfBaseException, ValueError, TypeError) as e:
+        raise ConfigError(f"invalid config: {str(e).splitlines()[0]}") from e
+    if not isinstance(typed, PipelineConfig):  # internal invariant: base_config is the root schema
+        raise ConfigError("conf/config.yaml must start from base_config")
+    return typed
+
+
+def load_config(overrides: list[str]) -> PipelineConfig:
+    return to_typed(compose_dict(overrides))
+
+
+def to_yaml(cfg: PipelineConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

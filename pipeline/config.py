@@ -1,0 +1,209 @@
+"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore; values live in ``conf/``.
+
+Everything below the entry point sees these objects, never a ``DictConfig``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from pipeline.errors import ConfigError
+
+STAGE_ALL = "all"
+
+
+@dataclass
+class RunConfig:
+    id: str | None = None
+    """Run id. Left empty, the launching process picks one (UTC time + random suffix) before any job starts."""
+    root: str = "outputs"
+    """Directory under which runs live: ``<root>/<experiment>/<id>/``."""
+    overwrite: bool = False
+    """Delete an existing run dir of the same id first (done only by prepare-dirs, before any rank starts)."""
+
+    def __post_init__(self) -> None:
+        if self.id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", self.id):
+            raise ConfigError(f"run.id={self.id!r} is not a valid run id: use letters, digits, '_', '-', '.'")
+
+
+@dataclass
+class LauncherConfig:
+    """Base launcher options shared by every launcher."""
+
+    kind: str = MISSING
+    """Which launcher: ``local`` (submitit local executor, separate processes), ``inprocess`` (tests), ``slurm``."""
+    job_deadline_s: float = 3600.0
+    """Longest a launched stage job may take before the launcher cancels it and fails the stage."""
+    poll_interval_s: float = 0.5
+    """How often the launcher polls job state."""
+
+
+@dataclass
+class LocalLauncherConfig(LauncherConfig):
+    kind: str = "local"
+    master_addr: str = "127.0.0.1"
+    """Rendezvous address for multi-task jobs; a literal IP so a hostname lookup cannot stall start-up."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("local", "inprocess"):
+            raise ConfigError(f"launcher.kind={self.kind!r}: the local launcher config takes 'local' or 'inprocess'")
+
+
+@dataclass
+class SlurmLauncherConfig(LauncherConfig):
+    """SLURM through submitit (stages chained as dependent jobs). Filled in by a later issue."""
+
+    kind: str = "slurm"
+    partition: str | None = None
+    """SLURM partition for every stage job."""
+    account: str | None = None
+    """SLURM account, if the cluster needs one."""
+
+
+@dataclass
+class StrategyConfig:
+    name: str = MISSING
+    """Parallelism: ``ddp`` (replicated params) or ``fsdp2`` (``fully_shard`` per decoder layer + root)."""
+    world_size: int = 2
+    """Number of training ranks (tasks of the train job)."""
+    backend: str = "gloo"
+    """torch.distributed backend: ``gloo`` on CPU, ``nccl`` on GPU."""
+    pg_timeout_s: float = 120.0
+    """Deadline for process-group init and every collective."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("ddp", "fsdp2"):
+            raise ConfigError(f"strategy.name={self.name!r} is not supported: choose strategy=ddp or strategy=fsdp2")
+        if self.world_size < 1:
+            raise ConfigError(f"strategy.world_size={self.world_size} must be >= 1")
+        if self.backend not in ("gloo", "nccl"):
+            raise ConfigError(f"strategy.backend={self.backend!r}: use gloo (CPU) or nccl (GPU)")
+
+
+@dataclass
+class ModelConfig:
+    """A small Llama built from a ``transformers`` config; nothing is downloaded."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 128
+    init_seed: int = 0
+    """Seed for weight initialisation (identical on every rank)."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model: hidden_size={self.hidden_size} must divide by num_heads={self.num_heads}, "
+                f"and num_heads by num_kv_heads={self.num_kv_heads}"
+            )
+
+
+@dataclass
+class DataConfig:
+    """Generated corpus and a tokenizer trained on it locally (``tokenizers`` BPE)."""
+
+    num_documents: int = 400
+    """Sentences generated from a fixed grammar with ``seed``."""
+    seq_len: int = 32
+    """Tokens per training sample."""
+    vocab_size: int = 256
+    """Target BPE vocabulary size (the model's vocab is the tokenizer's actual size)."""
+    seed: int = 1234
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 8
+    """Total optimizer steps of the run."""
+    micro_batch_size: int = 4
+    """Samples per rank per step."""
+    lr: float = 3e-3
+    warmup_steps: int = 2
+    weight_decay: float = 0.01
+    seed: int = 42
+    """Base seed for the data order and per-rank RNG (rank k uses seed + k)."""
+    stop_after_step: int | None = None
+    """Stop the train job cleanly after this step (simulates a pre-emption; the next run resumes)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.micro_batch_size < 1:
+            raise ConfigError("train.steps and train.micro_batch_size must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 4
+    """Save a checkpoint every this many steps (and always at the last step)."""
+    marker_deadline_s: float = 300.0
+    """How long verify-manifest waits for every rank's done-marker while the train job is still running."""
+    fail_on_save_error: bool = False
+    """If a shard save fails: false = log loudly and keep training (the step is never committed); true = stop."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"checkpoint.every={self.every} must be >= 1")
+
+
+@dataclass
+class ExportConfig:
+    max_shard_size: str = "200KB"
+    """Largest safetensors shard of the export (``KB``/``MB``/``GB``, powers of 1000 as in transformers)."""
+    dtype: str = "float32"
+    """dtype of exported weights: float32, bfloat16 or float16."""
+
+    def __post_init__(self) -> None:
+        parse_size(self.max_shard_size)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"export.dtype={self.dtype!r}: choose float32, bfloat16 or float16")
+
+
+@dataclass
+class PipelineConfig:
+    experiment: str = MISSING
+    """Name of the experiment (set by ``+experiment=<name>``)."""
+    stage: str = STAGE_ALL
+    """``all`` runs the DAG; a stage name (e.g. ``consolidate``) reruns that one stage of ``run.id``."""
+    force: bool = False
+    """Redo a stage even if its outputs verify."""
+    dry_run: bool = False
+    """Print the resolved config and the stage plan, then stop."""
+    run: RunConfig = field(default_factory=RunConfig)
+    launcher: Any = MISSING
+    strategy: StrategyConfig = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ConfigError(f"size {text!r} is not understood: write e.g. 500KB, 2MB or 5GB")
+    return int(m.group(1)) * _UNITS[(m.group(2) or "B").upper()]
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=PipelineConfig)
+    cs.store(group="launcher", name="base_local", node=LocalLauncherConfig)
+    cs.store(group="launcher", name="base_slurm", node=SlurmLauncherConfig)
+    cs.store(group="strategy", name="base_strategy", node=StrategyConfig)
+    cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="data", name="base_data", node=DataConfig)
+    cs.store(group="train", name="base_train", node=TrainConfig)
+    cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)
+    cs.store(group="export", name="base_export", node=ExportConfig)

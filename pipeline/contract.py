@@ -1,0 +1,70 @@
+"""The stage contract: data that the runner, launchers, dry-run and tests read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pipeline.config import PipelineConfig
+    from pipeline.layout import RunLayout
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one task of a stage needs; :func:`launchers.resources.submitit_parameters` maps it to submitit."""
+
+    cpus_per_task: int = 1
+    mem_gb: float = 4.0
+    timeout_min: int = 60
+
+
+@dataclass(frozen=True)
+class StageContract:
+    name: str
+    """snake_case id used in config (``stage=<name>``) and records; job names use the kebab-case form."""
+    needs: tuple[str, ...]
+    """Stages whose outputs this one reads."""
+    reads: str
+    """What it reads, for people."""
+    produces: str
+    """What it writes, for people."""
+    marker: str
+    """The file whose presence (with verified content) says the stage's output is complete."""
+    distributed: bool = False
+    """True: one task per training rank (``strategy.world_size``); false: exactly one task."""
+    resources: Resources = Resources()
+
+    def num_tasks(self, cfg: PipelineConfig) -> int:
+        return cfg.strategy.world_size if self.distributed else 1
+
+    @property
+    def job_name(self) -> str:
+        return self.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What one task of a stage job receives: the run is fixed before any task starts (never derived here)."""
+
+    cfg: PipelineConfig
+    layout: RunLayout
+    attempt: str
+    """Launch id decided by the launching process; markers carry it so stale ones from an older try are ignored."""
+    rank: int = 0
+    world_size: int = 1
+
+
+class StageModule(Protocol):
+    CONTRACT: StageContract
+
+    def check_inputs(self, cfg: PipelineConfig, layout: RunLayout) -> None: ...
+
+    def is_done(self, cfg: PipelineConfig, layout: RunLayout) -> str | None: ...
+
+    def run(self, ctx: TaskContext) -> dict[str, object]: ...
+
+
+def relpath(path: Path, layout: RunLayout) -> str:
+    return str(path.relative_to(layout.run_dir))

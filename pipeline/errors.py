@@ -1,0 +1,37 @@
+"""Error hierarchy. Every message says what failed, where, and how to fix it."""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """Base class: the CLI prints these as one line and exits non-zero."""
+
+    exit_code = 2
+
+
+class ConfigError(PipelineError):
+    """The composed configuration is invalid (unknown key, bad value, missing experiment)."""
+
+
+class RunNotFoundError(PipelineError):
+    """A run id or a stage name does not exist."""
+
+
+class DeadlineError(PipelineError):
+    """A wait ran past its deadline, or what it waited for died first."""
+
+
+class VerificationError(PipelineError):
+    """A file's size or hash does not match its marker or manifest."""
+
+
+class UnsafePathError(PipelineError):
+    """A path read from a manifest or marker escapes the run dir."""
+
+
+class StageFailedError(PipelineError):
+    """A stage's job ended in failure; the message carries job id, state and log paths."""
+
+
+class CheckpointFormatError(PipelineError):
+    """A checkpoint is not in a format this pipeline can read safely."""

@@ -1,0 +1,135 @@
+"""Adapter for torch Distributed Checkpoint (DCP) directories, read without unpickling untrusted bytes.
+
+DCP stores its ``.metadata`` with ``pickle`` and non-tensor values with ``torch.save``; stock
+``FileSystemReader``/``DefaultLoadPlanner`` read them with full unpickling. :class:`SafeReader` reads the
+metadata with torch's weights-only unpickler (DCP's own metadata classes allow-listed) and
+:class:`SafeLoadPlanner` loads non-tensor values with ``weights_only=True``. Tensor chunks are already read
+with ``weights_only=True`` by torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pathlib
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.planner import ReadItem
+
+from pipeline.errors import CheckpointFormatError
+
+METADATA_FILE = ".metadata"
+FORMAT = "torch_dcp"
+
+_DCP_CLASSES = {
+    "Metadata",
+    "MetadataIndex",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "StorageMeta",
+    "_MEM_FORMAT_ENCODING",
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Restricted unpickler: only DCP's metadata dataclasses and a few torch/pathlib value types resolve."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.distributed.checkpoint.metadata" and name in _DCP_CLASSES:
+            return getattr(dcp_meta, name)
+        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+            return _StorageInfo
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return torch.serialization._get_layout  # maps a layout name such as "torch.strided" to the layout
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "Path"):
+            return getattr(pathlib, name)
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+
+
+def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
+    """Unpickle DCP ``.metadata`` allowing only DCP's own metadata classes (never arbitrary callables)."""
+    file = path / METADATA_FILE
+    try:
+        with open(file, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{file} is missing: {path} is not a DCP checkpoint") from None
+    except Exception as e:
+        raise CheckpointFormatError(f"refusing to read {file}: it is not plain DCP metadata ({e})") from e
+    if not isinstance(md, dcp_meta.Metadata):
+        raise CheckpointFormatError(f"{file} holds {type(md).__name__}, not DCP metadata")
+    return md
+
+
+class SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
+        md = read_metadata_safe(Path(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = dcp_meta.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class RecordingWriter(FileSystemWriter):
+    """A ``FileSystemWriter`` that remembers which files this rank wrote (for its done-marker)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path), sync_files=True, overwrite=True)
+        self.written: list[str] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fut = super().write_data(plan, planner)
+        self.written = sorted({r.storage_data.relative_path for r in fut.wait()})
+        return fut
+
+
+def load_into(state: dict[str, Any], path: Path, process_group: Any = None, no_dist: bool = False) -> None:
+    dcp.load(
+        state,
+        storage_reader=SafeReader(str(path)),
+        planner=SafeLoadPlanner(allow_partial_load=no_dist),
+        process_group=process_group,
+        no_dist=no_dist,
+    )
+
+
+def tensor_entries(md: dcp_meta.Metadata, prefix: str) -> Iterator[tuple[str, dcp_meta.TensorStorageMetadata]]:
+    """Tensors whose flattened key starts with ``prefix`` (e.g. ``model.``), in sorted key order."""
+    for key in sorted(md.state_dict_metadata):
+        item = md.state_dict_metadata[key]
+        if key.startswith(prefix) and isinstance(item, dcp_meta.TensorStorageMetadata):
+            yield key, item
+
+
+def load_full_tensor(path: Path, key: str, meta: dcp_meta.TensorStorageMetadata) -> torch.Tensor:
+    """Read one tensor, whole, from a DCP checkpoint without loading anything else."""
+    out = torch.empty(meta.size, dtype=meta.properties.dtype)
+    load_into({key: out}, path, no_dist=True)
+    return out

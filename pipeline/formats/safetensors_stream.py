@@ -1,0 +1,86 @@
+"""Write a safetensors file one tensor at a time.
+
+The header (names, dtypes, shapes, offsets) is computed up front from the tensor specs, so memory holds one
+tensor at a time, never the model. The output is the standard format: 8-byte little-endian header length,
+JSON header (space-padded to 8 bytes), then the tensors' bytes in header order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import CheckpointFormatError
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class StreamingSafetensorsWriter:
+    """``write`` tensors in the order of ``specs``; ``close`` checks that all were written and fsyncs."""
+
+    def __init__(self, path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> None:
+        self.path = path
+        self.specs = list(specs)
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = metadata
+        offset = 0
+        for s in self.specs:
+            if s.dtype not in DTYPES:
+                raise CheckpointFormatError(f"tensor {s.name}: dtype {s.dtype} has no safetensors code")
+            header[s.name] = {"dtype": DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+            offset += s.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self.specs):
+            raise CheckpointFormatError(f"{self.path}: tensor {name} was not planned")
+        spec = self.specs[self._next]
+        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise CheckpointFormatError(
+                f"{self.path}: expected {spec.name} {spec.dtype} {spec.shape}, got {name} {tensor.dtype} {tuple(tensor.shape)}"
+            )
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(flat.numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self.specs):
+            self._file.close()
+            raise CheckpointFormatError(f"{self.path}: only {self._next} of {len(self.specs)} tensors were written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()

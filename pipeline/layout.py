@@ -1,0 +1,102 @@
+"""Paths of a run directory. Pure functions of the run dir: no rank, clock or host ever enters a path."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """``outputs/<experiment>/<run_id>/`` and everything under it (see README, "Run layout")."""
+
+    run_dir: Path
+
+    @staticmethod
+    def for_run(root: str | Path, experiment: str, run_id: str) -> RunLayout:
+        return RunLayout(Path(root).resolve() / experiment / run_id)
+
+    @property
+    def run_id(self) -> str:
+        return self.run_dir.name
+
+    @property
+    def run_yaml(self) -> Path:
+        return self.run_dir / "run.yaml"
+
+    @property
+    def stages(self) -> Path:
+        return self.run_dir / "stages"
+
+    def stage_record(self, stage: str) -> Path:
+        return self.stages / f"{stage}.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def assets(self) -> Path:
+        """Tokenizer and tokenized data, written once by prepare-dirs."""
+        return self.run_dir / "assets"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def staging(self) -> Path:
+        return self.checkpoints / "staging"
+
+    def staged_step(self, step: int) -> Path:
+        return self.staging / step_name(step)
+
+    def committed_step(self, step: int) -> Path:
+        return self.checkpoints / step_name(step)
+
+    @property
+    def latest(self) -> Path:
+        return self.checkpoints / "latest"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.checkpoints / "quarantine"
+
+    @property
+    def consolidated(self) -> Path:
+        return self.run_dir / "consolidated"
+
+    def consolidated_step(self, step: int) -> Path:
+        return self.consolidated / step_name(step)
+
+    @property
+    def export(self) -> Path:
+        return self.run_dir / "export"
+
+    def export_step(self, step: int) -> Path:
+        return self.export / step_name(step)
+
+    def planned_dirs(self) -> list[Path]:
+        """Directories prepare-dirs creates before any other job starts."""
+        return [
+            self.stages,
+            self.logs,
+            self.assets,
+            self.checkpoints,
+            self.staging,
+            self.quarantine,
+            self.consolidated,
+            self.export,
+        ]

@@ -1,0 +1,60 @@
+"""Shared helpers for single-owner output stages (consolidate, export): staging, done-marker, publish.
+
+Each output directory ``<area>/step_N/`` is built in ``<area>/.staging-step_N/``, gets a done-marker JSON
+listing its files (size, xxh3-128) and its source (step + manifest hash), and is published by one rename.
+A previous output that is forced or fails verification is moved to ``<area>/.retired/``, never deleted.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.atomic import move_aside, publish_dir, read_json, remove_tree, write_json_atomic
+from pipeline.errors import PipelineError, VerificationError
+from pipeline.integrity import FileEntry, describe, verify_entries
+from pipeline.layout import RunLayout
+from pipeline.manifest import Latest, read_latest, read_manifest
+
+
+def source_step(layout: RunLayout) -> Latest:
+    """The committed step that downstream stages read: ``latest``, with its files verified."""
+    latest = read_latest(layout)
+    if latest is None:
+        raise PipelineError(f"{layout.latest} does not exist: no committed step in run {layout.run_id}; run train and verify_manifest first")
+    step_dir = layout.committed_step(latest.step)
+    verify_entries(step_dir, list(read_manifest(step_dir).files), str(step_dir / "manifest.json"))
+    return latest
+
+
+def verified_output(out_dir: Path, marker_name: str, source: dict[str, Any]) -> bool:
+    """True when ``out_dir``'s marker names ``source`` and every listed file verifies."""
+    marker = out_dir / marker_name
+    if not marker.exists():
+        return False
+    try:
+        obj = read_json(marker)
+        if obj.get("source") != source:
+            return False
+        verify_entries(out_dir, [FileEntry.from_json(f, str(marker)) for f in obj["files"]], str(marker))
+    except (VerificationError, OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def start_staging(area: Path, name: str) -> Path:
+    area.mkdir(parents=True, exist_ok=True)
+    staging = area / f".staging-{name}"
+    if staging.exists():
+        remove_tree(staging)  # leftovers of a crashed attempt of this same single-owner stage
+    staging.mkdir()
+    return staging
+
+
+def finish(staging: Path, final: Path, marker_name: str, source: dict[str, Any], files: list[str], extra: dict[str, Any]) -> None:
+    entries = [describe(staging, f).to_json() for f in files]
+    write_json_atomic(staging / marker_name, {"source": source, "files": entries, **extra})
+    if final.exists():
+        move_aside(final, final.parent / ".retired", f"{final.name}.{int(time.time())}")
+    publish_dir(staging, final)

@@ -1,0 +1,58 @@
+"""Stage records: ``stages/<stage>.json`` says what ran, when, where, and how it ended.
+
+Owner: task 0 of the stage's job (the only task that writes it), through :mod:`pipeline.runner`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from pipeline.atomic import read_json, write_json_atomic
+from pipeline.layout import RunLayout
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def read_record(layout: RunLayout, stage: str) -> dict[str, Any] | None:
+    path = layout.stage_record(stage)
+    if not path.exists():
+        return None
+    rec = read_json(path)
+    return rec if isinstance(rec, dict) else None
+
+
+def write_record(layout: RunLayout, stage: str, **fields: Any) -> dict[str, Any]:
+    rec = read_record(layout, stage) or {}
+    if fields.get("status") == "running":
+        rec = {}  # a new attempt starts a fresh record
+    rec.update(fields)
+    rec.setdefault("stage", stage)
+    rec.setdefault("host", socket.gethostname())
+    rec.setdefault("pid", os.getpid())
+    write_json_atomic(layout.stage_record(stage), rec)
+    return rec
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stage_alive(layout: RunLayout, stage: str) -> bool:
+    """Liveness for waits on a stage's output: its record says running, and its process still exists."""
+    rec = read_record(layout, stage)
+    if rec is None or rec.get("status") != "running":
+        return False
+    if rec.get("host") == socket.gethostname():
+        return _pid_alive(int(rec.get("pid", 0)))
+    return True  # another host: trust the record (the launcher's job state is the authority there)

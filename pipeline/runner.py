@@ -1,0 +1,94 @@
+"""The runner: fixes the run once, walks the stage DAG, skips stages whose outputs verify, launches the rest."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+from pipeline.config import STAGE_ALL, PipelineConfig
+from pipeline.contract import StageContract
+from pipeline.errors import ConfigError, RunNotFoundError
+from pipeline.layout import RunLayout
+from pipeline.manifest import read_latest
+from pipeline.stages import ORDER, STAGES
+
+
+@dataclass(frozen=True)
+class StageJob:
+    """One stage launch: everything a launcher needs, decided before the job starts."""
+
+    stage: str
+    contract: StageContract
+    cfg: PipelineConfig
+    layout: RunLayout
+    attempt: str
+
+
+class Launcher:
+    """Interface: run one stage job to completion (with a deadline) or raise :class:`StageFailedError`."""
+
+    def run_stage(self, job: StageJob) -> None:
+        raise NotImplementedError
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def plan(cfg: PipelineConfig) -> list[str]:
+    if cfg.stage == STAGE_ALL:
+        if cfg.force:
+            raise ConfigError("force=true redoes one stage: add stage=<name> (one of " + ", ".join(ORDER) + ")")
+        return list(ORDER)
+    if cfg.stage == "shard_save":
+        raise ConfigError("shard_save runs inside train on every rank: rerun stage=train instead")
+    if cfg.stage not in STAGES:
+        raise RunNotFoundError(f"unknown stage {cfg.stage!r}: choose one of {', '.join(ORDER)} or all")
+    return [cfg.stage]
+
+
+def resolve_layout(cfg: PipelineConfig) -> RunLayout:
+    if cfg.stage != STAGE_ALL and not cfg.run.id:
+        raise ConfigError(f"stage={cfg.stage} reruns one stage of an existing run: add run.id=<id>")
+    layout = RunLayout.for_run(cfg.run.root, cfg.experiment, cfg.run.id or new_run_id())
+    if cfg.stage not in (STAGE_ALL, "prepare_dirs") and not layout.run_yaml.exists():
+        raise RunNotFoundError(f"unknown run id {layout.run_id!r}: {layout.run_yaml} does not exist")
+    return layout
+
+
+def run(cfg: PipelineConfig, launcher: Launcher, say: Callable[[str], None] = print) -> RunLayout:
+    stages = plan(cfg)
+    layout = resolve_layout(cfg)
+    if cfg.run.id is None:
+        cfg.run.id = layout.run_id  # decided once, here; every job receives it
+    say(f"run {layout.run_id}: {layout.run_dir}")
+    layout.logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(layout.logs, 0o700)
+    for name in stages:
+        module = STAGES[name]
+        done = None if (cfg.force or (name == "prepare_dirs" and cfg.run.overwrite)) else module.is_done(cfg, layout)
+        if done:
+            say(f"skip {name}: {done}")
+            continue
+        say(f"run  {name} ({module.CONTRACT.num_tasks(cfg)} task(s))")
+        t0 = time.monotonic()
+        launcher.run_stage(StageJob(name, module.CONTRACT, cfg, layout, f"{name}-{uuid.uuid4().hex[:10]}"))
+        say(f"done {name} in {time.monotonic() - t0:.1f}s")
+    summarize(layout, say)
+    return layout
+
+
+def summarize(layout: RunLayout, say: Callable[[str], None]) -> None:
+    latest = read_latest(layout) if layout.latest.exists() else None
+    if latest is None:
+        say("no committed step yet")
+        return
+    step_dir = layout.committed_step(latest.step)
+    say(f"manifest: {step_dir / 'manifest.json'}")
+    say(f"latest:   {layout.latest} -> step {latest.step}")
+    if layout.export_step(latest.step).exists():
+        say(f"export:   {layout.export_step(latest.step)}")

@@ -1,0 +1,68 @@
+"""consolidate: committed DCP step -> full-tensor safetensors, streamed tensor by tensor.
+
+Inputs: the step named by ``checkpoints/latest``, its files verified against ``manifest.json``; DCP metadata
+read with a restricted unpickler (no arbitrary code).
+Outputs: ``consolidated/step_N/model.safetensors`` (model weights only, HF parameter names) and
+``consolidated.json`` (done-marker: source step + manifest hash, file sizes and hashes).
+Owner: this single task. Memory: one full tensor (plus its DCP chunks) at a time, never the model.
+"""
+
+from __future__ import annotations
+
+from pipeline.config import PipelineConfig
+from pipeline.contract import Resources, StageContract, TaskContext
+from pipeline.errors import PipelineError, VerificationError
+from pipeline.formats.dcp import load_full_tensor, read_metadata_safe, tensor_entries
+from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from pipeline.layout import RunLayout, step_name
+from pipeline.manifest import read_latest
+from pipeline.outputs import finish, source_step, start_staging, verified_output
+
+CONTRACT = StageContract(
+    name="consolidate",
+    needs=("verify_manifest",),
+    reads="checkpoints/step_N/ (DCP) named by latest",
+    produces="consolidated/step_N/model.safetensors",
+    marker="consolidated/step_N/consolidated.json",
+    resources=Resources(cpus_per_task=1, mem_gb=4, timeout_min=60),
+)
+
+MARKER = "consolidated.json"
+WEIGHTS = "model.safetensors"
+MODEL_PREFIX = "model."
+
+
+def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
+    source_step(layout)
+
+
+def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
+    try:
+        latest = read_latest(layout)
+    except (VerificationError, OSError, ValueError):
+        return None
+    if latest is None:
+        return None
+    out = layout.consolidated_step(latest.step)
+    if verified_output(out, MARKER, {"step": latest.step, "manifest_hash": latest.manifest_hash}):
+        return f"{out} verifies against step {latest.step}'s manifest"
+    return None
+
+
+def run(ctx: TaskContext) -> dict[str, object]:
+    layout = ctx.layout
+    latest = source_step(layout)
+    step_dir = layout.committed_step(latest.step)
+    md = read_metadata_safe(step_dir)
+    entries = list(tensor_entries(md, MODEL_PREFIX))
+    if not entries:
+        raise PipelineError(f"{step_dir} holds no tensors under '{MODEL_PREFIX}': not a training checkpoint of this pipeline")
+    specs = [TensorSpec(key[len(MODEL_PREFIX) :], meta.properties.dtype, tuple(meta.size)) for key, meta in entries]
+    staging = start_staging(layout.consolidated, step_name(latest.step))
+    source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
+    writer = StreamingSafetensorsWriter(staging / WEIGHTS, specs, metadata={"format": "pt"})
+    for spec, (key, meta) in zip(specs, entries, strict=True):
+        writer.write(spec.name, load_full_tensor(step_dir, key, meta))
+    writer.close()
+    finish(staging, layout.consolidated_step(latest.step), MARKER, source, [WEIGHTS], {"tensors": len(specs)})
+    return {"step": latest.step, "tensors": len(specs), "out": str(layout.consolidated_step(latest.step))}

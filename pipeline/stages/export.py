@@ -1,0 +1,119 @@
+"""export: consolidated step -> Hugging Face layout that ``from_pretrained`` loads offline.
+
+Inputs: ``consolidated/step_N/`` (verified against its marker, which must name latest's manifest hash),
+``assets/tokenizer``, the model config.
+Outputs: ``export/step_N/``: ``model-0000i-of-0000n.safetensors`` shards no larger than
+``export.max_shard_size`` (a tensor larger than that gets a shard of its own), ``model.safetensors.index.json``,
+``config.json``, ``generation_config.json``, tokenizer files, and ``provenance.json`` (done-marker: source
+step, manifest hash, consolidated file hash, export settings, every file's size and hash).
+Owner: this single task. Memory: one tensor at a time (read through safetensors' mmap).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pipeline.atomic import read_json, write_json_atomic
+from pipeline.config import ExportConfig, PipelineConfig, parse_size
+from pipeline.contract import Resources, StageContract, TaskContext
+from pipeline.data import load_tokenizer
+from pipeline.errors import PipelineError, VerificationError
+from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from pipeline.layout import RunLayout, step_name
+from pipeline.lm import llama_config
+from pipeline.manifest import read_latest
+from pipeline.outputs import finish, start_staging, verified_output
+from pipeline.stages import consolidate
+
+CONTRACT = StageContract(
+    name="export",
+    needs=("consolidate",),
+    reads="consolidated/step_N/, assets/tokenizer",
+    produces="export/step_N/ (HF layout: sharded safetensors + index, config.json, tokenizer, provenance.json)",
+    marker="export/step_N/provenance.json",
+    resources=Resources(cpus_per_task=1, mem_gb=4, timeout_min=60),
+)
+
+MARKER = "provenance.json"
+INDEX = "model.safetensors.index.json"
+
+
+def _source(cfg: PipelineConfig, layout: RunLayout) -> dict[str, object]:
+    latest = read_latest(layout)
+    if latest is None:
+        raise PipelineError(f"{layout.latest} does not exist: nothing is committed in run {layout.run_id}")
+    src_dir = layout.consolidated_step(latest.step)
+    want = {"step": latest.step, "manifest_hash": latest.manifest_hash}
+    if not verified_output(src_dir, consolidate.MARKER, want):
+        raise PipelineError(f"{src_dir} is missing or does not verify against step {latest.step}: run stage=consolidate first")
+    marker = read_json(src_dir / consolidate.MARKER)
+    weights_hash = next(f["hash"] for f in marker["files"] if f["path"] == consolidate.WEIGHTS)
+    return {**want, "consolidated_hash": weights_hash, "max_shard_size": cfg.export.max_shard_size, "dtype": cfg.export.dtype}
+
+
+def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
+    _source(cfg, layout)
+
+
+def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
+    try:
+        source = _source(cfg, layout)
+    except (PipelineError, VerificationError, OSError, ValueError):
+        return None
+    out = layout.export_step(int(str(source["step"])))
+    return f"{out} verifies against its source" if verified_output(out, MARKER, source) else None
+
+
+def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy, in name order: start a new shard when the next tensor would push this one past ``max_bytes``."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
+def _write_weights(src: Path, staging: Path, export: ExportConfig) -> list[str]:
+    dtype = getattr(torch, export.dtype)
+    with safe_open(str(src), framework="pt") as f:
+        names = sorted(f.keys())
+        specs = [TensorSpec(n, dtype, tuple(f.get_slice(n).get_shape())) for n in names]
+        shards = plan_shards(specs, parse_size(export.max_shard_size))
+        weight_map: dict[str, str] = {}
+        files: list[str] = []
+        for i, shard in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            writer = StreamingSafetensorsWriter(staging / fname, shard, metadata={"format": "pt"})
+            for spec in shard:
+                writer.write(spec.name, f.get_tensor(spec.name).to(dtype))
+                weight_map[spec.name] = fname
+            writer.close()
+            files.append(fname)
+    total = sum(s.nbytes for s in specs)
+    write_json_atomic(staging / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return files + [INDEX]
+
+
+def run(ctx: TaskContext) -> dict[str, object]:
+    cfg, layout = ctx.cfg, ctx.layout
+    source = _source(cfg, layout)
+    step = int(str(source["step"]))
+    staging = start_staging(layout.export, step_name(step))
+    files = _write_weights(layout.consolidated_step(step) / consolidate.WEIGHTS, staging, cfg.export)
+    tokenizer = load_tokenizer(layout.assets)
+    hf_config = llama_config(cfg.model, tokenizer)
+    hf_config.torch_dtype = cfg.export.dtype
+    hf_config.save_pretrained(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    files = sorted({*files, *(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())})
+    extra = {"run_id": layout.run_id, "source_dir": f"checkpoints/{step_name(step)}", "format": "huggingface"}
+    finish(staging, layout.export_step(step), MARKER, source, files, extra)
+    return {"step": step, "out": str(layout.export_step(step)), "files": len(files), "source": json.dumps(source)}

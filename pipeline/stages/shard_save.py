@@ -1,0 +1,68 @@
+"""shard-save: every rank, called inside train at checkpoint steps.
+
+Inputs: the live training state (model, optimizer, LR scheduler, step, data position, per-rank RNG).
+Outputs: ``checkpoints/staging/step_N/`` in DCP format; rank K writes only its own ``__K_*.distcp`` files
+(rank 0 also DCP's ``.metadata``, as DCP's coordinator), then ``rank_K.done.json`` listing them with sizes
+and xxh3-128 hashes, written last and atomically.
+Owner: each rank owns its own files and marker; nothing shared is renamed or deleted here.
+Done-marker: ``rank_<K>.done.json``. A failed save is logged loudly and never becomes a committed step;
+``checkpoint.fail_on_save_error=true`` makes it stop training instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+
+from pipeline.atomic import clear_file
+from pipeline.contract import StageContract, TaskContext
+from pipeline.faults import inject
+from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
+from pipeline.integrity import describe
+from pipeline.manifest import Marker, marker_path, write_marker
+
+CONTRACT = StageContract(
+    name="shard_save",
+    needs=(),
+    reads="live training state (inside train)",
+    produces="checkpoints/staging/step_N/: rank-private DCP files + rank_K.done.json",
+    marker="rank_<K>.done.json",
+    distributed=True,
+)
+
+log = logging.getLogger(__name__)
+
+
+def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any) -> bool:
+    """Save ``state`` for ``step``; return True when this rank's marker is written."""
+    staged = ctx.layout.staged_step(step)
+    staged.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
+    clear_file(marker_path(staged, ctx.rank))  # our own stale marker from an older attempt, if any
+    t0 = time.monotonic()
+    try:
+        writer = RecordingWriter(staged)
+        dcp.save(state, storage_writer=writer, process_group=process_group)
+        own = list(writer.written) + ([METADATA_FILE] if ctx.rank == 0 else [])
+        inject("shard_save.before_marker", rank=ctx.rank, step=step)
+        entries = tuple(describe(staged, rel) for rel in own)
+        write_marker(
+            staged,
+            Marker(step=step, rank=ctx.rank, world_size=ctx.world_size, format=FORMAT, attempt=ctx.attempt, files=entries),
+        )
+    except Exception as e:
+        log.error(
+            "SHARD SAVE FAILED: rank %d step %d into %s: %s — this step will not be committed%s",
+            ctx.rank,
+            step,
+            staged,
+            e,
+            "" if ctx.cfg.checkpoint.fail_on_save_error else "; training continues (checkpoint.fail_on_save_error=false)",
+        )
+        if ctx.cfg.checkpoint.fail_on_save_error:
+            raise
+        return False
+    log.info("rank %d saved step %d (%d files) in %.2fs", ctx.rank, step, len(own), time.monotonic() - t0)
+    return True

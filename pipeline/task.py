@@ -1,0 +1,58 @@
+"""What runs inside one task of a stage job: re-check inputs, run the stage, record how it ended.
+
+Task 0 owns the stage record (``stages/<stage>.json``); other tasks only run the stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import PipelineConfig
+from pipeline.contract import TaskContext
+from pipeline.layout import RunLayout
+from pipeline.records import now_iso, write_record
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def execute_task(
+    stage: str, cfg: PipelineConfig, run_dir: str, attempt: str, rank: int = 0, world_size: int = 1, job_id: str = "inprocess"
+) -> dict[str, object]:
+    from pipeline.stages import STAGES  # noqa: PLC0415 - keeps submitit's pickled entry point light to import
+
+    setup_logging(rank)
+    layout = RunLayout(Path(run_dir))
+    module = STAGES[stage]
+    ctx = TaskContext(cfg=cfg, layout=layout, attempt=attempt, rank=rank, world_size=world_size)
+    started = now_iso()
+    t0 = time.monotonic()
+    common = {"attempt": attempt, "job_id": job_id, "started": started, "world_size": world_size, "pid": os.getpid()}
+    if rank == 0 and layout.stages.is_dir():
+        write_record(layout, stage, status="running", **common)
+    try:
+        if stage != "prepare_dirs":
+            module.check_inputs(cfg, layout)  # a scheduler's dependency is not proof that the inputs exist
+        summary = module.run(ctx)
+    except BaseException as e:
+        if rank == 0 and layout.stages.is_dir():
+            write_record(
+                layout, stage, status="failed", ended=now_iso(), seconds=round(time.monotonic() - t0, 3),
+                error=f"{type(e).__name__}: {e}", **common,
+            )
+        raise
+    if rank == 0:
+        write_record(
+            layout, stage, status="succeeded", ended=now_iso(), seconds=round(time.monotonic() - t0, 3), summary=summary, **common
+        )
+    return summary
