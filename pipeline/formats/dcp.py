@@ -13,6 +13,7 @@ import collections
 import io
 import pathlib
 import pickle
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,12 @@ class RecordingWriter(FileSystemWriter):
 
 
 def load_into(state: dict[str, Any], path: Path, process_group: Any = None, no_dist: bool = False) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _load(state, path, process_group, no_dist)
+
+
+def _load(state: dict[str, Any], path: Path, process_group: Any, no_dist: bool) -> None:
     dcp.load(
         state,
         storage_reader=SafeReader(str(path)),

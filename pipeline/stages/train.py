@@ -164,6 +164,11 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
             log.info("step %d loss %.4f", step, losses[step])
         if is_save_step(cfg, step):
             ok = shard_save.save(ctx, step, _state(model, opt, sched, stream, step, rank), ckpt_pg)
-            (saved if ok else failed).append(step)
+            outcomes: list[object] = [None] * world
+            dist.all_gather_object(outcomes, ok, group=ckpt_pg)  # so task 0's record tells of every rank's failure
+            bad = [r for r, o in enumerate(outcomes) if not o]
+            if bad and rank == 0:
+                log.error("step %d was not saved by rank(s) %s; it will not be committed", step, bad)
+            (failed if bad else saved).append(step)
     dist.barrier()
     return {"resumed_from": resume, "last_step": last, "saved": saved, "failed_saves": failed, "losses": losses}

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.compose import load_config
+from pipeline.config import PipelineConfig
+from pipeline.layout import RunLayout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m pipeline`` as a user would, in a subprocess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of every path under ``root``: equal snapshots mean nothing was written."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        out[str(p.relative_to(root))] = (st.st_size if p.is_file() else 0, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path: Path) -> PipelineConfig:
+    return load_config(["+experiment=tiny", f"run.root={tmp_path}", "run.id=r1", "checkpoint.marker_deadline_s=2"])
+
+
+@pytest.fixture
+def layout(tiny_cfg: PipelineConfig) -> RunLayout:
+    return RunLayout.for_run(tiny_cfg.run.root, tiny_cfg.experiment, "r1")

@@ -1,0 +1,66 @@
+"""Config composition and the CLI's handling of bad input (run as subprocesses, like a user)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.compose import experiments, load_config
+from pipeline.config import PipelineConfig
+from pipeline.errors import ConfigError
+from tests.conftest import run_cli
+
+
+@pytest.mark.parametrize("name", experiments())
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("launcher", ["local", "inprocess", "slurm"])
+def test_every_experiment_composes(name: str, strategy: str, launcher: str) -> None:
+    cfg = load_config([f"+experiment={name}", f"strategy={strategy}", f"launcher={launcher}"])
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.strategy.name == strategy
+    assert cfg.launcher.kind == launcher
+
+
+def test_missing_experiment_says_what_to_do() -> None:
+    with pytest.raises(ConfigError, match=r"\+experiment=<name>.*tiny"):
+        load_config([])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stpes=3", "train.stpes"),
+        ("+train.stpes=3", "unknown config key 'train.stpes'"),
+        ("train.steps=abc", "train.steps"),
+        ("strategy.name=zero9", "strategy.name='zero9'"),
+        ("export.max_shard_size=lots", "size 'lots'"),
+        ("run.id=../escape", "not a valid run id"),
+    ],
+)
+def test_bad_values_fail_before_anything_runs(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("+", r"\+").replace(".", r"\.")):
+        load_config(["+experiment=tiny", override])
+
+
+def test_cli_errors_are_one_line_and_nonzero(tmp_path) -> None:
+    cases = [
+        [],
+        ["+experiment=tiny", "train.stpes=3"],
+        ["+experiment=tiny", f"run.root={tmp_path}", "run.id=nope", "stage=consolidate"],
+        ["+experiment=tiny", f"run.root={tmp_path}", "run.id=nope", "stage=bogus"],
+        ["+experiment=tiny", f"run.root={tmp_path}", "force=true"],
+    ]
+    for args in cases:
+        proc = run_cli(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, proc.stderr)
+    assert not any(tmp_path.iterdir()), "a rejected command must not create anything"
+
+
+def test_dry_run_prints_plan_and_writes_nothing(tmp_path) -> None:
+    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "dry_run=true")
+    assert proc.returncode == 0, proc.stderr
+    for job in ("prepare-dirs", "train", "verify-manifest", "consolidate", "export"):
+        assert job in proc.stdout
+    assert "tasks=2" in proc.stdout
+    assert not any(tmp_path.iterdir())

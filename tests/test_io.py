@@ -1,0 +1,125 @@
+"""Atomic publishing, safe paths, streaming safetensors, and the restricted DCP metadata reader."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from pipeline.atomic import publish_dir, write_json_atomic
+from pipeline.errors import CheckpointFormatError, PipelineError, UnsafePathError, VerificationError
+from pipeline.formats.dcp import load_full_tensor, load_into, read_metadata_safe, tensor_entries
+from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from pipeline.integrity import describe, safe_join, verify_entries
+from pipeline.stages.export import plan_shards
+
+
+def test_atomic_json_leaves_no_temp_files(tmp_path: Path) -> None:
+    target = tmp_path / "x.json"
+    write_json_atomic(target, {"a": 1})
+    write_json_atomic(target, {"a": 2})
+    assert target.read_text().strip().endswith("}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def test_publish_dir_never_overwrites(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "f").write_text("1")
+    (tmp_path / "b").mkdir()
+    with pytest.raises(PipelineError, match="already exists"):
+        publish_dir(tmp_path / "a", tmp_path / "b")
+    publish_dir(tmp_path / "a", tmp_path / "c")
+    assert (tmp_path / "c" / "f").read_text() == "1" and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("rel", ["../x", "/etc/passwd", "a/../../x", "", "a//b", "./a"])
+def test_manifest_paths_cannot_escape(tmp_path: Path, rel: str) -> None:
+    with pytest.raises(UnsafePathError):
+        safe_join(tmp_path, rel)
+
+
+def test_symlink_out_of_run_dir_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.write_text("secret")
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(outside, run / "link")
+    with pytest.raises(UnsafePathError, match="outside"):
+        safe_join(run, "link")
+
+
+def test_verify_entries_names_the_bad_file(tmp_path: Path) -> None:
+    (tmp_path / "w.bin").write_bytes(b"abcdef")
+    entry = describe(tmp_path, "w.bin")
+    verify_entries(tmp_path, [entry], "marker")
+    (tmp_path / "w.bin").write_bytes(b"abcdeX")
+    with pytest.raises(VerificationError, match=r"w\.bin.*xxh3"):
+        verify_entries(tmp_path, [entry], "marker")
+    (tmp_path / "w.bin").write_bytes(b"abc")
+    with pytest.raises(VerificationError, match=r"w\.bin: size 3 != 6"):
+        verify_entries(tmp_path, [entry], "marker")
+
+
+def test_streaming_safetensors_matches_reference(tmp_path: Path) -> None:
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(2, 2).to(torch.bfloat16),
+        "d": torch.tensor(3.5),
+    }
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    writer = StreamingSafetensorsWriter(tmp_path / "m.safetensors", specs, metadata={"format": "pt"})
+    for n, t in tensors.items():
+        writer.write(n, t)
+    writer.close()
+    loaded = load_file(str(tmp_path / "m.safetensors"))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_streaming_writer_rejects_unplanned_tensor(tmp_path: Path) -> None:
+    writer = StreamingSafetensorsWriter(tmp_path / "m.safetensors", [TensorSpec("a", torch.float32, (2,))])
+    with pytest.raises(CheckpointFormatError, match="expected a"):
+        writer.write("a", torch.zeros(3))
+    with pytest.raises(CheckpointFormatError, match="only 0 of 1"):
+        writer.close()
+
+
+def test_plan_shards_respects_max_size() -> None:
+    specs = [TensorSpec(f"t{i}", torch.float32, (n,)) for i, n in enumerate([10, 10, 30, 5, 100])]
+    shards = plan_shards(specs, max_bytes=100)  # 40, 40, 120, 20, 400 bytes
+    assert [[s.name for s in sh] for sh in shards] == [["t0", "t1"], ["t2"], ["t3"], ["t4"]]
+
+
+def _tiny_dcp(path: Path) -> dict[str, torch.Tensor]:
+    model = {"w": torch.randn(4, 3), "b": torch.arange(4, dtype=torch.int64)}
+    dcp.save({"model": model, "sched": {"last_epoch": 3, "base_lrs": [0.1]}}, checkpoint_id=str(path), no_dist=True)
+    return model
+
+
+def test_dcp_metadata_is_read_without_arbitrary_unpickling(tmp_path: Path) -> None:
+    model = _tiny_dcp(tmp_path)
+    md = read_metadata_safe(tmp_path)
+    got = {k: load_full_tensor(tmp_path, k, m) for k, m in tensor_entries(md, "model.")}
+    assert set(got) == {"model.w", "model.b"}
+    assert torch.equal(got["model.w"], model["w"]) and torch.equal(got["model.b"], model["b"])
+    state = {"sched": {"last_epoch": 0, "base_lrs": [0.0]}}
+    load_into(state, tmp_path, no_dist=True)
+    assert state["sched"] == {"last_epoch": 3, "base_lrs": [0.1]}
+
+
+class _Evil:
+    def __reduce__(self):  # runs os.system on plain pickle.load
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_dcp_metadata_is_refused(tmp_path: Path) -> None:
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointFormatError, match=r"posix\.system|os\.system|not allowed"):
+        read_metadata_safe(tmp_path)
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()

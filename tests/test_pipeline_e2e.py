@@ -1,0 +1,148 @@
+"""The whole pipeline through its CLI, with real processes (submitit local executor, gloo, DCP)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.atomic import read_json
+from pipeline.compose import load_config
+from pipeline.data import load_tokenizer
+from pipeline.formats.dcp import load_into
+from pipeline.integrity import hash_file
+from pipeline.layout import RunLayout
+from pipeline.lm import build_model
+from pipeline.manifest import read_latest, read_manifest
+from tests.conftest import run_cli, snapshot
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def _run(tmp_path: Path, run_id: str, *extra: str, env: dict[str, str] | None = None) -> str:
+    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", f"run.id={run_id}", *extra, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _layout(tmp_path: Path, run_id: str) -> RunLayout:
+    return RunLayout.for_run(tmp_path, "tiny", run_id)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("ddp")
+    out = _run(root, "ddp")
+    return root, out
+
+
+def test_run_prints_where_results_are(ddp_run: tuple[Path, str]) -> None:
+    root, out = ddp_run
+    layout = _layout(root, "ddp")
+    assert f"manifest: {layout.committed_step(8) / 'manifest.json'}" in out
+    assert "latest:" in out and "-> step 8" in out
+    assert f"export:   {layout.export_step(8)}" in out
+
+
+def test_manifest_matches_files_and_latest_is_committed(ddp_run: tuple[Path, str]) -> None:
+    layout = _layout(ddp_run[0], "ddp")
+    latest = read_latest(layout)
+    assert latest is not None and latest.step == 8
+    for step in (4, 8):
+        step_dir = layout.committed_step(step)
+        manifest = read_manifest(step_dir)
+        assert manifest.world_size == 2 and manifest.step == step
+        assert {f.path for f in manifest.files} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+        for f in manifest.files:
+            assert (step_dir / f.path).stat().st_size == f.size
+            assert hash_file(step_dir / f.path) == f.hash
+    assert hash_file(layout.committed_step(8) / "manifest.json") == latest.manifest_hash
+    assert not any(layout.staging.iterdir()), "committed steps leave staging"
+    records = {p.stem: read_json(p) for p in layout.stages.glob("*.json")}
+    assert {k: r["status"] for k, r in records.items()} == dict.fromkeys(
+        ["prepare_dirs", "train", "verify_manifest", "consolidate", "export"], "succeeded"
+    )
+    assert records["train"]["world_size"] == 2 and records["train"]["summary"]["saved"] == [4, 8]
+
+
+def test_export_loads_in_transformers_with_identical_logits(ddp_run: tuple[Path, str]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    layout = _layout(ddp_run[0], "ddp")
+    export_dir = layout.export_step(8)
+    index = read_json(export_dir / "model.safetensors.index.json")
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1, "tiny export uses max_shard_size=200KB and must be sharded"
+    provenance = read_json(export_dir / "provenance.json")
+    assert provenance["source"]["step"] == 8
+    assert provenance["source"]["manifest_hash"] == read_latest(layout).manifest_hash  # type: ignore[union-attr]
+
+    model = AutoModelForCausalLM.from_pretrained(str(export_dir), local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(export_dir), local_files_only=True)
+    ids = tokenizer("the robot reads the old book at night .", return_tensors="pt").input_ids
+
+    cfg = load_config(["+experiment=tiny"])
+    reference = build_model(cfg.model, load_tokenizer(layout.assets)).eval()
+    state = {"model": reference.state_dict()}
+    load_into(state, layout.committed_step(8), no_dist=True)
+    reference.load_state_dict(state["model"])
+    untrained = build_model(cfg.model, load_tokenizer(layout.assets)).eval()
+    with torch.no_grad():
+        got, want, before = model(ids).logits, reference(ids).logits, untrained(ids).logits
+    assert torch.equal(got, want)
+    assert not torch.equal(got, before), "the export must hold trained weights"
+
+
+def test_rerun_writes_nothing(ddp_run: tuple[Path, str]) -> None:
+    root, _ = ddp_run
+    layout = _layout(root, "ddp")
+    before = snapshot(layout.run_dir)
+    out = _run(root, "ddp")
+    for stage in ("prepare_dirs", "train", "verify_manifest", "consolidate", "export"):
+        assert f"skip {stage}:" in out
+    out = _run(root, "ddp", "stage=consolidate")
+    assert "skip consolidate:" in out
+    assert snapshot(layout.run_dir) == before
+
+
+def test_force_redoes_one_stage_and_keeps_the_old_output(ddp_run: tuple[Path, str]) -> None:
+    root, _ = ddp_run
+    layout = _layout(root, "ddp")
+    old = load_file(str(layout.consolidated_step(8) / "model.safetensors"))
+    out = _run(root, "ddp", "stage=consolidate", "force=true", "launcher=inprocess")
+    assert "run  consolidate" in out
+    new = load_file(str(layout.consolidated_step(8) / "model.safetensors"))
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
+    assert len(list((layout.consolidated / ".retired").iterdir())) == 1
+
+
+def test_failed_shard_save_does_not_stop_training_and_is_never_committed(tmp_path: Path) -> None:
+    fault = {"PIPELINE_FAULTS": "shard_save.before_marker@rank=1@step=4"}
+    _run(tmp_path, "f", "stage=prepare_dirs")
+    _run(tmp_path, "f", "stage=train", env=fault)
+    layout = _layout(tmp_path, "f")
+    rec = read_json(layout.stage_record("train"))
+    assert rec["status"] == "succeeded" and rec["summary"]["failed_saves"] == [4]
+    _run(tmp_path, "f", "stage=verify_manifest", "checkpoint.marker_deadline_s=1")
+    assert read_latest(layout).step == 8  # type: ignore[union-attr]
+    assert not layout.committed_step(4).exists(), "a step with a missing marker must never be committed"
+
+
+def test_interrupted_fsdp2_run_resumes_bit_identical(tmp_path: Path) -> None:
+    _run(tmp_path, "full", "strategy=fsdp2")
+    out = _run(tmp_path, "split", "strategy=fsdp2", "train.stop_after_step=4")
+    assert "-> step 4" in out
+    split = _layout(tmp_path, "split")
+    assert read_json(split.stage_record("train"))["summary"]["last_step"] == 4
+    _run(tmp_path, "split", "strategy=fsdp2")
+    rec = read_json(split.stage_record("train"))
+    assert rec["summary"]["resumed_from"] == 4
+    full = load_file(str(_layout(tmp_path, "full").consolidated_step(8) / "model.safetensors"))
+    resumed = load_file(str(split.consolidated_step(8) / "model.safetensors"))
+    assert full.keys() == resumed.keys()
+    mismatched = [k for k in full if not torch.equal(full[k], resumed[k])]
+    assert not mismatched, f"resumed run differs in {mismatched}"
+    full_losses = read_json(_layout(tmp_path, "full").stage_record("train"))["summary"]["losses"]
+    assert rec["summary"]["losses"] == {k: v for k, v in full_losses.items() if int(k) > 4}
