@@ -10,5 +10,8 @@ from pipeline.task import execute_task
 class InProcessLauncher(Launcher):
     def run_stage(self, job: StageJob) -> None:
         if job.contract.num_tasks(job.cfg) != 1:
-            raise ConfigError(f"launcher=inprocess cannot run {job.stage} ({job.contract.num_tasks(job.cfg)} tasks): use launcher=local")
+            raise ConfigError(
+                f"launcher=inprocess cannot run {job.stage} ({job.contract.num_tasks(job.cfg)} tasks): "
+                "use launcher=local"
+            )
         execute_task(job.stage, job.cfg, str(job.layout.run_dir), job.attempt)

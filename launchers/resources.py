@@ -9,7 +9,9 @@ from pipeline.config import LauncherConfig, SlurmLauncherConfig
 from pipeline.contract import StageContract
 
 
-def submitit_parameters(contract: StageContract, num_tasks: int, launcher: LauncherConfig, run_id: str) -> dict[str, Any]:
+def submitit_parameters(
+    contract: StageContract, num_tasks: int, launcher: LauncherConfig, run_id: str
+) -> dict[str, Any]:
     """Generic submitit (``AutoExecutor``) parameters, plus ``slurm_*`` ones for the SLURM launcher."""
     res = contract.resources
     params: dict[str, Any] = {

@@ -23,7 +23,9 @@ def task_entry(stage: str, cfg: PipelineConfig, run_dir: str, attempt: str) -> d
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         if isinstance(cfg.launcher, LocalLauncherConfig):
             os.environ["MASTER_ADDR"] = cfg.launcher.master_addr  # a literal IP: no hostname lookup at rendezvous
-    return execute_task(stage, cfg, run_dir, attempt, rank=env.global_rank, world_size=env.num_tasks, job_id=str(env.job_id))
+    return execute_task(
+        stage, cfg, run_dir, attempt, rank=env.global_rank, world_size=env.num_tasks, job_id=str(env.job_id)
+    )
 
 
 def _tail(path: Path | None, lines: int = 15) -> str:
@@ -53,7 +55,8 @@ class SubmititLauncher(Launcher):
             if time.monotonic() > deadline:
                 sjob.cancel(check=False)
                 raise StageFailedError(
-                    f"stage {job.stage} (job {sjob.job_id}) ran past launcher.job_deadline_s={self.cfg.job_deadline_s:g}s "
+                    f"stage {job.stage} (job {sjob.job_id}) ran past "
+                    f"launcher.job_deadline_s={self.cfg.job_deadline_s:g}s "
                     f"and was cancelled; logs: {sjob.paths.folder}"
                 )
             time.sleep(self.cfg.poll_interval_s)

@@ -39,8 +39,8 @@ def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
     """Hydra's ``+key=`` adds keys even to structured nodes; a typo must fail instead of being ignored."""
     schema = OmegaConf.get_type(node)
     known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
-    for key in node.keys():
-        full = f"{prefix}{key}"
+    for key in node:
+        full = f"{prefix}{key!s}"
         if known is not None and key not in known:
             raise ConfigError(f"unknown config key {full!r}: valid keys here are {', '.join(sorted(known))}")
         if not OmegaConf.is_missing(node, str(key)):

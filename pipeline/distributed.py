@@ -18,7 +18,9 @@ _ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 def init_distributed(strategy: StrategyConfig) -> torch.device:
     missing = [k for k in _ENV if k not in os.environ]
     if missing:
-        raise PipelineError(f"cannot join the process group: {', '.join(missing)} not set (launch through the pipeline's launcher)")
+        raise PipelineError(
+            f"cannot join the process group: {', '.join(missing)} not set (launch through the pipeline's launcher)"
+        )
     dist.init_process_group(strategy.backend, timeout=timedelta(seconds=strategy.pg_timeout_s))
     if strategy.backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

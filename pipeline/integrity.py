@@ -60,7 +60,9 @@ def safe_join(root: Path, rel: str) -> Path:
     """
     pure = PurePosixPath(rel)
     if not rel or pure.is_absolute() or ".." in pure.parts or rel != str(pure) or "\\" in rel:
-        raise UnsafePathError(f"unsafe path {rel!r} under {root}: paths in markers and manifests must be relative and normalised")
+        raise UnsafePathError(
+            f"unsafe path {rel!r} under {root}: paths in markers and manifests must be relative and normalised"
+        )
     full = root.joinpath(*pure.parts)
     resolved_root = root.resolve()
     resolved = full.resolve()

@@ -21,7 +21,7 @@ def llama_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaC
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 

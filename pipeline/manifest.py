@@ -141,7 +141,9 @@ def read_latest(layout: RunLayout) -> Latest | None:
         if obj["dir"] != step_name(latest.step):
             raise ValueError(f"dir {obj['dir']!r} does not match step {latest.step}")
     except (KeyError, TypeError, ValueError) as e:
-        raise VerificationError(f"{layout.latest} is malformed ({e}); restore it from the newest step_*/manifest.json") from e
+        raise VerificationError(
+            f"{layout.latest} is malformed ({e}); restore it from the newest step_*/manifest.json"
+        ) from e
     manifest_file = safe_join(layout.checkpoints, step_name(latest.step)) / MANIFEST
     if not manifest_file.exists() or hash_file(manifest_file) != latest.manifest_hash:
         raise VerificationError(f"{layout.latest} names step {latest.step}, but {manifest_file} is missing or differs")

@@ -22,7 +22,10 @@ def source_step(layout: RunLayout) -> Latest:
     """The committed step that downstream stages read: ``latest``, with its files verified."""
     latest = read_latest(layout)
     if latest is None:
-        raise PipelineError(f"{layout.latest} does not exist: no committed step in run {layout.run_id}; run train and verify_manifest first")
+        raise PipelineError(
+            f"{layout.latest} does not exist: no committed step in run {layout.run_id}; "
+            "run train and verify_manifest first"
+        )
     step_dir = layout.committed_step(latest.step)
     verify_entries(step_dir, list(read_manifest(step_dir).files), str(step_dir / "manifest.json"))
     return latest
@@ -52,7 +55,9 @@ def start_staging(area: Path, name: str) -> Path:
     return staging
 
 
-def finish(staging: Path, final: Path, marker_name: str, source: dict[str, Any], files: list[str], extra: dict[str, Any]) -> None:
+def finish(
+    staging: Path, final: Path, marker_name: str, source: dict[str, Any], files: list[str], extra: dict[str, Any]
+) -> None:
     entries = [describe(staging, f).to_json() for f in files]
     write_json_atomic(staging / marker_name, {"source": source, "files": entries, **extra})
     if final.exists():

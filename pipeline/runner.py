@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.config import STAGE_ALL, PipelineConfig

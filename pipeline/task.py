@@ -27,7 +27,13 @@ def setup_logging(rank: int) -> None:
 
 
 def execute_task(
-    stage: str, cfg: PipelineConfig, run_dir: str, attempt: str, rank: int = 0, world_size: int = 1, job_id: str = "inprocess"
+    stage: str,
+    cfg: PipelineConfig,
+    run_dir: str,
+    attempt: str,
+    rank: int = 0,
+    world_size: int = 1,
+    job_id: str = "inprocess",
 ) -> dict[str, object]:
     from pipeline.stages import STAGES  # noqa: PLC0415 - keeps submitit's pickled entry point light to import
 
@@ -47,12 +53,23 @@ def execute_task(
     except BaseException as e:
         if rank == 0 and layout.stages.is_dir():
             write_record(
-                layout, stage, status="failed", ended=now_iso(), seconds=round(time.monotonic() - t0, 3),
-                error=f"{type(e).__name__}: {e}", **common,
+                layout,
+                stage,
+                status="failed",
+                ended=now_iso(),
+                seconds=round(time.monotonic() - t0, 3),
+                error=f"{type(e).__name__}: {e}",
+                **common,
             )
         raise
     if rank == 0:
         write_record(
-            layout, stage, status="succeeded", ended=now_iso(), seconds=round(time.monotonic() - t0, 3), summary=summary, **common
+            layout,
+            stage,
+            status="succeeded",
+            ended=now_iso(),
+            seconds=round(time.monotonic() - t0, 3),
+            summary=summary,
+            **common,
         )
     return summary

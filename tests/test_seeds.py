@@ -214,7 +214,7 @@ def test_seed001_unguarded_per_rank_timestamped_dir_fails(tmp_path: Path) -> Non
 @pytest.mark.distributed
 def test_seed001_pipeline_run_dir_decided_once(tmp_path: Path) -> None:
     """The launching process resolves the run dir once (fresh run id) and hands it to every rank."""
-    cfg = _config(tmp_path / "outputs", f"strategy.world_size={3}")
+    cfg = _config(tmp_path / "outputs", "strategy.world_size=3")
     assert cfg.run.id is None
     layout = resolve_layout(cfg)  # once, in the launching process (runner.run does exactly this)
     cfg.run.id = layout.run_id

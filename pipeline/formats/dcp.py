@@ -81,9 +81,9 @@ def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
 class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
         md = read_metadata_safe(Path(self.path))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = dcp_meta.StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        storage_meta = md.storage_meta if md.storage_meta is not None else dcp_meta.StorageMeta()
+        storage_meta.load_id = self.load_id
+        md.storage_meta = storage_meta
         return md
 
 

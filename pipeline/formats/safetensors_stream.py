@@ -57,7 +57,11 @@ class StreamingSafetensorsWriter:
         for s in self.specs:
             if s.dtype not in DTYPES:
                 raise CheckpointFormatError(f"tensor {s.name}: dtype {s.dtype} has no safetensors code")
-            header[s.name] = {"dtype": DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+            header[s.name] = {
+                "dtype": DTYPES[s.dtype],
+                "shape": list(s.shape),
+                "data_offsets": [offset, offset + s.nbytes],
+            }
             offset += s.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -71,10 +75,11 @@ class StreamingSafetensorsWriter:
         spec = self.specs[self._next]
         if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise CheckpointFormatError(
-                f"{self.path}: expected {spec.name} {spec.dtype} {spec.shape}, got {name} {tensor.dtype} {tuple(tensor.shape)}"
+                f"{self.path}: expected {spec.name} {spec.dtype} {spec.shape}, "
+                f"got {name} {tensor.dtype} {tuple(tensor.shape)}"
             )
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(flat.numpy()))
+        self._file.write(flat.numpy().data)
         self._next += 1
 
     def close(self) -> None:

@@ -56,7 +56,9 @@ def run(ctx: TaskContext) -> dict[str, object]:
     md = read_metadata_safe(step_dir)
     entries = list(tensor_entries(md, MODEL_PREFIX))
     if not entries:
-        raise PipelineError(f"{step_dir} holds no tensors under '{MODEL_PREFIX}': not a training checkpoint of this pipeline")
+        raise PipelineError(
+            f"{step_dir} holds no tensors under '{MODEL_PREFIX}': not a training checkpoint of this pipeline"
+        )
     specs = [TensorSpec(key[len(MODEL_PREFIX) :], meta.properties.dtype, tuple(meta.size)) for key, meta in entries]
     staging = start_staging(layout.consolidated, step_name(latest.step))
     source = {"step": latest.step, "manifest_hash": latest.manifest_hash}

@@ -49,10 +49,17 @@ def _source(cfg: PipelineConfig, layout: RunLayout) -> dict[str, object]:
     src_dir = layout.consolidated_step(latest.step)
     want = {"step": latest.step, "manifest_hash": latest.manifest_hash}
     if not verified_output(src_dir, consolidate.MARKER, want):
-        raise PipelineError(f"{src_dir} is missing or does not verify against step {latest.step}: run stage=consolidate first")
+        raise PipelineError(
+            f"{src_dir} is missing or does not verify against step {latest.step}: run stage=consolidate first"
+        )
     marker = read_json(src_dir / consolidate.MARKER)
     weights_hash = next(f["hash"] for f in marker["files"] if f["path"] == consolidate.WEIGHTS)
-    return {**want, "consolidated_hash": weights_hash, "max_shard_size": cfg.export.max_shard_size, "dtype": cfg.export.dtype}
+    return {
+        **want,
+        "consolidated_hash": weights_hash,
+        "max_shard_size": cfg.export.max_shard_size,
+        "dtype": cfg.export.dtype,
+    }
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
@@ -110,7 +117,7 @@ def run(ctx: TaskContext) -> dict[str, object]:
     files = _write_weights(layout.consolidated_step(step) / consolidate.WEIGHTS, staging, cfg.export)
     tokenizer = load_tokenizer(layout.assets)
     hf_config = llama_config(cfg.model, tokenizer)
-    hf_config.torch_dtype = cfg.export.dtype
+    hf_config.dtype = cfg.export.dtype
     hf_config.save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
     files = sorted({*files, *(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())})

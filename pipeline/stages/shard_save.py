@@ -50,7 +50,9 @@ def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any)
         entries = tuple(describe(staged, rel) for rel in own)
         write_marker(
             staged,
-            Marker(step=step, rank=ctx.rank, world_size=ctx.world_size, format=FORMAT, attempt=ctx.attempt, files=entries),
+            Marker(
+                step=step, rank=ctx.rank, world_size=ctx.world_size, format=FORMAT, attempt=ctx.attempt, files=entries
+            ),
         )
     except Exception as e:
         log.error(
@@ -59,7 +61,9 @@ def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any)
             step,
             staged,
             e,
-            "" if ctx.cfg.checkpoint.fail_on_save_error else "; training continues (checkpoint.fail_on_save_error=false)",
+            ""
+            if ctx.cfg.checkpoint.fail_on_save_error
+            else "; training continues (checkpoint.fail_on_save_error=false)",
         )
         if ctx.cfg.checkpoint.fail_on_save_error:
             raise

@@ -114,8 +114,7 @@ def _state(model: Any, opt: Any, sched: Any, stream: SampleStream, step: int, ra
 
 
 def run(ctx: TaskContext) -> dict[str, object]:
-    cfg, layout = ctx.cfg, ctx.layout
-    device = init_distributed(cfg.strategy)
+    device = init_distributed(ctx.cfg.strategy)
     try:
         return _train(ctx, device)
     finally:
@@ -150,7 +149,8 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         log.info("rank %d resumed from step %d", rank, resume)
 
     losses: dict[int, float] = {}
-    saved, failed = [], []
+    saved: list[int] = []
+    failed: list[int] = []
     last = final_step(cfg)
     for step in range(resume + 1, last + 1):
         batch = stream.next_batch().to(device)

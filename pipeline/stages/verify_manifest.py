@@ -108,7 +108,9 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
     staged = layout.staged_step(step)
     world = {m.world_size for m in markers}
     if world != {ctx.cfg.strategy.world_size} or len({m.attempt for m in markers}) != 1:
-        raise VerificationError(f"markers of step {step} in {staged} disagree on world size or attempt: {sorted(world)}")
+        raise VerificationError(
+            f"markers of step {step} in {staged} disagree on world size or attempt: {sorted(world)}"
+        )
     files = tuple(f for m in markers for f in m.files)
     for m in markers:
         verify_entries(staged, list(m.files), str(staged / f"rank_{m.rank}.done.json"))
