@@ -335,7 +335,7 @@ def run_bench(args: argparse.Namespace, scratch: Path) -> None:
     print()
     cols = [
         ("method", 24),
-        ("peak RSS MiB", 15),
+        ("peak RSS MiB", 18),
         ("above base MiB", 14),
         ("above / largest", 15),
         ("peak / ckpt", 11),

@@ -54,5 +54,6 @@ def stage_alive(layout: RunLayout, stage: str) -> bool:
     if rec is None or rec.get("status") != "running":
         return False
     if rec.get("host") == socket.gethostname():
-        return _pid_alive(int(rec.get("pid", 0)))
+        pid = int(rec.get("pid", 0))
+        return pid > 0 and _pid_alive(pid)
     return True  # another host: trust the record (the launcher's job state is the authority there)

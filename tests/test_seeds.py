@@ -427,3 +427,29 @@ def test_corrupted_file_is_quarantined_and_latest_unchanged(
     assert not (quarantined / MANIFEST).exists()
     # The committed step 4 still verifies, and with nothing newer staged verify's done-check holds again.
     assert verify_manifest.is_done(cfg, layout) is not None
+
+
+def test_marker_copied_under_another_ranks_name_is_quarantined(tmp_path) -> None:
+    """A marker must name its own rank, and no two markers may claim one file (else a shard escapes checking)."""
+    import shutil
+
+    from pipeline.compose import load_config
+    from pipeline.errors import VerificationError
+    from pipeline.integrity import describe
+    from pipeline.layout import RunLayout
+    from pipeline.manifest import Marker, marker_path, write_marker
+    from pipeline.task import execute_task
+
+    cfg = load_config(["+experiment=tiny", f"run.root={tmp_path}", "run.id=r", "checkpoint.marker_deadline_s=1"])
+    layout = RunLayout.for_run(cfg.run.root, cfg.experiment, "r")
+    execute_task("prepare_dirs", cfg, str(layout.run_dir), "a0")
+    staged = layout.staged_step(4)
+    staged.mkdir(parents=True)
+    (staged / "__0_0.distcp").write_bytes(b"rank0")
+    (staged / "__1_0.distcp").write_bytes(b"garbage")
+    write_marker(staged, Marker(4, 0, 2, "torch_dcp", "t1", (describe(staged, "__0_0.distcp"),)))
+    shutil.copy(marker_path(staged, 0), marker_path(staged, 1))
+    with pytest.raises(VerificationError, match="claims rank 0"):
+        execute_task("verify_manifest", cfg, str(layout.run_dir), "v1")
+    assert not layout.latest.exists()
+    assert len(list(layout.quarantine.iterdir())) == 1

@@ -79,6 +79,10 @@ def _markers(cfg: PipelineConfig, layout: RunLayout, step: int, attempt: str | N
     out: list[Marker | None] = []
     for rank in range(cfg.strategy.world_size):
         m = read_marker(staged, rank)
+        if m is not None and m.rank != rank:
+            raise VerificationError(
+                f"{staged}/rank_{rank}.done.json claims rank {m.rank}: a marker must name its own rank"
+            )
         if m is not None and ((attempt is not None and m.attempt != attempt) or m.step != step):
             m = None  # stale: left by an older attempt of train
         out.append(m)
@@ -107,11 +111,19 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
     layout = ctx.layout
     staged = layout.staged_step(step)
     world = {m.world_size for m in markers}
-    if world != {ctx.cfg.strategy.world_size} or len({m.attempt for m in markers}) != 1:
+    attempts = {m.attempt for m in markers}
+    if world != {ctx.cfg.strategy.world_size} or len(attempts) != 1:
         raise VerificationError(
-            f"markers of step {step} in {staged} disagree on world size or attempt: {sorted(world)}"
+            f"markers of step {step} in {staged} disagree: world sizes {sorted(world)} "
+            f"(expected {ctx.cfg.strategy.world_size}), attempts {sorted(attempts)}"
         )
     files = tuple(f for m in markers for f in m.files)
+    paths = [f.path for f in files]
+    dupes = sorted({p for p in paths if paths.count(p) > 1})
+    if dupes:
+        raise VerificationError(
+            f"markers of step {step} in {staged} claim the same file(s) {dupes}: files are rank-private"
+        )
     for m in markers:
         verify_entries(staged, list(m.files), str(staged / f"rank_{m.rank}.done.json"))
     manifest = Manifest(
