@@ -4,16 +4,19 @@ Builds a synthetic 2-rank DCP checkpoint (model and optimizer tensors as DTensor
 mesh, as FSDP2 stores them; plus small ``sched``/``train``/``rng`` entries), then runs each method in a fresh
 subprocess under ``/usr/bin/time -v`` (falling back to ``getrusage(RUSAGE_CHILDREN)`` when it is absent):
 
-* ``pipeline``: the consolidate stage's code path (``read_metadata_safe`` -> ``tensor_entries(md, "model.")``
-  -> ``load_full_tensor`` per tensor -> ``StreamingSafetensorsWriter``), without a run directory;
+* ``pipeline``: the consolidate stage's own function ``consolidate_dcp`` (``TensorStreamer``: metadata parsed
+  once, one reused buffer, then ``StreamingSafetensorsWriter``), without a run directory;
+* ``pipeline, fixed mmap thr``: the same with ``MALLOC_MMAP_THRESHOLD_=1048576``, which separates glibc's
+  retention of freed heap memory from what the loop itself needs;
 * ``dcp_to_torch_save``: ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (loads everything);
 * ``baseline``: ``python -c "import torch, torch.distributed.checkpoint"``.
 
 Then checks the consolidated safetensors bit-exactly against the ``model`` part of ``dcp_to_torch_save``'s
 output and against the tensors the checkpoint was generated from.
 
-    .venv/bin/python bench/consolidate_rss.py                 # ~630 MB checkpoint, largest tensor 32 MiB
+    .venv/bin/python bench/consolidate_rss.py                 # 655 MB checkpoint, largest tensor 32 MiB
     .venv/bin/python bench/consolidate_rss.py --size-mb 150   # smaller (the hidden size scales with it)
+    .venv/bin/python bench/consolidate_rss.py --size-mb 1000 --dim 1024   # bigger, same largest tensor
     .venv/bin/python bench/consolidate_rss.py --trace         # also: RSS after each tensor, pipeline path
 
 Only the standard library is imported at module level so that the measured children import just what they use.
@@ -136,8 +139,7 @@ def make_checkpoint(ckpt: Path, size_mb: float, dim: int) -> float:
 
 def child_pipeline(ckpt: Path, out: Path, trace: bool) -> None:
     """The consolidate stage's loop (pipeline/stages/consolidate.py ``run``), minus the run-dir bookkeeping."""
-    from pipeline.formats.dcp import load_full_tensor, read_metadata_safe, tensor_entries
-    from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+    from pipeline.stages.consolidate import consolidate_dcp
 
     rss = None
     if trace:
@@ -150,19 +152,16 @@ def child_pipeline(ckpt: Path, out: Path, trace: bool) -> None:
 
         print(f"trace: after imports rss={rss():.0f} MiB", file=sys.stderr)
     t0 = time.perf_counter()
-    prefix = "model."
-    md = read_metadata_safe(ckpt)
-    entries = list(tensor_entries(md, prefix))
-    specs = [TensorSpec(key[len(prefix) :], meta.properties.dtype, tuple(meta.size)) for key, meta in entries]
-    writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
+
+    def on_tensor(name: str) -> None:
+        if rss is not None:
+            print(f"trace: {name:28s} rss={rss():.0f} MiB", file=sys.stderr)
+
     import resource
 
-    setup_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # imports + metadata + header: peak so far
-    for spec, (key, meta) in zip(specs, entries, strict=True):
-        writer.write(spec.name, load_full_tensor(ckpt, key, meta))
-        if rss is not None:
-            print(f"trace: {spec.name:28s} {spec.nbytes / MiB:7.1f} MiB  rss={rss():.0f} MiB", file=sys.stderr)
-    writer.close()
+    count = consolidate_dcp(ckpt, out, on_tensor)
+    setup_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    specs = range(count)
     print(json.dumps({"inproc_s": time.perf_counter() - t0, "tensors": len(specs), "setup_rss_mib": setup_rss}))
 
 
@@ -266,8 +265,8 @@ def main() -> None:
 def inherent_peak(ckpt: Path) -> tuple[int, int, str]:
     """(largest tensor bytes, max over model tensors of full + its largest DCP chunk, that tensor's name).
 
-    ``load_full_tensor`` holds the full output tensor while torch.load stages one stored chunk at a time, so this
-    is the least any loop over ``load_full_tensor`` can need above the interpreter.
+    ``TensorStreamer.load`` holds the full output tensor while torch.load stages one stored chunk at a time, so this
+    is the least any loop over whole tensors can need above the interpreter.
     """
     from pipeline.formats.dcp import read_metadata_safe, tensor_entries
 
@@ -328,7 +327,7 @@ def run_bench(args: argparse.Namespace, scratch: Path) -> None:
     print(f"model part {model_bytes / MiB:.1f} MiB")
     print(f"largest tensor: {lg_mib:.1f} MiB; {len(layout)} model tensors; .metadata {files.get('.metadata', 0):,} B")
     print(
-        f"inherent minimum above baseline for load_full_tensor: {inherent / MiB:.1f} MiB "
+        f"inherent minimum above baseline for one-tensor-at-a-time loading: {inherent / MiB:.1f} MiB "
         f"({inherent_key}: full tensor + its largest stored chunk)"
     )
     print(f"rounds: {args.repeat}, median [min-max]; 'fixed mmap thr' = pipeline run with {FIXED_MMAP}")
@@ -365,17 +364,10 @@ def run_bench(args: argparse.Namespace, scratch: Path) -> None:
     ratio = med("pipeline", "rss_mib") / med("dcp_to_torch_save", "rss_mib")
     print(f"pipeline / dcp_to_torch_save, peak RSS: {ratio:.3f}")
     print(f"pipeline / dcp_to_torch_save, RSS above baseline: {p_above / t_above:.3f}")
-    setup = med("pipeline", "setup_rss_mib")
-    fixed = "pipeline, fixed mmap thr"
-    print(
-        f"pipeline child's peak before its first tensor (imports, metadata, header): {setup:.0f} MiB "
-        f"({setup - base:+.0f} vs baseline); peak minus that: {med('pipeline', 'rss_mib') - setup:.0f} MiB, "
-        f"fixed mmap thr: {med(fixed, 'rss_mib') - med(fixed, 'setup_rss_mib'):.0f} MiB"
-    )
     print(
         f"pipeline RSS above baseline: {p_above:.0f} MiB = {p_above / lg_mib:.2f} x largest tensor "
         f"(inherent {inherent / MiB:.0f} MiB = {inherent / largest:.2f} x; "
-        f"with fixed mmap threshold {med(fixed, 'rss_mib') - base:.0f} MiB)"
+        f"with fixed mmap threshold {med('pipeline, fixed mmap thr', 'rss_mib') - base:.0f} MiB)"
     )
     print("verify:", verify(st_out, pt_out, args.size_mb, args.dim))
 

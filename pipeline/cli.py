@@ -6,7 +6,7 @@ import sys
 
 from pipeline.compose import load_config, to_yaml
 from pipeline.errors import PipelineError
-from pipeline.stages import ORDER, STAGES
+from pipeline.stages import ORDER, get_stage
 
 
 def main(argv: list[str]) -> int:
@@ -15,7 +15,7 @@ def main(argv: list[str]) -> int:
         if cfg.dry_run:
             print(to_yaml(cfg))
             for name in ORDER:
-                c = STAGES[name].CONTRACT
+                c = get_stage(name).CONTRACT
                 print(f"{c.job_name:16} tasks={c.num_tasks(cfg)} needs={','.join(c.needs) or '-'} -> {c.produces}")
             return 0
         from launchers.factory import make_launcher  # noqa: PLC0415 - submitit only when launching

@@ -14,7 +14,7 @@ from pipeline.contract import StageContract
 from pipeline.errors import ConfigError, RunNotFoundError
 from pipeline.layout import RunLayout
 from pipeline.manifest import read_latest
-from pipeline.stages import ORDER, STAGES
+from pipeline.stages import ORDER, get_stage
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def plan(cfg: PipelineConfig) -> list[str]:
         return list(ORDER)
     if cfg.stage == "shard_save":
         raise ConfigError("shard_save runs inside train on every rank: rerun stage=train instead")
-    if cfg.stage not in STAGES:
+    if cfg.stage not in ORDER:
         raise RunNotFoundError(f"unknown stage {cfg.stage!r}: choose one of {', '.join(ORDER)} or all")
     return [cfg.stage]
 
@@ -69,7 +69,7 @@ def run(cfg: PipelineConfig, launcher: Launcher, say: Callable[[str], None] = pr
     layout.logs.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(layout.logs, 0o700)
     for name in stages:
-        module = STAGES[name]
+        module = get_stage(name)
         done = None if (cfg.force or (name == "prepare_dirs" and cfg.run.overwrite)) else module.is_done(cfg, layout)
         if done:
             say(f"skip {name}: {done}")

@@ -15,6 +15,7 @@ from pipeline.config import PipelineConfig
 from pipeline.contract import TaskContext
 from pipeline.layout import RunLayout
 from pipeline.records import now_iso, write_record
+from pipeline.stages import get_stage
 
 
 def setup_logging(rank: int) -> None:
@@ -35,11 +36,10 @@ def execute_task(
     world_size: int = 1,
     job_id: str = "inprocess",
 ) -> dict[str, object]:
-    from pipeline.stages import STAGES  # noqa: PLC0415 - keeps submitit's pickled entry point light to import
 
     setup_logging(rank)
     layout = RunLayout(Path(run_dir))
-    module = STAGES[stage]
+    module = get_stage(stage)
     ctx = TaskContext(cfg=cfg, layout=layout, attempt=attempt, rank=rank, world_size=world_size)
     started = now_iso()
     t0 = time.monotonic()

@@ -79,8 +79,14 @@ def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
 
 
 class SafeReader(FileSystemReader):
+    """``FileSystemReader`` with the restricted metadata reader; ``metadata`` skips re-reading it per load."""
+
+    def __init__(self, path: str, metadata: dcp_meta.Metadata | None = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_meta.Metadata:
-        md = read_metadata_safe(Path(self.path))
+        md = self._metadata if self._metadata is not None else read_metadata_safe(Path(self.path))
         storage_meta = md.storage_meta if md.storage_meta is not None else dcp_meta.StorageMeta()
         storage_meta.load_id = self.load_id
         md.storage_meta = storage_meta
@@ -111,20 +117,22 @@ class RecordingWriter(FileSystemWriter):
         return fut
 
 
-def load_into(state: dict[str, Any], path: Path, process_group: Any = None, no_dist: bool = False) -> None:
+def load_into(
+    state: dict[str, Any],
+    path: Path,
+    process_group: Any = None,
+    no_dist: bool = False,
+    metadata: dcp_meta.Metadata | None = None,
+) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _load(state, path, process_group, no_dist)
-
-
-def _load(state: dict[str, Any], path: Path, process_group: Any, no_dist: bool) -> None:
-    dcp.load(
-        state,
-        storage_reader=SafeReader(str(path)),
-        planner=SafeLoadPlanner(allow_partial_load=no_dist),
-        process_group=process_group,
-        no_dist=no_dist,
-    )
+        dcp.load(
+            state,
+            storage_reader=SafeReader(str(path), metadata),
+            planner=SafeLoadPlanner(allow_partial_load=no_dist),
+            process_group=process_group,
+            no_dist=no_dist,
+        )
 
 
 def tensor_entries(md: dcp_meta.Metadata, prefix: str) -> Iterator[tuple[str, dcp_meta.TensorStorageMetadata]]:
@@ -133,6 +141,33 @@ def tensor_entries(md: dcp_meta.Metadata, prefix: str) -> Iterator[tuple[str, dc
         item = md.state_dict_metadata[key]
         if key.startswith(prefix) and isinstance(item, dcp_meta.TensorStorageMetadata):
             yield key, item
+
+
+class TensorStreamer:
+    """Read a DCP checkpoint's tensors one at a time, whole, into one reused buffer.
+
+    The metadata is parsed once; each tensor is loaded into a view of a byte buffer sized to the largest
+    tensor, so memory stays about one tensor (plus DCP's per-chunk temporary), and freed blocks do not pile
+    up in the allocator between tensors.
+    """
+
+    def __init__(self, path: Path, prefix: str) -> None:
+        self.path = path
+        self.metadata = read_metadata_safe(path)
+        self.entries = list(tensor_entries(self.metadata, prefix))
+        largest = max((_nbytes(m) for _, m in self.entries), default=0)
+        self._buffer = torch.empty(largest, dtype=torch.uint8)
+
+    def load(self, key: str, meta: dcp_meta.TensorStorageMetadata) -> torch.Tensor:
+        """The tensor ``key``; valid until the next call (it lives in the shared buffer)."""
+        dtype = meta.properties.dtype
+        out = self._buffer[: _nbytes(meta)].view(dtype).view(meta.size)
+        load_into({key: out}, self.path, no_dist=True, metadata=self.metadata)
+        return out
+
+
+def _nbytes(meta: dcp_meta.TensorStorageMetadata) -> int:
+    return meta.size.numel() * torch.empty((), dtype=meta.properties.dtype).element_size()
 
 
 def load_full_tensor(path: Path, key: str, meta: dcp_meta.TensorStorageMetadata) -> torch.Tensor:

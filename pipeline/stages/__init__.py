@@ -1,17 +1,21 @@
-"""Stages in DAG order. Each module states its inputs, outputs, owner and done-marker in its docstring."""
+"""Stages in DAG order. Each module states its inputs, outputs, owner and done-marker in its docstring.
+
+Modules are imported on first use, so a job imports only its own stage (consolidate never loads
+``transformers``; train never loads the export code).
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import cast
+
 from pipeline.contract import StageModule
-from pipeline.stages import consolidate, export, prepare_dirs, train, verify_manifest
 
 ORDER: tuple[str, ...] = ("prepare_dirs", "train", "verify_manifest", "consolidate", "export")
 """Stages the DAG launches as jobs; shard-save runs inside train on every rank (see shard_save.CONTRACT)."""
 
-STAGES: dict[str, StageModule] = {
-    "prepare_dirs": prepare_dirs,
-    "train": train,
-    "verify_manifest": verify_manifest,
-    "consolidate": consolidate,
-    "export": export,
-}
+
+def get_stage(name: str) -> StageModule:
+    if name not in ORDER:
+        raise KeyError(name)
+    return cast(StageModule, importlib.import_module(f"pipeline.stages.{name}"))

@@ -9,10 +9,13 @@ Owner: this single task. Memory: one full tensor (plus its DCP chunks) at a time
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 from pipeline.config import PipelineConfig
 from pipeline.contract import Resources, StageContract, TaskContext
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.formats.dcp import load_full_tensor, read_metadata_safe, tensor_entries
+from pipeline.formats.dcp import TensorStreamer
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.layout import RunLayout, step_name
 from pipeline.manifest import read_latest
@@ -49,22 +52,29 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     return None
 
 
-def run(ctx: TaskContext) -> dict[str, object]:
-    layout = ctx.layout
-    latest = source_step(layout)
-    step_dir = layout.committed_step(latest.step)
-    md = read_metadata_safe(step_dir)
-    entries = list(tensor_entries(md, MODEL_PREFIX))
-    if not entries:
+def consolidate_dcp(step_dir: Path, out: Path, on_tensor: Callable[[str], None] | None = None) -> int:
+    """Stream every ``model.`` tensor of a DCP checkpoint into one safetensors file; return the tensor count."""
+    streamer = TensorStreamer(step_dir, MODEL_PREFIX)
+    if not streamer.entries:
         raise PipelineError(
             f"{step_dir} holds no tensors under '{MODEL_PREFIX}': not a training checkpoint of this pipeline"
         )
-    specs = [TensorSpec(key[len(MODEL_PREFIX) :], meta.properties.dtype, tuple(meta.size)) for key, meta in entries]
+    specs = [TensorSpec(k[len(MODEL_PREFIX) :], m.properties.dtype, tuple(m.size)) for k, m in streamer.entries]
+    writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
+    for spec, (key, meta) in zip(specs, streamer.entries, strict=True):
+        writer.write(spec.name, streamer.load(key, meta))
+        if on_tensor is not None:
+            on_tensor(spec.name)
+    writer.close()
+    return len(specs)
+
+
+def run(ctx: TaskContext) -> dict[str, object]:
+    layout = ctx.layout
+    latest = source_step(layout)
     staging = start_staging(layout.consolidated, step_name(latest.step))
     source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
-    writer = StreamingSafetensorsWriter(staging / WEIGHTS, specs, metadata={"format": "pt"})
-    for spec, (key, meta) in zip(specs, entries, strict=True):
-        writer.write(spec.name, load_full_tensor(step_dir, key, meta))
-    writer.close()
-    finish(staging, layout.consolidated_step(latest.step), MARKER, source, [WEIGHTS], {"tensors": len(specs)})
-    return {"step": latest.step, "tensors": len(specs), "out": str(layout.consolidated_step(latest.step))}
+    count = consolidate_dcp(layout.committed_step(latest.step), staging / WEIGHTS)
+    final = layout.consolidated_step(latest.step)
+    finish(staging, final, MARKER, source, [WEIGHTS], {"tensors": count})
+    return {"step": latest.step, "tensors": count, "out": str(final)}
