@@ -71,6 +71,8 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     target = final_step(cfg)
     if _latest_step(layout) >= target:
         return f"step {target} is committed"
+    if (layout.committed_step(target) / "manifest.json").exists():
+        return f"step {target} is published (verify_manifest moves latest)"
     staged = layout.staged_step(target)
     markers = [read_marker(staged, r) for r in range(cfg.strategy.world_size)] if staged.is_dir() else []
     if markers and all(m is not None for m in markers) and len({m.attempt for m in markers if m}) == 1:

@@ -22,9 +22,18 @@ from pipeline.config import PipelineConfig
 from pipeline.contract import Resources, StageContract, TaskContext
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.faults import inject
-from pipeline.integrity import verify_entries
+from pipeline.integrity import hash_file, verify_entries
 from pipeline.layout import RunLayout, parse_step, step_name
-from pipeline.manifest import Manifest, Marker, read_latest, read_manifest, read_marker, write_latest, write_manifest
+from pipeline.manifest import (
+    MANIFEST,
+    Manifest,
+    Marker,
+    read_latest,
+    read_manifest,
+    read_marker,
+    write_latest,
+    write_manifest,
+)
 from pipeline.records import read_record, stage_alive
 from pipeline.waiting import wait_until
 
@@ -53,6 +62,23 @@ def _candidates(layout: RunLayout, after: int) -> list[int]:
     return sorted(s for s in steps if s is not None and s > after)
 
 
+def _published_after(layout: RunLayout, after: int) -> list[int]:
+    """Steps published (renamed out of staging) but not yet named by ``latest``: a crash between the two."""
+    steps = (parse_step(p.name) for p in layout.checkpoints.iterdir() if p.is_dir())
+    return sorted(s for s in steps if s is not None and s > after and (layout.committed_step(s) / MANIFEST).exists())
+
+
+def _finish_interrupted_commits(layout: RunLayout, after: int) -> list[int]:
+    done = []
+    for step in _published_after(layout, after):
+        step_dir = layout.committed_step(step)
+        verify_entries(step_dir, list(read_manifest(step_dir).files), str(step_dir / MANIFEST))
+        write_latest(layout, step, hash_file(step_dir / MANIFEST))
+        log.warning("step %d was published but latest was not moved (interrupted commit): latest -> %d", step, step)
+        done.append(step)
+    return done
+
+
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
     if not layout.staging.is_dir():
         raise PipelineError(f"{layout.staging} does not exist: run stage=prepare_dirs for run {layout.run_id} first")
@@ -64,7 +90,7 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
         latest = read_latest(layout)
     except (VerificationError, OSError, ValueError):
         return None
-    if latest is None or _candidates(layout, latest.step):
+    if latest is None or _candidates(layout, latest.step) or _published_after(layout, latest.step):
         return None
     step_dir = layout.committed_step(latest.step)
     try:
@@ -150,8 +176,12 @@ def run(ctx: TaskContext) -> dict[str, object]:
     committed: list[int] = []
     incomplete: list[tuple[int, str]] = []
     quarantined: list[str] = []
+    committed += _finish_interrupted_commits(layout, _latest_step(layout))
     latest = _latest_step(layout)
     for step in _candidates(layout, latest):
+        if layout.committed_step(step).exists():
+            log.warning("step %d is staged again but already published; the staged copy is left alone", step)
+            continue
         try:
             markers = _wait_for_markers(cfg, layout, step, attempt)
             _commit(ctx, step, markers)
