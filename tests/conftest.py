@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from pipeline.compose import load_config
 from pipeline.config import PipelineConfig
 from pipeline.layout import RunLayout
+from pipeline.task import execute_task
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +47,27 @@ def tiny_cfg(tmp_path: Path) -> PipelineConfig:
 @pytest.fixture
 def layout(tiny_cfg: PipelineConfig) -> RunLayout:
     return RunLayout.for_run(tiny_cfg.run.root, tiny_cfg.experiment, "r1")
+
+
+RunFactory = Callable[..., tuple[PipelineConfig, RunLayout]]
+
+
+@pytest.fixture
+def make_run(tmp_path: Path) -> RunFactory:
+    """Compose a config under ``tmp_path`` and run prepare-dirs once (the layout every other stage needs)."""
+
+    def make(*overrides: str, run_id: str = "r1") -> tuple[PipelineConfig, RunLayout]:
+        cfg = load_config(
+            [
+                "+experiment=tiny",
+                f"run.root={tmp_path / 'outputs'}",
+                "checkpoint.marker_deadline_s=1",
+                f"run.id={run_id}",
+                *overrides,
+            ]
+        )
+        layout = RunLayout.for_run(cfg.run.root, cfg.experiment, run_id)
+        execute_task("prepare_dirs", cfg, str(layout.run_dir), "prepare-dirs-test")
+        return cfg, layout
+
+    return make

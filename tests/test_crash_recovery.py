@@ -9,14 +9,15 @@ from pipeline.faults import InjectedFault
 from pipeline.manifest import read_latest
 from pipeline.stages import train, verify_manifest
 from tests import seed_helpers as sh
-from tests.test_seeds import TRAIN_ATTEMPT, RunFactory, _assert_committed, _verify, make_run  # noqa: F401
+from tests.conftest import RunFactory
+from tests.test_seeds import TRAIN_ATTEMPT, _assert_committed, _verify
 
 
 @pytest.mark.parametrize("point", ["shard_save.before_marker", "verify.before_publish", "verify.before_latest"])
 def test_crash_during_commit_keeps_last_step_and_rerun_completes(
     make_run: RunFactory,
     monkeypatch: pytest.MonkeyPatch,
-    point: str,  # noqa: F811
+    point: str,
 ) -> None:
     cfg, layout = make_run()
     step4 = {f for r in range(2) for f in sh.stage_rank(layout, 4, r, world=2, attempt=TRAIN_ATTEMPT)}

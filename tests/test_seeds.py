@@ -37,28 +37,14 @@ from pipeline.runner import run as run_pipeline
 from pipeline.stages import verify_manifest
 from pipeline.task import execute_task
 from tests import seed_helpers as sh
+from tests.conftest import RunFactory
 
 WORLD = 4  # more ranks than cores (2 in CI): the scheduler interleaves them as on a busy node
 TRAIN_ATTEMPT = "train-seedtest"
 
-RunFactory = Callable[..., tuple[PipelineConfig, RunLayout]]
-
 
 def _config(root: Path, *overrides: str) -> PipelineConfig:
     return load_config(["+experiment=tiny", f"run.root={root}", "checkpoint.marker_deadline_s=1", *overrides])
-
-
-@pytest.fixture
-def make_run(tmp_path: Path) -> RunFactory:
-    """Compose a config under ``tmp_path`` and run prepare-dirs once (the layout every other stage needs)."""
-
-    def make(*overrides: str, run_id: str = "r1") -> tuple[PipelineConfig, RunLayout]:
-        cfg = _config(tmp_path / "outputs", f"run.id={run_id}", *overrides)
-        layout = RunLayout.for_run(cfg.run.root, cfg.experiment, run_id)
-        execute_task("prepare_dirs", cfg, str(layout.run_dir), "prepare-dirs-test")
-        return cfg, layout
-
-    return make
 
 
 def _verify(cfg: PipelineConfig, layout: RunLayout, attempt: str = "verify-test") -> dict[str, object]:
