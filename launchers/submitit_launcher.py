@@ -60,18 +60,31 @@ class SubmititLauncher(Launcher):
                     f"and was cancelled; logs: {sjob.paths.folder}"
                 )
             time.sleep(self.cfg.poll_interval_s)
-        failures = []
+        reasons: list[str] = []
+        first_failed: int | None = None
         for task in range(job.contract.num_tasks(job.cfg)):
             try:
                 sjob.task(task).result()
             except Exception as e:  # submitit raises FailedJobError / UncompletedJobError with the traceback text
-                failures.append((task, e))
-        if failures:
-            task, err = failures[0]
-            paths = sjob.task(task).paths
-            last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                first_failed = task if first_failed is None else first_failed
+                reasons.append(f"task {task}: {_reason(sjob.task(task).paths.stderr, e)}")
+        if first_failed is not None:
+            paths = sjob.task(first_failed).paths
             raise StageFailedError(
-                f"stage {job.stage} failed (job {sjob.job_id}, task {task}, state {sjob.state}): {last}\n"
-                f"--- stderr tail ({paths.stderr}) ---\n{_tail(paths.stderr)}\n"
+                f"stage {job.stage} failed (job {sjob.job_id}, state {sjob.state}): {'; '.join(reasons)}\n"
+                f"--- stderr tail of task {first_failed} ({paths.stderr}) ---\n{_tail(paths.stderr)}\n"
                 f"logs: {paths.folder}"
             )
+
+
+def _reason(stderr: Path | None, err: Exception) -> str:
+    """One line: the task's own error if its stderr has one, else that it died without a result."""
+    if stderr is not None and Path(stderr).exists():
+        for line in reversed(Path(stderr).read_text(errors="replace").splitlines()):
+            text = line.split("]: ", 1)[-1].strip() if line.startswith("[rank") else line.strip()
+            if "Error" in text.split(":", 1)[0] or text.startswith(("error:", "pipeline.errors")):
+                return text[:300]
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "has not produced any output" in str(err):
+        return "died without a result (killed, or exited without a Python error)"
+    return first[:300]

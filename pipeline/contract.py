@@ -35,6 +35,9 @@ class StageContract:
     distributed: bool = False
     """True: one task per training rank (``strategy.world_size``); false: exactly one task."""
     resources: Resources = Resources()
+    after_any: bool = False
+    """Run even when an earlier stage failed (SLURM ``afterany``): a failed train still gets its complete steps
+    committed. Stages without it are skipped after a failure."""
 
     def num_tasks(self, cfg: PipelineConfig) -> int:
         return cfg.strategy.world_size if self.distributed else 1

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pipeline.config import STAGE_ALL, PipelineConfig
 from pipeline.contract import StageContract
-from pipeline.errors import ConfigError, RunNotFoundError
+from pipeline.errors import ConfigError, PipelineError, RunNotFoundError
 from pipeline.layout import RunLayout
 from pipeline.manifest import read_latest
 from pipeline.stages import ORDER, get_stage
@@ -68,17 +68,28 @@ def run(cfg: PipelineConfig, launcher: Launcher, say: Callable[[str], None] = pr
     say(f"run {layout.run_id}: {layout.run_dir}")
     layout.logs.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(layout.logs, 0o700)
+    failure: PipelineError | None = None
     for name in stages:
         module = get_stage(name)
+        if failure is not None and not module.CONTRACT.after_any:
+            say(f"skip {name}: an earlier stage failed")
+            continue
         done = None if (cfg.force or (name == "prepare_dirs" and cfg.run.overwrite)) else module.is_done(cfg, layout)
         if done:
             say(f"skip {name}: {done}")
             continue
         say(f"run  {name} ({module.CONTRACT.num_tasks(cfg)} task(s))")
         t0 = time.monotonic()
-        launcher.run_stage(StageJob(name, module.CONTRACT, cfg, layout, f"{name}-{uuid.uuid4().hex[:10]}"))
+        try:
+            launcher.run_stage(StageJob(name, module.CONTRACT, cfg, layout, f"{name}-{uuid.uuid4().hex[:10]}"))
+        except PipelineError as e:
+            say(f"FAIL {name} after {time.monotonic() - t0:.1f}s: {str(e).splitlines()[0]}")
+            failure = failure or e
+            continue
         say(f"done {name} in {time.monotonic() - t0:.1f}s")
     summarize(layout, say)
+    if failure is not None:
+        raise failure
     return layout
 
 

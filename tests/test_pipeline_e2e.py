@@ -146,3 +146,22 @@ def test_interrupted_fsdp2_run_resumes_bit_identical(tmp_path: Path) -> None:
     assert not mismatched, f"resumed run differs in {mismatched}"
     full_losses = read_json(_layout(tmp_path, "full").stage_record("train"))["summary"]["losses"]
     assert rec["summary"]["losses"] == {k: v for k, v in full_losses.items() if int(k) > 4}
+
+
+def test_killed_rank_keeps_committed_step_and_rerun_resumes(tmp_path: Path) -> None:
+    """Rank 1 dies (os._exit) while saving step 8: train fails fast, verify still commits step 4 (after_any),
+    the error names the step and the rank, and a plain rerun resumes from step 4 and finishes."""
+    kill = {"PIPELINE_FAULTS": "shard_save.before_marker@rank=1@step=8@action=exit"}
+    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=k", env=kill)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "FAIL train" in proc.stdout and "task 1: died without a result" in proc.stdout
+    assert "step 8: rank(s) 1 wrote no done-marker" in proc.stdout
+    assert "skip consolidate: an earlier stage failed" in proc.stdout
+    layout = _layout(tmp_path, "k")
+    assert read_latest(layout).step == 4  # type: ignore[union-attr]
+    assert read_json(layout.stage_record("train"))["status"] == "failed"
+
+    _run(tmp_path, "k")
+    assert read_json(layout.stage_record("train"))["summary"]["resumed_from"] == 4
+    assert read_latest(layout).step == 8  # type: ignore[union-attr]
+    assert (layout.export_step(8) / "provenance.json").exists()

@@ -44,6 +44,7 @@ CONTRACT = StageContract(
     produces="checkpoints/step_N/ (manifest.json), checkpoints/latest, checkpoints/quarantine/",
     marker="checkpoints/latest + manifest.json",
     resources=Resources(cpus_per_task=1, mem_gb=2, timeout_min=30),
+    after_any=True,
 )
 
 log = logging.getLogger(__name__)
