@@ -90,11 +90,17 @@ class ModelConfig:
     """A small Llama built from a ``transformers`` config; nothing is downloaded."""
 
     hidden_size: int = 64
+    """Width of the residual stream."""
     intermediate_size: int = 128
+    """Width of the MLP."""
     num_layers: int = 2
+    """Decoder layers (each is one FSDP2 unit)."""
     num_heads: int = 4
+    """Attention heads."""
     num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention when fewer than ``num_heads``)."""
     max_position_embeddings: int = 128
+    """Longest sequence the rotary embedding is configured for."""
     init_seed: int = 0
     """Seed for weight initialisation (identical on every rank)."""
 
@@ -126,8 +132,11 @@ class TrainConfig:
     micro_batch_size: int = 4
     """Samples per rank per step."""
     lr: float = 3e-3
+    """Peak AdamW learning rate."""
     warmup_steps: int = 2
+    """Linear warm-up length of the LambdaLR schedule (constant afterwards)."""
     weight_decay: float = 0.01
+    """AdamW weight decay."""
     seed: int = 42
     """Base seed for the data order and per-rank RNG (rank k uses seed + k)."""
     stop_after_step: int | None = None

@@ -17,6 +17,11 @@ from pipeline.integrity import FileEntry, describe, verify_entries
 from pipeline.layout import RunLayout
 from pipeline.manifest import Latest, read_latest, read_manifest
 
+CONSOLIDATED_MARKER = "consolidated.json"
+"""Done-marker of ``consolidated/step_N/`` (written by consolidate, read by export)."""
+CONSOLIDATED_WEIGHTS = "model.safetensors"
+"""The full-tensor weights file in ``consolidated/step_N/``."""
+
 
 def source_step(layout: RunLayout) -> Latest:
     """The committed step that downstream stages read: ``latest``, with its files verified."""

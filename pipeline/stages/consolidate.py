@@ -19,7 +19,14 @@ from pipeline.formats.dcp import TensorStreamer
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.layout import RunLayout, step_name
 from pipeline.manifest import read_latest
-from pipeline.outputs import finish, source_step, start_staging, verified_output
+from pipeline.outputs import (
+    CONSOLIDATED_MARKER,
+    CONSOLIDATED_WEIGHTS,
+    finish,
+    source_step,
+    start_staging,
+    verified_output,
+)
 
 CONTRACT = StageContract(
     name="consolidate",
@@ -30,8 +37,8 @@ CONTRACT = StageContract(
     resources=Resources(cpus_per_task=1, mem_gb=4, timeout_min=60),
 )
 
-MARKER = "consolidated.json"
-WEIGHTS = "model.safetensors"
+MARKER = CONSOLIDATED_MARKER
+WEIGHTS = CONSOLIDATED_WEIGHTS
 MODEL_PREFIX = "model."
 
 

@@ -26,8 +26,7 @@ from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, Tens
 from pipeline.layout import RunLayout, step_name
 from pipeline.lm import llama_config
 from pipeline.manifest import read_latest
-from pipeline.outputs import finish, start_staging, verified_output
-from pipeline.stages import consolidate
+from pipeline.outputs import CONSOLIDATED_MARKER, CONSOLIDATED_WEIGHTS, finish, start_staging, verified_output
 
 CONTRACT = StageContract(
     name="export",
@@ -48,12 +47,12 @@ def _source(cfg: PipelineConfig, layout: RunLayout) -> dict[str, object]:
         raise PipelineError(f"{layout.latest} does not exist: nothing is committed in run {layout.run_id}")
     src_dir = layout.consolidated_step(latest.step)
     want = {"step": latest.step, "manifest_hash": latest.manifest_hash}
-    if not verified_output(src_dir, consolidate.MARKER, want):
+    if not verified_output(src_dir, CONSOLIDATED_MARKER, want):
         raise PipelineError(
             f"{src_dir} is missing or does not verify against step {latest.step}: run stage=consolidate first"
         )
-    marker = read_json(src_dir / consolidate.MARKER)
-    weights_hash = next(f["hash"] for f in marker["files"] if f["path"] == consolidate.WEIGHTS)
+    marker = read_json(src_dir / CONSOLIDATED_MARKER)
+    weights_hash = next(f["hash"] for f in marker["files"] if f["path"] == CONSOLIDATED_WEIGHTS)
     return {
         **want,
         "consolidated_hash": weights_hash,
@@ -114,7 +113,7 @@ def run(ctx: TaskContext) -> dict[str, object]:
     source = _source(cfg, layout)
     step = int(str(source["step"]))
     staging = start_staging(layout.export, step_name(step))
-    files = _write_weights(layout.consolidated_step(step) / consolidate.WEIGHTS, staging, cfg.export)
+    files = _write_weights(layout.consolidated_step(step) / CONSOLIDATED_WEIGHTS, staging, cfg.export)
     tokenizer = load_tokenizer(layout.assets)
     hf_config = llama_config(cfg.model, tokenizer)
     hf_config.dtype = cfg.export.dtype

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from pipeline.atomic import publish_dir, read_json, remove_tree, write_bytes_atomic, write_json_atomic
+from pipeline.atomic import clear_file, publish_dir, read_json, remove_tree, write_bytes_atomic, write_json_atomic
 from pipeline.config import PipelineConfig
 from pipeline.contract import Resources, StageContract, TaskContext
 from pipeline.data import build_assets
@@ -70,7 +70,7 @@ def run(ctx: TaskContext) -> dict[str, object]:
         # The one deletion in the pipeline: everything but logs/ (this very job's log folder lives there).
         for entry in layout.run_dir.iterdir():
             if entry.name != layout.logs.name:
-                remove_tree(entry) if entry.is_dir() else entry.unlink()
+                remove_tree(entry) if entry.is_dir() else clear_file(entry)
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     for d in layout.planned_dirs():
         if d != layout.assets:
