@@ -16,6 +16,7 @@ _VOLATILE = {
     "force",
     "dry_run",
     "run.overwrite",
+    "run.root",
     "launcher",
     "train.stop_after_step",
     "checkpoint.marker_deadline_s",
