@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from transformers import GenerationConfig
 
 from pipeline.atomic import read_json, write_json_atomic
 from pipeline.config import ExportConfig, PipelineConfig, parse_size
@@ -118,6 +119,7 @@ def run(ctx: TaskContext) -> dict[str, object]:
     hf_config = llama_config(cfg.model, tokenizer)
     hf_config.dtype = cfg.export.dtype
     hf_config.save_pretrained(str(staging))
+    GenerationConfig.from_model_config(hf_config).save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
     files = sorted({*files, *(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())})
     extra = {"run_id": layout.run_id, "source_dir": f"checkpoints/{step_name(step)}", "format": "huggingface"}
