@@ -9,15 +9,16 @@ Done-marker: ``run.yaml`` matching the config's identity keys, and ``assets/asse
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-from pipeline.atomic import clear_file, publish_dir, read_json, remove_tree, write_bytes_atomic, write_json_atomic
+from pipeline.atomic import clear_file, remove_tree, write_bytes_atomic
 from pipeline.config import PipelineConfig
 from pipeline.contract import Resources, StageContract, TaskContext
 from pipeline.data import build_assets
-from pipeline.errors import ConfigError, VerificationError
-from pipeline.integrity import FileEntry, describe, verify_entries
+from pipeline.errors import ConfigError
 from pipeline.layout import RunLayout
+from pipeline.outputs import finish, start_staging, verified_output
 from pipeline.runconfig import differences, read_run_yaml, render
 
 CONTRACT = StageContract(
@@ -49,19 +50,17 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
         return None
     if any(not d.is_dir() for d in layout.planned_dirs()):
         return None
-    try:
-        _verify_assets(layout)
-    except (VerificationError, OSError, ValueError):
+    if not _assets_ok(cfg, layout):
         return None
     return f"{layout.run_yaml} matches the config and assets verify"
 
 
-def _verify_assets(layout: RunLayout) -> None:
-    marker = layout.assets / ASSETS_MARKER
-    if not marker.exists():
-        raise VerificationError(f"{marker} is missing")
-    entries = [FileEntry.from_json(e, str(marker)) for e in read_json(marker)["files"]]
-    verify_entries(layout.assets, entries, str(marker))
+def _assets_source(cfg: PipelineConfig) -> dict[str, object]:
+    return {"data": dataclasses.asdict(cfg.data)}
+
+
+def _assets_ok(cfg: PipelineConfig, layout: RunLayout) -> bool:
+    return verified_output(layout.assets, ASSETS_MARKER, _assets_source(cfg))
 
 
 def run(ctx: TaskContext) -> dict[str, object]:
@@ -79,19 +78,10 @@ def run(ctx: TaskContext) -> dict[str, object]:
     check_inputs(cfg, layout)
     if not layout.run_yaml.exists():
         write_bytes_atomic(layout.run_yaml, render(cfg))
-    built_assets = False
-    try:
-        _verify_assets(layout)
-    except (VerificationError, OSError, ValueError):
-        staging = layout.run_dir / ".assets.staging"
-        if staging.exists():
-            remove_tree(staging)
-        if layout.assets.exists():
-            remove_tree(layout.assets)  # unverifiable leftovers from a crashed attempt; owner is this task
-        staging.mkdir()
+    built_assets = not _assets_ok(cfg, layout)
+    if built_assets:
+        staging = start_staging(layout.run_dir, layout.assets.name)
         build_assets(cfg.data, staging)
         files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
-        write_json_atomic(staging / ASSETS_MARKER, {"files": [describe(staging, f).to_json() for f in files]})
-        publish_dir(staging, layout.assets)
-        built_assets = True
+        finish(staging, layout.assets, ASSETS_MARKER, _assets_source(cfg), files, {})
     return {"run_dir": str(layout.run_dir), "built_assets": built_assets}
