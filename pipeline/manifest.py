@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pipeline.atomic import read_json, write_json_atomic
 from pipeline.errors import VerificationError
@@ -27,39 +28,40 @@ def marker_path(step_dir: Path, rank: int) -> Path:
     return step_dir / f"rank_{rank}.done.json"
 
 
+R = TypeVar("R", bound="_FileRecord")
+_CASTS: dict[str, Callable[[Any], Any]] = {"int": int, "str": str}
+
+
 @dataclass(frozen=True)
-class Marker:
+class _FileRecord:
+    """Shared JSON form of markers and manifests: scalar fields + ``files`` + ``format_version``."""
+
+    files: tuple[FileEntry, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "files"}
+        out["files"] = [e.to_json() for e in self.files]
+        out["format_version"] = FORMAT_VERSION
+        return out
+
+    @classmethod
+    def from_json(cls: type[R], obj: Any, where: str) -> R:
+        try:
+            scalars = {f.name: _CASTS[str(f.type)](obj[f.name]) for f in fields(cls) if f.name != "files"}
+            return cls(files=tuple(FileEntry.from_json(e, where) for e in obj["files"]), **scalars)
+        except (KeyError, TypeError, ValueError) as e:
+            raise VerificationError(f"malformed {cls.__name__.lower()} {where}: {e}") from e
+
+
+@dataclass(frozen=True, kw_only=True)
+class Marker(_FileRecord):
+    """``rank_<K>.done.json``: what one rank wrote for one step, written last."""
+
     step: int
     rank: int
     world_size: int
     format: str
     attempt: str
-    files: tuple[FileEntry, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format_version": FORMAT_VERSION,
-            "step": self.step,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "format": self.format,
-            "attempt": self.attempt,
-            "files": [f.to_json() for f in self.files],
-        }
-
-    @staticmethod
-    def from_json(obj: Any, where: str) -> Marker:
-        try:
-            return Marker(
-                step=int(obj["step"]),
-                rank=int(obj["rank"]),
-                world_size=int(obj["world_size"]),
-                format=str(obj["format"]),
-                attempt=str(obj["attempt"]),
-                files=tuple(FileEntry.from_json(f, where) for f in obj["files"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise VerificationError(f"malformed marker {where}: {e}") from e
 
 
 def write_marker(step_dir: Path, marker: Marker) -> None:
@@ -77,39 +79,15 @@ def read_marker(step_dir: Path, rank: int) -> Marker | None:
     return Marker.from_json(obj, str(path))
 
 
-@dataclass(frozen=True)
-class Manifest:
+@dataclass(frozen=True, kw_only=True)
+class Manifest(_FileRecord):
+    """``step_N/manifest.json``: every file of a committed step, checked before publishing."""
+
     step: int
     world_size: int
     format: str
     attempt: str
     run_id: str
-    files: tuple[FileEntry, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format_version": FORMAT_VERSION,
-            "step": self.step,
-            "world_size": self.world_size,
-            "format": self.format,
-            "attempt": self.attempt,
-            "run_id": self.run_id,
-            "files": [f.to_json() for f in self.files],
-        }
-
-    @staticmethod
-    def from_json(obj: Any, where: str) -> Manifest:
-        try:
-            return Manifest(
-                step=int(obj["step"]),
-                world_size=int(obj["world_size"]),
-                format=str(obj["format"]),
-                attempt=str(obj["attempt"]),
-                run_id=str(obj["run_id"]),
-                files=tuple(FileEntry.from_json(f, where) for f in obj["files"]),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise VerificationError(f"malformed manifest {where}: {e}") from e
 
 
 def write_manifest(step_dir: Path, manifest: Manifest) -> str:

@@ -130,13 +130,14 @@ def test_failed_shard_save_does_not_stop_training_and_is_never_committed(tmp_pat
     assert not layout.committed_step(4).exists(), "a step with a missing marker must never be committed"
 
 
-def test_interrupted_fsdp2_run_resumes_bit_identical(tmp_path: Path) -> None:
-    _run(tmp_path, "full", "strategy=fsdp2")
-    out = _run(tmp_path, "split", "strategy=fsdp2", "train.stop_after_step=4")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_interrupted_run_resumes_bit_identical(tmp_path: Path, strategy: str) -> None:
+    _run(tmp_path, "full", f"strategy={strategy}")
+    out = _run(tmp_path, "split", f"strategy={strategy}", "train.stop_after_step=4")
     assert "-> step 4" in out
     split = _layout(tmp_path, "split")
     assert read_json(split.stage_record("train"))["summary"]["last_step"] == 4
-    _run(tmp_path, "split", "strategy=fsdp2")
+    _run(tmp_path, "split", f"strategy={strategy}")
     rec = read_json(split.stage_record("train"))
     assert rec["summary"]["resumed_from"] == 4
     full = load_file(str(_layout(tmp_path, "full").consolidated_step(8) / "model.safetensors"))

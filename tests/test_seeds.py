@@ -433,7 +433,8 @@ def test_marker_copied_under_another_ranks_name_is_quarantined(tmp_path) -> None
     staged.mkdir(parents=True)
     (staged / "__0_0.distcp").write_bytes(b"rank0")
     (staged / "__1_0.distcp").write_bytes(b"garbage")
-    write_marker(staged, Marker(4, 0, 2, "torch_dcp", "t1", (describe(staged, "__0_0.distcp"),)))
+    entry = describe(staged, "__0_0.distcp")
+    write_marker(staged, Marker(step=4, rank=0, world_size=2, format="torch_dcp", attempt="t1", files=(entry,)))
     shutil.copy(marker_path(staged, 0), marker_path(staged, 1))
     with pytest.raises(VerificationError, match="claims rank 0"):
         execute_task("verify_manifest", cfg, str(layout.run_dir), "v1")
