@@ -39,7 +39,9 @@ import time
 from pathlib import Path
 
 MiB = 1 << 20
-VOCAB = 8192
+import synthetic  # noqa: E402 - bench/ is on sys.path when a script runs as bench/<name>.py
+
+VOCAB = synthetic.VOCAB
 BASE_DIM = 1024  # hidden size at the default --size-mb: the embedding is VOCAB x BASE_DIM fp32 = 32 MiB
 DEFAULT_SIZE_MB = 600
 TIME_BIN = "/usr/bin/time"
@@ -50,30 +52,7 @@ WORLD = 2  # ranks writing the synthetic checkpoint
 
 
 def model_layout(size_mb: float, dim: int = 0) -> tuple[int, list[tuple[str, tuple[int, ...]]]]:
-    """(hidden size, [(param name, full shape)]) for a checkpoint of about ``size_mb`` MB (fp32).
-
-    The model is about a third of the checkpoint (optimizer exp_avg + exp_avg_sq are the other two thirds).
-    The hidden size scales with sqrt(size), so the largest tensor (embedding / lm_head) scales with the size,
-    unless ``dim`` fixes it (then the number of layers alone follows the size).
-    """
-    dim = dim or max(64, round(BASE_DIM * math.sqrt(size_mb / DEFAULT_SIZE_MB) / 64) * 64)
-    model_bytes = size_mb * 1e6 / 3
-    embed = VOCAB * dim * 4
-    layer = (3 * dim * dim + dim * dim + 4 * dim * dim + 4 * dim * dim + 2 * dim) * 4
-    n_layers = max(1, round((model_bytes - 2 * embed) / layer))
-    names: list[tuple[str, tuple[int, ...]]] = [("embed_tokens.weight", (VOCAB, dim))]
-    for i in range(n_layers):
-        p = f"layers.{i}."
-        names += [
-            (p + "input_norm.weight", (dim,)),
-            (p + "attn.qkv.weight", (3 * dim, dim)),
-            (p + "attn.o.weight", (dim, dim)),
-            (p + "post_norm.weight", (dim,)),
-            (p + "mlp.up.weight", (4 * dim, dim)),
-            (p + "mlp.down.weight", (dim, 4 * dim)),
-        ]
-    names += [("norm.weight", (dim,)), ("lm_head.weight", (VOCAB, dim))]
-    return dim, names
+    return synthetic.model_layout(size_mb, BASE_DIM, DEFAULT_SIZE_MB, dim)
 
 
 def full_tensor(index: int, shape: tuple[int, ...], salt: int = 0):

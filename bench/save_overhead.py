@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import shutil
 import socket
@@ -55,7 +54,9 @@ from unittest import mock
 
 MiB = 1 << 20
 WORLD = 2
-VOCAB = 8192
+import synthetic  # noqa: E402 - bench/ is on sys.path when a script runs as bench/<name>.py
+
+VOCAB = synthetic.VOCAB
 BASE_DIM = 768  # hidden size at the default 400 MB (3 layers); scales with sqrt(size), as in consolidate_rss.py
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 SYNC, NOSYNC, PIPE, HASH, MARK, COLD = "dcp sync", "dcp nosync", "shard_save", "hash own", "marker", "hash cold"
@@ -74,24 +75,7 @@ DESCRIPTIONS = {
 
 
 def model_layout(size_mb: float) -> tuple[int, list[tuple[str, tuple[int, ...]]]]:
-    """(hidden size, [(param name, full shape)]) for a checkpoint of about ``size_mb`` MB (fp32, model = 1/3)."""
-    dim = max(64, round(BASE_DIM * math.sqrt(size_mb / 400) / 64) * 64)
-    embed = VOCAB * dim * 4
-    layer = (12 * dim * dim + 2 * dim) * 4
-    n_layers = max(1, round((size_mb * 1e6 / 3 - 2 * embed) / layer))
-    names: list[tuple[str, tuple[int, ...]]] = [("embed_tokens.weight", (VOCAB, dim))]
-    for i in range(n_layers):
-        p = f"layers.{i}."
-        names += [
-            (p + "input_norm.weight", (dim,)),
-            (p + "attn.qkv.weight", (3 * dim, dim)),
-            (p + "attn.o.weight", (dim, dim)),
-            (p + "post_norm.weight", (dim,)),
-            (p + "mlp.up.weight", (4 * dim, dim)),
-            (p + "mlp.down.weight", (dim, 4 * dim)),
-        ]
-    names += [("norm.weight", (dim,)), ("lm_head.weight", (VOCAB, dim))]
-    return dim, names
+    return synthetic.model_layout(size_mb, BASE_DIM, 400)
 
 
 def build_state(mesh: Any, rank: int, size_mb: float) -> tuple[dict[str, Any], int]:

@@ -1,0 +1,35 @@
+"""Shared by the benchmarks: the parameter layout of an LLM-shaped synthetic checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+VOCAB = 8192
+
+
+def model_layout(
+    size_mb: float, base_dim: int, ref_size_mb: float, dim: int = 0
+) -> tuple[int, list[tuple[str, tuple[int, ...]]]]:
+    """(hidden size, [(param name, full shape)]) for a checkpoint of about ``size_mb`` MB (fp32; model = 1/3,
+    AdamW exp_avg + exp_avg_sq the other 2/3).
+
+    The hidden size is ``base_dim`` at ``ref_size_mb`` and scales with sqrt(size), so the largest tensor
+    (embedding / lm_head) scales with the size, unless ``dim`` fixes it (then only the layer count follows).
+    """
+    dim = dim or max(64, round(base_dim * math.sqrt(size_mb / ref_size_mb) / 64) * 64)
+    embed = VOCAB * dim * 4
+    layer = (12 * dim * dim + 2 * dim) * 4
+    n_layers = max(1, round((size_mb * 1e6 / 3 - 2 * embed) / layer))
+    names: list[tuple[str, tuple[int, ...]]] = [("embed_tokens.weight", (VOCAB, dim))]
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        names += [
+            (p + "input_norm.weight", (dim,)),
+            (p + "attn.qkv.weight", (3 * dim, dim)),
+            (p + "attn.o.weight", (dim, dim)),
+            (p + "post_norm.weight", (dim,)),
+            (p + "mlp.up.weight", (4 * dim, dim)),
+            (p + "mlp.down.weight", (dim, 4 * dim)),
+        ]
+    names += [("norm.weight", (dim,)), ("lm_head.weight", (VOCAB, dim))]
+    return dim, names
