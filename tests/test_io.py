@@ -123,3 +123,46 @@ def test_malicious_dcp_metadata_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFormatError, match=r"posix\.system|os\.system|not allowed"):
         read_metadata_safe(tmp_path)
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+
+
+def _two_rank_save(rank: int, port: int, out: str, results: dict) -> None:  # type: ignore[type-arg]
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pipeline.formats.dcp import RecordingWriter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    state = {
+        "model": {"w": distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)]), "b": torch.arange(5)},
+        "sched": {"last_epoch": 3},
+    }
+    writer = RecordingWriter(Path(out))
+    dcp.save(state, storage_writer=writer)
+    results[rank] = [(e.path, e.size, e.hash) for e in writer.written]
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_hashes_computed_while_writing_match_the_files(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_two_rank_save, args=(port, str(tmp_path), results), nprocs=2, join=True)
+    seen = set()
+    for rank in (0, 1):
+        assert results[rank], f"rank {rank} recorded no files"
+        for path, size, digest in results[rank]:
+            assert path.startswith(f"__{rank}_"), "each rank records only its own files"
+            assert (tmp_path / path).stat().st_size == size
+            assert describe(tmp_path, path).hash == digest
+            seen.add(path)
+    assert seen == {p.name for p in tmp_path.glob("*.distcp")}

@@ -11,21 +11,25 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pathlib
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
 from pipeline.errors import CheckpointFormatError
+from pipeline.integrity import FileEntry
 
 METADATA_FILE = ".metadata"
 FORMAT = "torch_dcp"
@@ -104,16 +108,68 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+class _HashingStream:
+    """Passes writes through to ``raw`` and hashes them on the way (xxh3-128), so no file is read back."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self.hasher = xxhash.xxh3_128()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        if written != len(view):  # a buffered file writes all or raises; anything else would desync the hash
+            raise OSError(f"short write: {written} of {len(view)} bytes")
+        self.hasher.update(view)
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+class _HashingFileSystem(FileSystem):
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, FileEntry] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as raw:
+            hashing = _HashingStream(raw)
+            yield hashing
+        name = Path(path).name
+        self.digests[name] = FileEntry(path=name, size=hashing.size, hash=hashing.hasher.hexdigest())
+
+
 class RecordingWriter(FileSystemWriter):
-    """A ``FileSystemWriter`` that remembers which files this rank wrote (for its done-marker)."""
+    """A ``FileSystemWriter`` that records which data files this rank wrote, with sizes and hashes computed
+    while writing (for its done-marker); ``.metadata`` is not among them (it is renamed into place)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(str(path), sync_files=True, overwrite=True)
-        self.written: list[str] = []
+        self._hashing_fs = _HashingFileSystem()
+        self.fs = self._hashing_fs
+        self.written: list[FileEntry] = []
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         fut = super().write_data(plan, planner)
-        self.written = sorted({r.storage_data.relative_path for r in fut.wait()})
+        names = sorted({r.storage_data.relative_path for r in fut.wait()})
+        self.written = [self._hashing_fs.digests[n] for n in names]
         return fut
 
 

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from pipeline.atomic import clear_file
 from pipeline.contract import StageContract, TaskContext
+from pipeline.errors import VerificationError
 from pipeline.faults import inject
 from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
 from pipeline.integrity import describe
@@ -45,9 +46,13 @@ def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any)
     try:
         writer = RecordingWriter(staged)
         dcp.save(state, storage_writer=writer, process_group=process_group)
-        own = list(writer.written) + ([METADATA_FILE] if ctx.rank == 0 else [])
+        # Data files were hashed while written; rank 0 (DCP's coordinator) also owns the small .metadata.
+        entries = tuple(writer.written) + ((describe(staged, METADATA_FILE),) if ctx.rank == 0 else ())
+        for entry in writer.written:
+            if (staged / entry.path).stat().st_size != entry.size:
+                raise VerificationError(f"{staged / entry.path}: {entry.size} bytes hashed while writing, size differs")
+        own = [e.path for e in entries]
         inject("shard_save.before_marker", rank=ctx.rank, step=step)
-        entries = tuple(describe(staged, rel) for rel in own)
         write_marker(
             staged,
             Marker(
