@@ -324,7 +324,7 @@ def test_seed004_pipeline_missing_marker_fails_at_deadline(make_run: RunFactory)
         _verify(cfg, layout)
     elapsed = time.monotonic() - t0
     msg = str(excinfo.value)
-    assert 1.0 <= elapsed < 4.0, f"deadline of 1s not honoured: verify took {elapsed:.2f}s"
+    assert 1.0 <= elapsed < 10.0, f"deadline of 1s not honoured: verify took {elapsed:.2f}s"
     assert "deadline of 1s passed" in msg
     assert "step 4" in msg and "rank(s) 1 wrote no done-marker" in msg, msg
     assert str(layout.staged_step(4)) in msg
@@ -341,7 +341,7 @@ def test_seed004_pipeline_dead_train_fails_fast_despite_long_deadline(make_run: 
     t0 = time.monotonic()
     with pytest.raises(VerificationError) as excinfo:
         _verify(cfg, layout)
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < 10.0
     msg = str(excinfo.value)
     assert "no longer running" in msg and "step 4" in msg and "rank(s) 1 wrote no done-marker" in msg, msg
     _assert_step_left_uncommitted(layout, 4)
@@ -359,7 +359,7 @@ def test_seed004_pipeline_waits_for_late_marker(make_run: RunFactory) -> None:
         summary = _verify(cfg, layout)
     finally:
         late.join()
-    assert 0.5 <= time.monotonic() - t0 < 5.0
+    assert 0.5 <= time.monotonic() - t0 < 10.0
     assert summary == {"committed": [4], "latest": 4}
     _assert_committed(layout, 4, {"__0_0.distcp", ".metadata", "__1_0.distcp"})
 
