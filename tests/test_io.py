@@ -166,3 +166,68 @@ def test_hashes_computed_while_writing_match_the_files(tmp_path: Path) -> None:
             assert describe(tmp_path, path).hash == digest
             seen.add(path)
     assert seen == {p.name for p in tmp_path.glob("*.distcp")}
+
+
+def _full_model_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "rows": torch.randn(64, 8, generator=g),  # Shard(0): two row blocks -> streamed chunk by chunk
+        "uneven": torch.randn(5, 3, generator=g),  # Shard(0) over 2 ranks: blocks of 3 and 2 rows
+        "cols": torch.randn(6, 10, generator=g),  # Shard(1): not row blocks -> assembled in the buffer
+        "replicated": torch.arange(12, dtype=torch.int64).view(3, 4),  # plain tensor: one chunk
+        "scalar": torch.tensor(2.5),
+    }
+
+
+def _two_rank_model_save(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    full = _full_model_tensors()
+    model = {
+        "rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+        "uneven": distribute_tensor(full["uneven"], mesh, [Shard(0)]),
+        "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+        "replicated": full["replicated"],
+        "scalar": full["scalar"],
+    }
+    dcp.save({"model": model, "optim": {"x": torch.ones(3)}}, checkpoint_id=out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_consolidation_streams_row_blocks_and_assembles_the_rest(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from pipeline.formats.dcp_stream import TensorStreamer
+    from pipeline.stages.consolidate import consolidate_dcp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ckpt = tmp_path / "ckpt"
+    mp.spawn(_two_rank_model_save, args=(port, str(ckpt)), nprocs=2, join=True)
+    streamer = TensorStreamer(ckpt, "model.")
+    paths = {k: streamer.row_blocks(k, m) is not None for k, m in streamer.entries}
+    assert paths == {
+        "model.rows": True,
+        "model.uneven": True,
+        "model.cols": False,
+        "model.replicated": True,
+        "model.scalar": True,
+    }
+    assert len(streamer.row_blocks("model.rows", dict(streamer.entries)["model.rows"]) or []) == 2
+
+    out = tmp_path / "model.safetensors"
+    assert consolidate_dcp(ckpt, out) == 5
+    got = load_file(str(out))
+    want = _full_model_tensors()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

@@ -199,33 +199,6 @@ def tensor_entries(md: dcp_meta.Metadata, prefix: str) -> Iterator[tuple[str, dc
             yield key, item
 
 
-class TensorStreamer:
-    """Read a DCP checkpoint's tensors one at a time, whole, into one reused buffer.
-
-    The metadata is parsed once; each tensor is loaded into a view of a byte buffer sized to the largest
-    tensor, so memory stays about one tensor (plus DCP's per-chunk temporary), and freed blocks do not pile
-    up in the allocator between tensors.
-    """
-
-    def __init__(self, path: Path, prefix: str) -> None:
-        self.path = path
-        self.metadata = read_metadata_safe(path)
-        self.entries = list(tensor_entries(self.metadata, prefix))
-        largest = max((_nbytes(m) for _, m in self.entries), default=0)
-        self._buffer = torch.empty(largest, dtype=torch.uint8)
-
-    def load(self, key: str, meta: dcp_meta.TensorStorageMetadata) -> torch.Tensor:
-        """The tensor ``key``; valid until the next call (it lives in the shared buffer)."""
-        dtype = meta.properties.dtype
-        out = self._buffer[: _nbytes(meta)].view(dtype).view(meta.size)
-        load_into({key: out}, self.path, no_dist=True, metadata=self.metadata)
-        return out
-
-
-def _nbytes(meta: dcp_meta.TensorStorageMetadata) -> int:
-    return meta.size.numel() * torch.empty((), dtype=meta.properties.dtype).element_size()
-
-
 def load_full_tensor(path: Path, key: str, meta: dcp_meta.TensorStorageMetadata) -> torch.Tensor:
     """Read one tensor, whole, from a DCP checkpoint without loading anything else."""
     out = torch.empty(meta.size, dtype=meta.properties.dtype)

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,11 +69,33 @@ class StreamingSafetensorsWriter:
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write_parts(self, name: str, parts: Iterable[torch.Tensor]) -> None:
+        """Write the next planned tensor from consecutive row-major pieces (e.g. dim-0 shards, in order)."""
+        spec = self._expect(name)
+        written = 0
+        for part in parts:
+            if part.dtype != spec.dtype:
+                raise CheckpointFormatError(f"{self.path}: part of {name} is {part.dtype}, planned {spec.dtype}")
+            flat = part.detach().contiguous().reshape(-1).view(torch.uint8)
+            self._file.write(flat.numpy().data)
+            written += flat.numel()
+        if written != spec.nbytes:
+            raise CheckpointFormatError(
+                f"{self.path}: {name} got {written} bytes from its parts, planned {spec.nbytes}"
+            )
+        self._next += 1
+
+    def _expect(self, name: str) -> TensorSpec:
         if self._next >= len(self.specs):
             raise CheckpointFormatError(f"{self.path}: tensor {name} was not planned")
         spec = self.specs[self._next]
-        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+        if name != spec.name:
+            raise CheckpointFormatError(f"{self.path}: expected tensor {spec.name} next, got {name}")
+        return spec
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self._expect(name)
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise CheckpointFormatError(
                 f"{self.path}: expected {spec.name} {spec.dtype} {spec.shape}, "
                 f"got {name} {tensor.dtype} {tuple(tensor.shape)}"

@@ -4,7 +4,7 @@ Inputs: the step named by ``checkpoints/latest``, its files verified against ``m
 read with a restricted unpickler (no arbitrary code).
 Outputs: ``consolidated/step_N/model.safetensors`` (model weights only, HF parameter names) and
 ``consolidated.json`` (done-marker: source step + manifest hash, file sizes and hashes).
-Owner: this single task. Memory: one full tensor (plus its DCP chunks) at a time, never the model.
+Owner: this single task. Memory: one stored DCP chunk at a time (one tensor when it must be assembled), never the model.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from pipeline.config import PipelineConfig
 from pipeline.contract import Resources, StageContract, TaskContext
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.formats.dcp import TensorStreamer
+from pipeline.formats.dcp_stream import TensorStreamer
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.layout import RunLayout, step_name
 from pipeline.manifest import read_latest
@@ -69,7 +69,11 @@ def consolidate_dcp(step_dir: Path, out: Path, on_tensor: Callable[[str], None] 
     specs = [TensorSpec(k[len(MODEL_PREFIX) :], m.properties.dtype, tuple(m.size)) for k, m in streamer.entries]
     writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
     for spec, (key, meta) in zip(specs, streamer.entries, strict=True):
-        writer.write(spec.name, streamer.load(key, meta))
+        blocks = streamer.row_blocks(key, meta)
+        if blocks is not None:
+            writer.write_parts(spec.name, streamer.iter_row_blocks(meta, blocks))
+        else:
+            writer.write(spec.name, streamer.load(key, meta))
         if on_tensor is not None:
             on_tensor(spec.name)
     writer.close()

@@ -1,0 +1,126 @@
+"""Stream a DCP checkpoint's tensors one at a time with memory bounded by the largest chunk.
+
+Two paths, chosen per tensor from the metadata:
+
+* **row blocks** (the common case: DDP writes each tensor as one chunk, FSDP2 shards on dim 0): every
+  stored chunk spans full rows and the chunks tile dim 0, so in row-major order they are consecutive byte
+  ranges of the whole tensor. Each chunk is loaded alone (``torch.load(weights_only=True)`` on its byte
+  range, as DCP itself reads it) and handed on; the whole tensor never exists in memory.
+* **anything else** (sharding on another dim, storage transforms): the tensor is assembled by ``dcp.load``
+  into one reused buffer sized to the largest tensor.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, cast
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from pipeline.errors import CheckpointFormatError
+from pipeline.formats.dcp import load_into, read_metadata_safe, tensor_entries
+from pipeline.integrity import safe_join
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes at ``offset`` of an open file."""
+
+    def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
+        self.f, self.start, self.end, self.pos = f, offset, offset + length, offset
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos - self.start
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: self.start, io.SEEK_CUR: self.pos, io.SEEK_END: self.end}[whence]
+        self.pos = min(max(base + offset, self.start), self.end)
+        return self.pos - self.start
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        n = min(len(buffer), self.end - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n])  # type: ignore[attr-defined]
+        self.pos += got
+        return int(got)
+
+
+def _nbytes(meta: dcp_meta.TensorStorageMetadata) -> int:
+    return meta.size.numel() * torch.empty((), dtype=meta.properties.dtype).element_size()
+
+
+class TensorStreamer:
+    """Tensors under ``prefix`` of the DCP checkpoint at ``path``, one at a time (metadata parsed once)."""
+
+    def __init__(self, path: Path, prefix: str) -> None:
+        self.path = path
+        self.metadata = read_metadata_safe(path)
+        self.entries = list(tensor_entries(self.metadata, prefix))
+        self._storage = {
+            (idx.fqn, tuple(idx.offset)): info
+            for idx, info in self.metadata.storage_data.items()
+            if idx.offset is not None  # non-tensor (bytes) entries have no offset
+        }
+        self._buffer: torch.Tensor | None = None
+
+    def row_blocks(
+        self, key: str, meta: dcp_meta.TensorStorageMetadata
+    ) -> list[tuple[dcp_meta.ChunkStorageMetadata, _StorageInfo]] | None:
+        """The chunks of ``key`` in row order when they are full-row blocks tiling dim 0, else None."""
+        full = tuple(meta.size)
+        blocks = []
+        for chunk in meta.chunks:
+            info = self._storage.get((key, tuple(chunk.offsets)))
+            if info is None or info.transform_descriptors:
+                return None
+            if tuple(chunk.offsets[1:]) != (0,) * (len(full) - 1) or tuple(chunk.sizes[1:]) != full[1:]:
+                return None
+            blocks.append((chunk, info))
+        if not full:
+            return blocks if len(blocks) == 1 else None
+        blocks.sort(key=lambda b: b[0].offsets[0])
+        row = 0
+        for chunk, _ in blocks:
+            if chunk.offsets[0] != row:
+                return None
+            row += chunk.sizes[0]
+        return blocks if row == full[0] else None
+
+    def iter_row_blocks(
+        self, meta: dcp_meta.TensorStorageMetadata, blocks: list[tuple[dcp_meta.ChunkStorageMetadata, _StorageInfo]]
+    ) -> Iterator[torch.Tensor]:
+        """Load each block alone, in order."""
+        for chunk, info in blocks:
+            with open(safe_join(self.path, info.relative_path), "rb") as f:
+                stream = cast(IO[bytes], _FileSlice(f, info.offset, info.length))
+                tensor = torch.load(stream, map_location="cpu", weights_only=True)
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != meta.properties.dtype:
+                raise CheckpointFormatError(
+                    f"{self.path}/{info.relative_path}: chunk is not a {meta.properties.dtype} tensor"
+                )
+            if tuple(tensor.shape) != tuple(chunk.sizes):
+                raise CheckpointFormatError(
+                    f"{self.path}/{info.relative_path}: chunk shape {tuple(tensor.shape)} != {tuple(chunk.sizes)}"
+                )
+            yield tensor
+            del tensor
+
+    def load(self, key: str, meta: dcp_meta.TensorStorageMetadata) -> torch.Tensor:
+        """The whole tensor ``key`` (general path); valid until the next call (it lives in a reused buffer)."""
+        largest = max(_nbytes(m) for _, m in self.entries)
+        if self._buffer is None:
+            self._buffer = torch.empty(largest, dtype=torch.uint8)
+        out = self._buffer[: _nbytes(meta)].view(meta.properties.dtype).view(meta.size)
+        load_into({key: out}, self.path, no_dist=True, metadata=self.metadata)
+        return out
