@@ -89,13 +89,7 @@ def _save_rank(rank: int, port: int, ckpt: str, size_mb: float, dim: int) -> Non
                 "exp_avg": shard(full_tensor(i, shape, 1)),
                 "exp_avg_sq": shard(full_tensor(i, shape, 2).abs_()),
             }
-        state = {
-            "model": model,
-            "optim": {"state": optim_state, "param_groups": [{"lr": 1e-3, "params": [n for n, _ in layout]}]},
-            "sched": {"last_epoch": 7, "base_lrs": [1e-3]},
-            "train": {"step": torch.tensor(7), "data_epoch": torch.tensor(0), "data_offset": torch.tensor(448)},
-            "rng": {f"rank_{rank}": torch.get_rng_state()},
-        }
+        state = synthetic.training_state(model, optim_state, rank)
         dcp.save(state, checkpoint_id=ckpt)
         dist.barrier()
     finally:

@@ -101,13 +101,7 @@ def build_state(mesh: Any, rank: int, size_mb: float) -> tuple[dict[str, Any], i
     for name, shape in layout:
         model[name] = shard(shape)
         optim_state[name] = {"step": torch.tensor(7.0), "exp_avg": shard(shape), "exp_avg_sq": shard(shape, True)}
-    state = {
-        "model": model,
-        "optim": {"state": optim_state, "param_groups": [{"lr": 1e-3, "params": [n for n, _ in layout]}]},
-        "sched": {"last_epoch": 7, "base_lrs": [1e-3]},
-        "train": {"step": torch.tensor(7), "data_epoch": torch.tensor(0), "data_offset": torch.tensor(448)},
-        "rng": {f"rank_{rank}": torch.get_rng_state()},
-    }
+    state = synthetic.training_state(model, optim_state, rank)
     return state, local_bytes
 
 

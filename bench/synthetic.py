@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 VOCAB = 8192
 
@@ -33,3 +34,16 @@ def model_layout(
         ]
     names += [("norm.weight", (dim,)), ("lm_head.weight", (VOCAB, dim))]
     return dim, names
+
+
+def training_state(model: dict[str, Any], optim_state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Wrap model and optimizer tensors in the pipeline's checkpoint shape (``pipeline/stages/train.py:_state``)."""
+    import torch
+
+    return {
+        "model": model,
+        "optim": {"state": optim_state, "param_groups": [{"lr": 1e-3, "params": list(model)}]},
+        "sched": {"last_epoch": 7, "base_lrs": [1e-3]},
+        "train": {"step": torch.tensor(7), "data_epoch": torch.tensor(0), "data_offset": torch.tensor(448)},
+        "rng": {f"rank_{rank}": torch.get_rng_state()},
+    }

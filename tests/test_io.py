@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,18 @@ def test_malicious_dcp_metadata_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
 
 
+def _spawn_two(fn: Callable[..., None], *args: object) -> None:
+    """Run ``fn(rank, port, *args)`` on 2 spawned ranks that join one gloo group on a free local port."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(fn, args=(port, *args), nprocs=2, join=True)
+
+
 def _two_rank_save(rank: int, port: int, out: str, results: dict) -> None:  # type: ignore[type-arg]
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -148,15 +161,10 @@ def _two_rank_save(rank: int, port: int, out: str, results: dict) -> None:  # ty
 
 @pytest.mark.distributed
 def test_hashes_computed_while_writing_match_the_files(tmp_path: Path) -> None:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_two_rank_save, args=(port, str(tmp_path), results), nprocs=2, join=True)
+    _spawn_two(_two_rank_save, str(tmp_path), results)
     seen = set()
     for rank in (0, 1):
         assert results[rank], f"rank {rank} recorded no files"
@@ -201,18 +209,11 @@ def _two_rank_model_save(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.distributed
 def test_consolidation_streams_row_blocks_and_assembles_the_rest(tmp_path: Path) -> None:
-    import socket
-
-    import torch.multiprocessing as mp
-
     from pipeline.formats.dcp_stream import TensorStreamer
     from pipeline.stages.consolidate import consolidate_dcp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ckpt = tmp_path / "ckpt"
-    mp.spawn(_two_rank_model_save, args=(port, str(ckpt)), nprocs=2, join=True)
+    _spawn_two(_two_rank_model_save, str(ckpt))
     streamer = TensorStreamer(ckpt, "model.")
     paths = {k: streamer.row_blocks(k, m) is not None for k, m in streamer.entries}
     assert paths == {
