@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -67,7 +66,3 @@ class StageModule(Protocol):
     def is_done(self, cfg: PipelineConfig, layout: RunLayout) -> str | None: ...
 
     def run(self, ctx: TaskContext) -> dict[str, object]: ...
-
-
-def relpath(path: Path, layout: RunLayout) -> str:
-    return str(path.relative_to(layout.run_dir))

@@ -25,10 +25,6 @@ def hash_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def hash_bytes(data: bytes) -> str:
-    return xxhash.xxh3_128(data).hexdigest()
-
-
 @dataclass(frozen=True)
 class FileEntry:
     """One file of a checkpoint, relative to the directory that holds it."""

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from pipeline.atomic import read_json, write_json_atomic
 from pipeline.errors import VerificationError
-from pipeline.integrity import FileEntry, hash_file, safe_join
+from pipeline.integrity import FileEntry, hash_file, safe_join, verify_entries
 from pipeline.layout import RunLayout, step_name
 
 MANIFEST = "manifest.json"
@@ -101,6 +101,13 @@ def read_manifest(step_dir: Path) -> Manifest:
     if not path.exists():
         raise VerificationError(f"{path} is missing: {step_dir} is not a committed step")
     return Manifest.from_json(read_json(path), str(path))
+
+
+def verify_committed(step_dir: Path) -> Manifest:
+    """Check every file of a committed step against its manifest (size, then hash); return the manifest."""
+    manifest = read_manifest(step_dir)
+    verify_entries(step_dir, list(manifest.files), str(step_dir / MANIFEST))
+    return manifest
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pipeline.atomic import move_aside, publish_dir, read_json, remove_tree, wri
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.integrity import FileEntry, describe, verify_entries
 from pipeline.layout import RunLayout
-from pipeline.manifest import Latest, read_latest, read_manifest
+from pipeline.manifest import Latest, read_latest, verify_committed
 
 CONSOLIDATED_MARKER = "consolidated.json"
 """Done-marker of ``consolidated/step_N/`` (written by consolidate, read by export)."""
@@ -31,8 +31,7 @@ def source_step(layout: RunLayout) -> Latest:
             f"{layout.latest} does not exist: no committed step in run {layout.run_id}; "
             "run train and verify_manifest first"
         )
-    step_dir = layout.committed_step(latest.step)
-    verify_entries(step_dir, list(read_manifest(step_dir).files), str(step_dir / "manifest.json"))
+    verify_committed(layout.committed_step(latest.step))
     return latest
 
 

@@ -26,10 +26,9 @@ from pipeline.data import DataPosition, SampleStream, load_tokenizer
 from pipeline.distributed import broadcast_from_rank0, init_distributed
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp import load_into
-from pipeline.integrity import verify_entries
 from pipeline.layout import RunLayout
 from pipeline.lm import build_model
-from pipeline.manifest import read_latest, read_manifest, read_marker
+from pipeline.manifest import read_latest, read_marker, verify_committed
 from pipeline.stages import shard_save
 
 CONTRACT = StageContract(
@@ -85,8 +84,7 @@ def _resume_step(layout: RunLayout) -> int:
     latest = read_latest(layout)
     if latest is None:
         return 0
-    step_dir = layout.committed_step(latest.step)
-    verify_entries(step_dir, list(read_manifest(step_dir).files), str(step_dir / "manifest.json"))
+    verify_committed(layout.committed_step(latest.step))
     return latest.step
 
 

@@ -29,8 +29,8 @@ from pipeline.manifest import (
     Manifest,
     Marker,
     read_latest,
-    read_manifest,
     read_marker,
+    verify_committed,
     write_latest,
     write_manifest,
 )
@@ -73,7 +73,7 @@ def _finish_interrupted_commits(layout: RunLayout, after: int) -> list[int]:
     done = []
     for step in _published_after(layout, after):
         step_dir = layout.committed_step(step)
-        verify_entries(step_dir, list(read_manifest(step_dir).files), str(step_dir / MANIFEST))
+        verify_committed(step_dir)
         write_latest(layout, step, hash_file(step_dir / MANIFEST))
         log.warning("step %d was published but latest was not moved (interrupted commit): latest -> %d", step, step)
         done.append(step)
@@ -93,9 +93,8 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
         return None
     if latest is None or _candidates(layout, latest.step) or _published_after(layout, latest.step):
         return None
-    step_dir = layout.committed_step(latest.step)
     try:
-        verify_entries(step_dir, list(read_manifest(step_dir).files), str(step_dir / "manifest.json"))
+        verify_committed(layout.committed_step(latest.step))
     except (VerificationError, OSError):
         return None
     return f"latest is step {latest.step}, its manifest verifies, and nothing newer is staged"
