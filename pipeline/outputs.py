@@ -23,15 +23,19 @@ CONSOLIDATED_WEIGHTS = "model.safetensors"
 """The full-tensor weights file in ``consolidated/step_N/``."""
 
 
-def source_step(layout: RunLayout) -> Latest:
-    """The committed step that downstream stages read: ``latest``, with its files verified."""
+def source_step(layout: RunLayout, verify: bool) -> Latest:
+    """The committed step that downstream stages read: ``latest`` (its manifest hash checked).
+
+    ``verify=True`` also checks every file against the manifest: done once per job, in ``check_inputs``.
+    """
     latest = read_latest(layout)
     if latest is None:
         raise PipelineError(
             f"{layout.latest} does not exist: no committed step in run {layout.run_id}; "
             "run train and verify_manifest first"
         )
-    verify_committed(layout.committed_step(latest.step))
+    if verify:
+        verify_committed(layout.committed_step(latest.step))
     return latest
 
 

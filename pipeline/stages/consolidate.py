@@ -43,7 +43,7 @@ MODEL_PREFIX = "model."
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
-    source_step(layout)
+    source_step(layout, verify=True)
 
 
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
@@ -82,7 +82,7 @@ def consolidate_dcp(step_dir: Path, out: Path, on_tensor: Callable[[str], None] 
 
 def run(ctx: TaskContext) -> dict[str, object]:
     layout = ctx.layout
-    latest = source_step(layout)
+    latest = source_step(layout, verify=False)  # check_inputs verified its files when this job started
     staging = start_staging(layout.consolidated, step_name(latest.step))
     source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
     count = consolidate_dcp(layout.committed_step(latest.step), staging / WEIGHTS)

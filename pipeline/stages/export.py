@@ -26,8 +26,14 @@ from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.layout import RunLayout, step_name
 from pipeline.lm import llama_config
-from pipeline.manifest import read_latest
-from pipeline.outputs import CONSOLIDATED_MARKER, CONSOLIDATED_WEIGHTS, finish, start_staging, verified_output
+from pipeline.outputs import (
+    CONSOLIDATED_MARKER,
+    CONSOLIDATED_WEIGHTS,
+    finish,
+    source_step,
+    start_staging,
+    verified_output,
+)
 
 CONTRACT = StageContract(
     name="export",
@@ -43,19 +49,18 @@ INDEX = "model.safetensors.index.json"
 
 
 def _source(cfg: PipelineConfig, layout: RunLayout) -> dict[str, object]:
-    latest = read_latest(layout)
-    if latest is None:
-        raise PipelineError(f"{layout.latest} does not exist: nothing is committed in run {layout.run_id}")
-    src_dir = layout.consolidated_step(latest.step)
-    want = {"step": latest.step, "manifest_hash": latest.manifest_hash}
-    if not verified_output(src_dir, CONSOLIDATED_MARKER, want):
-        raise PipelineError(
-            f"{src_dir} is missing or does not verify against step {latest.step}: run stage=consolidate first"
-        )
-    marker = read_json(src_dir / CONSOLIDATED_MARKER)
-    weights_hash = next(f["hash"] for f in marker["files"] if f["path"] == CONSOLIDATED_WEIGHTS)
+    """What the export is made from (step, manifest hash, consolidated file hash, settings); reads, no hashing."""
+    latest = source_step(layout, verify=False)
+    marker_path = layout.consolidated_step(latest.step) / CONSOLIDATED_MARKER
+    if not marker_path.exists():
+        raise PipelineError(f"{marker_path} is missing: run stage=consolidate for step {latest.step} first")
+    marker = read_json(marker_path)
+    weights_hash = next((f["hash"] for f in marker["files"] if f["path"] == CONSOLIDATED_WEIGHTS), None)
+    if weights_hash is None:
+        raise VerificationError(f"{marker_path} lists no {CONSOLIDATED_WEIGHTS}")
     return {
-        **want,
+        "step": latest.step,
+        "manifest_hash": latest.manifest_hash,
         "consolidated_hash": weights_hash,
         "max_shard_size": cfg.export.max_shard_size,
         "dtype": cfg.export.dtype,
@@ -63,13 +68,18 @@ def _source(cfg: PipelineConfig, layout: RunLayout) -> dict[str, object]:
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
-    _source(cfg, layout)
+    latest = source_step(layout, verify=False)
+    src_dir = layout.consolidated_step(latest.step)
+    if not verified_output(src_dir, CONSOLIDATED_MARKER, {"step": latest.step, "manifest_hash": latest.manifest_hash}):
+        raise PipelineError(
+            f"{src_dir} is missing or does not verify against step {latest.step}: run stage=consolidate first"
+        )
 
 
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     try:
         source = _source(cfg, layout)
-    except (PipelineError, VerificationError, OSError, ValueError):
+    except (PipelineError, VerificationError, OSError, ValueError, KeyError, TypeError):
         return None
     out = layout.export_step(int(str(source["step"])))
     return f"{out} verifies against its source" if verified_output(out, MARKER, source) else None
