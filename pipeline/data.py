@@ -79,11 +79,15 @@ class SampleStream:
         self.rank = rank
         self.world_size = world_size
         self.pos = DataPosition()
+        self._perm_cache: tuple[int, torch.Tensor] | None = None
         if n < micro_batch_size * world_size:
             raise ValueError(f"only {n} samples of {seq_len} tokens; need at least {micro_batch_size * world_size}")
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        return torch.randperm(self.samples.shape[0], generator=torch.Generator().manual_seed(self.seed + epoch))
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm_cache = (epoch, torch.randperm(self.samples.shape[0], generator=gen))
+        return self._perm_cache[1]
 
     def next_batch(self) -> torch.Tensor:
         global_bs = self.mbs * self.world_size

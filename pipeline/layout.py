@@ -89,11 +89,10 @@ class RunLayout:
         return self.export / step_name(step)
 
     def planned_dirs(self) -> list[Path]:
-        """Directories prepare-dirs creates before any other job starts."""
+        """Directories prepare-dirs creates before any other job starts (``assets/`` is published, not created)."""
         return [
             self.stages,
             self.logs,
-            self.assets,
             self.checkpoints,
             self.staging,
             self.quarantine,

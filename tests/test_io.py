@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from pipeline.atomic import publish_dir, write_json_atomic
 from pipeline.errors import CheckpointFormatError, PipelineError, UnsafePathError, VerificationError
-from pipeline.formats.dcp import load_full_tensor, load_into, read_metadata_safe, tensor_entries
+from pipeline.formats.dcp import load_into, read_metadata_safe
+from pipeline.formats.dcp_stream import TensorStreamer
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.integrity import describe, safe_join, verify_entries
 from pipeline.stages.export import plan_shards
@@ -106,7 +107,9 @@ def _tiny_dcp(path: Path) -> dict[str, torch.Tensor]:
 def test_dcp_metadata_is_read_without_arbitrary_unpickling(tmp_path: Path) -> None:
     model = _tiny_dcp(tmp_path)
     md = read_metadata_safe(tmp_path)
-    got = {k: load_full_tensor(tmp_path, k, m) for k, m in tensor_entries(md, "model.")}
+    assert {"model.w", "model.b", "sched.last_epoch"} <= set(md.state_dict_metadata)
+    streamer = TensorStreamer(tmp_path, "model.")
+    got = {k: streamer.load(k, m).clone() for k, m in streamer.entries}
     assert set(got) == {"model.w", "model.b"}
     assert torch.equal(got["model.w"], model["w"]) and torch.equal(got["model.b"], model["b"])
     state = {"sched": {"last_epoch": 0, "base_lrs": [0.0]}}

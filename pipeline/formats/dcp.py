@@ -197,10 +197,3 @@ def tensor_entries(md: dcp_meta.Metadata, prefix: str) -> Iterator[tuple[str, dc
         item = md.state_dict_metadata[key]
         if key.startswith(prefix) and isinstance(item, dcp_meta.TensorStorageMetadata):
             yield key, item
-
-
-def load_full_tensor(path: Path, key: str, meta: dcp_meta.TensorStorageMetadata) -> torch.Tensor:
-    """Read one tensor, whole, from a DCP checkpoint without loading anything else."""
-    out = torch.empty(meta.size, dtype=meta.properties.dtype)
-    load_into({key: out}, path, no_dist=True)
-    return out

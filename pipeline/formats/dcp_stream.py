@@ -57,7 +57,7 @@ class _FileSlice(io.RawIOBase):
 
 
 def _nbytes(meta: dcp_meta.TensorStorageMetadata) -> int:
-    return meta.size.numel() * torch.empty((), dtype=meta.properties.dtype).element_size()
+    return meta.size.numel() * meta.properties.dtype.itemsize
 
 
 class TensorStreamer:
@@ -118,9 +118,8 @@ class TensorStreamer:
 
     def load(self, key: str, meta: dcp_meta.TensorStorageMetadata) -> torch.Tensor:
         """The whole tensor ``key`` (general path); valid until the next call (it lives in a reused buffer)."""
-        largest = max(_nbytes(m) for _, m in self.entries)
         if self._buffer is None:
-            self._buffer = torch.empty(largest, dtype=torch.uint8)
+            self._buffer = torch.empty(max(_nbytes(m) for _, m in self.entries), dtype=torch.uint8)
         out = self._buffer[: _nbytes(meta)].view(meta.properties.dtype).view(meta.size)
         load_into({key: out}, self.path, no_dist=True, metadata=self.metadata)
         return out

@@ -72,8 +72,7 @@ def run(ctx: TaskContext) -> dict[str, object]:
                 remove_tree(entry) if entry.is_dir() else clear_file(entry)
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     for d in layout.planned_dirs():
-        if d != layout.assets:
-            d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(parents=True, exist_ok=True)
     os.chmod(layout.logs, 0o700)  # submitit job folders hold pickles
     check_inputs(cfg, layout)
     if not layout.run_yaml.exists():
