@@ -89,10 +89,13 @@ class RunLayout:
         return self.export / step_name(step)
 
     def planned_dirs(self) -> list[Path]:
-        """Directories prepare-dirs creates before any other job starts (``assets/`` is published, not created)."""
+        """Directories prepare-dirs creates before any other job starts.
+
+        Not here: ``assets/`` (published by prepare-dirs) and ``logs/`` (created, mode 0700, by the launching
+        process, which needs it before the first job).
+        """
         return [
             self.stages,
-            self.logs,
             self.checkpoints,
             self.staging,
             self.quarantine,

@@ -66,7 +66,7 @@ def run(cfg: PipelineConfig, launcher: Launcher, say: Callable[[str], None] = pr
     if cfg.run.id is None:
         cfg.run.id = layout.run_id  # decided once, here; every job receives it
     say(f"run {layout.run_id}: {layout.run_dir}")
-    layout.logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    layout.logs.mkdir(parents=True, exist_ok=True, mode=0o700)  # owner: this process; job folders hold pickles
     os.chmod(layout.logs, 0o700)
     failure: PipelineError | None = None
     for name in stages:

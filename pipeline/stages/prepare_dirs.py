@@ -10,7 +10,6 @@ Done-marker: ``run.yaml`` matching the config's identity keys, and ``assets/asse
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from pipeline.atomic import clear_file, remove_tree, write_bytes_atomic
 from pipeline.config import PipelineConfig
@@ -73,7 +72,6 @@ def run(ctx: TaskContext) -> dict[str, object]:
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     for d in layout.planned_dirs():
         d.mkdir(parents=True, exist_ok=True)
-    os.chmod(layout.logs, 0o700)  # submitit job folders hold pickles
     check_inputs(cfg, layout)
     if not layout.run_yaml.exists():
         write_bytes_atomic(layout.run_yaml, render(cfg))
