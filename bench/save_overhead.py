@@ -150,9 +150,9 @@ class Bench:
     """One rank's side of the measurement; rank 0 also cleans up and records the results."""
 
     def __init__(self, rank: int, scratch: Path, opts: dict[str, Any], pg: Any, state: dict[str, Any]) -> None:
-        from pipeline.compose import load_config
-        from pipeline.contract import TaskContext
-        from pipeline.layout import RunLayout
+        from pipeline.config.compose import load_config
+        from pipeline.orchestration.contract import TaskContext
+        from pipeline.storage.layout import RunLayout
 
         self.rank, self.scratch, self.opts, self.pg, self.state = rank, scratch, opts, pg, state
         cfg = load_config(
@@ -234,9 +234,9 @@ class Bench:
     def pipeline_then_hash(self, rnd: int) -> None:
         import torch.distributed as dist
 
-        from pipeline.integrity import hash_file
-        from pipeline.manifest import read_marker, write_marker
+        from pipeline.checkpoint.manifest import read_marker, write_marker
         from pipeline.stages import shard_save
+        from pipeline.storage.integrity import hash_file
 
         self.step += 4
         step = self.step

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from launchers.base import Launcher
 from launchers.inprocess import InProcessLauncher
 from launchers.submitit_launcher import SubmititLauncher
-from pipeline.config import LauncherConfig
+from pipeline.config.schema import LauncherConfig
 from pipeline.errors import ConfigError
-from pipeline.runner import Launcher
 
 
 def make_launcher(cfg: LauncherConfig) -> Launcher:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from launchers.base import Launcher
 from pipeline.errors import ConfigError
-from pipeline.runner import Launcher, StageJob
-from pipeline.task import execute_task
+from pipeline.orchestration.runner import StageJob
+from pipeline.orchestration.task import execute_task
 
 
 class InProcessLauncher(Launcher):

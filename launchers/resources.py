@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pipeline.config import LauncherConfig, SlurmLauncherConfig
-from pipeline.contract import StageContract
+from pipeline.config.schema import LauncherConfig, SlurmLauncherConfig
+from pipeline.orchestration.contract import StageContract
 
 
 def submitit_parameters(

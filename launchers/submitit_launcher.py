@@ -9,11 +9,12 @@ from typing import Any
 
 import submitit
 
+from launchers.base import Launcher
 from launchers.resources import submitit_parameters
-from pipeline.config import LauncherConfig, LocalLauncherConfig, PipelineConfig
+from pipeline.config.schema import LauncherConfig, LocalLauncherConfig, PipelineConfig
 from pipeline.errors import StageFailedError
-from pipeline.runner import Launcher, StageJob
-from pipeline.task import execute_task
+from pipeline.orchestration.runner import StageJob
+from pipeline.orchestration.task import execute_task
 
 
 def task_entry(stage: str, cfg: PipelineConfig, run_dir: str, attempt: str) -> dict[str, object]:

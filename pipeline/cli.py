@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.compose import load_config, to_yaml
+from pipeline.config.compose import load_config, to_yaml
 from pipeline.errors import PipelineError
 from pipeline.stages import ORDER, get_stage
 
@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
                 print(f"{c.job_name:16} tasks={c.num_tasks(cfg)} needs={','.join(c.needs) or '-'} -> {c.produces}")
             return 0
         from launchers.factory import make_launcher  # noqa: PLC0415 - submitit only when launching
-        from pipeline import runner  # noqa: PLC0415
+        from pipeline.orchestration import runner  # noqa: PLC0415
 
         runner.run(cfg, make_launcher(cfg.launcher))
         return 0

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.compose import load_config
-from pipeline.config import PipelineConfig
-from pipeline.layout import RunLayout
-from pipeline.task import execute_task
+from pipeline.config.compose import load_config
+from pipeline.config.schema import PipelineConfig
+from pipeline.orchestration.task import execute_task
+from pipeline.storage.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.atomic import clear_file, write_bytes_atomic
-from pipeline.integrity import describe
-from pipeline.layout import RunLayout
-from pipeline.manifest import Marker, marker_path, write_marker
+from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
+from pipeline.storage.atomic import clear_file, write_bytes_atomic
+from pipeline.storage.integrity import describe
+from pipeline.storage.layout import RunLayout
 
 # fork: cheap and truly simultaneous; SEED_TESTS_START_METHOD=spawn checks that nothing relies on inherited state.
 START_METHOD = os.environ.get("SEED_TESTS_START_METHOD") or (

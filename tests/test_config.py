@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.compose import experiments, load_config
-from pipeline.config import PipelineConfig
+from pipeline.config.compose import experiments, load_config
+from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError
 from tests.conftest import run_cli
 

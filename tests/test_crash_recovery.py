@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.checkpoint.manifest import read_latest
 from pipeline.errors import PipelineError
-from pipeline.faults import InjectedFault
-from pipeline.manifest import read_latest
 from pipeline.stages import train, verify_manifest
+from pipeline.storage.faults import InjectedFault
 from tests import seed_helpers as sh
 from tests.conftest import RunFactory
 from tests.test_seeds import TRAIN_ATTEMPT, _assert_committed, _verify

@@ -12,13 +12,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from pipeline.atomic import publish_dir, write_json_atomic
 from pipeline.errors import CheckpointFormatError, PipelineError, UnsafePathError, VerificationError
 from pipeline.formats.dcp import load_into, read_metadata_safe
 from pipeline.formats.dcp_stream import TensorStreamer
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
-from pipeline.integrity import describe, safe_join, verify_entries
 from pipeline.stages.export import plan_shards
+from pipeline.storage.atomic import publish_dir, write_json_atomic
+from pipeline.storage.integrity import describe, safe_join, verify_entries
 
 
 def test_atomic_json_leaves_no_temp_files(tmp_path: Path) -> None:

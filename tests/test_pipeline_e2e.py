@@ -8,14 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.atomic import read_json
-from pipeline.compose import load_config
-from pipeline.data import load_tokenizer
+from pipeline.checkpoint.manifest import read_latest, read_manifest
+from pipeline.config.compose import load_config
 from pipeline.formats.dcp import load_into
-from pipeline.integrity import hash_file
-from pipeline.layout import RunLayout
-from pipeline.lm import build_model
-from pipeline.manifest import read_latest, read_manifest
+from pipeline.storage.atomic import read_json
+from pipeline.storage.integrity import hash_file
+from pipeline.storage.layout import RunLayout
+from pipeline.workload.data import load_tokenizer
+from pipeline.workload.model import build_model
 from tests.conftest import run_cli, snapshot
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

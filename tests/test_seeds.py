@@ -25,17 +25,18 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.atomic import read_json
-from pipeline.compose import load_config
-from pipeline.config import PipelineConfig
+from launchers.base import Launcher
+from pipeline.checkpoint.manifest import MANIFEST, read_latest, read_manifest, read_marker
+from pipeline.config.compose import load_config
+from pipeline.config.schema import PipelineConfig
 from pipeline.errors import VerificationError
-from pipeline.layout import RunLayout
-from pipeline.manifest import MANIFEST, read_latest, read_manifest, read_marker
-from pipeline.records import read_record, write_record
-from pipeline.runner import Launcher, StageJob, resolve_layout
-from pipeline.runner import run as run_pipeline
+from pipeline.orchestration.records import read_record, write_record
+from pipeline.orchestration.runner import StageJob, resolve_layout
+from pipeline.orchestration.runner import run as run_pipeline
+from pipeline.orchestration.task import execute_task
 from pipeline.stages import verify_manifest
-from pipeline.task import execute_task
+from pipeline.storage.atomic import read_json
+from pipeline.storage.layout import RunLayout
 from tests import seed_helpers as sh
 from tests.conftest import RunFactory
 
@@ -419,12 +420,12 @@ def test_marker_copied_under_another_ranks_name_is_quarantined(tmp_path) -> None
     """A marker must name its own rank, and no two markers may claim one file (else a shard escapes checking)."""
     import shutil
 
-    from pipeline.compose import load_config
+    from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
+    from pipeline.config.compose import load_config
     from pipeline.errors import VerificationError
-    from pipeline.integrity import describe
-    from pipeline.layout import RunLayout
-    from pipeline.manifest import Marker, marker_path, write_marker
-    from pipeline.task import execute_task
+    from pipeline.orchestration.task import execute_task
+    from pipeline.storage.integrity import describe
+    from pipeline.storage.layout import RunLayout
 
     cfg = load_config(["+experiment=tiny", f"run.root={tmp_path}", "run.id=r", "checkpoint.marker_deadline_s=1"])
     layout = RunLayout.for_run(cfg.run.root, cfg.experiment, "r")

@@ -10,16 +10,69 @@ from pipeline.stages import ORDER, get_stage
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, runtime_only: bool = False) -> set[str]:
     tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    if runtime_only:  # imports under ``if TYPE_CHECKING:`` are for annotations, not dependencies
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                skipped.update(id(n) for n in ast.walk(node))
     out: set[str] = set()
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
     return out
+
+
+# Lower layers never import higher ones (entry -> launchers -> orchestration -> stages -> ... -> errors).
+LAYERS: list[tuple[str, ...]] = [
+    ("pipeline", "pipeline.errors"),
+    ("pipeline.storage",),
+    ("pipeline.config",),
+    ("pipeline.formats",),
+    ("pipeline.checkpoint",),
+    ("pipeline.workload", "pipeline.strategies"),
+    ("pipeline.orchestration.contract", "pipeline.orchestration.records"),
+    ("pipeline.stages",),
+    ("pipeline.orchestration",),
+    ("launchers",),
+    ("pipeline.cli", "pipeline.__main__"),
+]
+
+
+def _layer(module: str) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, layer): the most specific prefix wins
+    for level, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), level)
+    return None if best is None else best[1]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_layers_only_import_downwards() -> None:
+    files = [p for p in (ROOT / "pipeline").rglob("*.py")] + list((ROOT / "launchers").rglob("*.py"))
+    for path in files:
+        module = _module_name(path)
+        own = _layer(module)
+        assert own is not None, f"{module} belongs to no layer: add it to LAYERS in tests/test_structure.py"
+        for imported in _imports(path, runtime_only=True):
+            other = _layer(imported)
+            assert other is None or other <= own, f"{module} (layer {own}) imports {imported} (layer {other})"
+
+
+def test_pipeline_top_level_is_only_the_entry_point() -> None:
+    loose = sorted(p.name for p in (ROOT / "pipeline").glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "cli.py", "errors.py"], loose
 
 
 def test_stages_do_not_import_each_other() -> None:
@@ -45,7 +98,7 @@ def test_only_atomic_module_renames_or_deletes() -> None:
             continue
         text = path.read_text()
         hits = [f for f in forbidden if f in text]
-        assert not hits, f"{path.relative_to(ROOT)} uses {hits}: publish and delete through pipeline/atomic.py"
+        assert not hits, f"{path.relative_to(ROOT)} uses {hits}: publish and delete through pipeline/storage/atomic.py"
 
 
 def test_every_stage_declares_a_contract() -> None:

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.planner import ReadItem
 
 from pipeline.errors import CheckpointFormatError
-from pipeline.integrity import FileEntry
+from pipeline.storage.integrity import FileEntry
 
 METADATA_FILE = ".metadata"
 FORMAT = "torch_dcp"

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from pipeline.errors import CheckpointFormatError
 from pipeline.formats.dcp import load_into, read_metadata_safe, tensor_entries
-from pipeline.integrity import safe_join
+from pipeline.storage.integrity import safe_join
 
 
 class _FileSlice(io.RawIOBase):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import cast
 
-from pipeline.contract import StageModule
+from pipeline.orchestration.contract import StageModule
 
 ORDER: tuple[str, ...] = ("prepare_dirs", "train", "verify_manifest", "consolidate", "export")
 """Stages the DAG launches as jobs; shard-save runs inside train on every rank (see shard_save.CONTRACT)."""

@@ -12,14 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.config import PipelineConfig
-from pipeline.contract import Resources, StageContract, TaskContext
-from pipeline.errors import PipelineError, VerificationError
-from pipeline.formats.dcp_stream import TensorStreamer
-from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
-from pipeline.layout import RunLayout, step_name
-from pipeline.manifest import read_latest
-from pipeline.outputs import (
+from pipeline.checkpoint.manifest import read_latest
+from pipeline.checkpoint.outputs import (
     CONSOLIDATED_MARKER,
     CONSOLIDATED_WEIGHTS,
     finish,
@@ -27,6 +21,12 @@ from pipeline.outputs import (
     start_staging,
     verified_output,
 )
+from pipeline.config.schema import PipelineConfig
+from pipeline.errors import PipelineError, VerificationError
+from pipeline.formats.dcp_stream import TensorStreamer
+from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.storage.layout import RunLayout, step_name
 
 CONTRACT = StageContract(
     name="consolidate",

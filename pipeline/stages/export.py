@@ -18,15 +18,7 @@ import torch
 from safetensors import safe_open
 from transformers import GenerationConfig
 
-from pipeline.atomic import read_json, write_json_atomic
-from pipeline.config import ExportConfig, PipelineConfig, parse_size
-from pipeline.contract import Resources, StageContract, TaskContext
-from pipeline.data import load_tokenizer
-from pipeline.errors import PipelineError, VerificationError
-from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
-from pipeline.layout import RunLayout, step_name
-from pipeline.lm import llama_config
-from pipeline.outputs import (
+from pipeline.checkpoint.outputs import (
     CONSOLIDATED_MARKER,
     CONSOLIDATED_WEIGHTS,
     finish,
@@ -34,6 +26,14 @@ from pipeline.outputs import (
     start_staging,
     verified_output,
 )
+from pipeline.config.schema import ExportConfig, PipelineConfig, parse_size
+from pipeline.errors import PipelineError, VerificationError
+from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.storage.atomic import read_json, write_json_atomic
+from pipeline.storage.layout import RunLayout, step_name
+from pipeline.workload.data import load_tokenizer
+from pipeline.workload.model import llama_config
 
 CONTRACT = StageContract(
     name="export",

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.atomic import clear_file, remove_tree, write_bytes_atomic
-from pipeline.config import PipelineConfig
-from pipeline.contract import Resources, StageContract, TaskContext
-from pipeline.data import build_assets
+from pipeline.checkpoint.outputs import finish, start_staging, verified_output
+from pipeline.config.identity import differences, read_run_yaml, render
+from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError
-from pipeline.layout import RunLayout
-from pipeline.outputs import finish, start_staging, verified_output
-from pipeline.runconfig import differences, read_run_yaml, render
+from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.storage.atomic import clear_file, remove_tree, write_bytes_atomic
+from pipeline.storage.layout import RunLayout
+from pipeline.workload.data import build_assets
 
 CONTRACT = StageContract(
     name="prepare_dirs",

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from pipeline.atomic import clear_file
-from pipeline.contract import StageContract, TaskContext
+from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
 from pipeline.errors import VerificationError
-from pipeline.faults import inject
 from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
-from pipeline.integrity import describe
-from pipeline.manifest import Marker, marker_path, write_marker
+from pipeline.orchestration.contract import StageContract, TaskContext
+from pipeline.storage.atomic import clear_file
+from pipeline.storage.faults import inject
+from pipeline.storage.integrity import describe
 
 CONTRACT = StageContract(
     name="shard_save",

@@ -20,16 +20,16 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.config import PipelineConfig
-from pipeline.contract import Resources, StageContract, TaskContext
-from pipeline.data import DataPosition, SampleStream, load_tokenizer
-from pipeline.distributed import broadcast_from_rank0, init_distributed
+from pipeline.checkpoint.manifest import read_latest, read_marker, verify_committed
+from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp import load_into
-from pipeline.layout import RunLayout
-from pipeline.lm import build_model
-from pipeline.manifest import read_latest, read_marker, verify_committed
+from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.stages import shard_save
+from pipeline.storage.layout import RunLayout
+from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
+from pipeline.workload.data import DataPosition, SampleStream, load_tokenizer
+from pipeline.workload.model import build_model
 
 CONTRACT = StageContract(
     name="train",

@@ -17,14 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pipeline.atomic import move_aside, publish_dir, write_json_atomic
-from pipeline.config import PipelineConfig
-from pipeline.contract import Resources, StageContract, TaskContext
-from pipeline.errors import DeadlineError, PipelineError, VerificationError
-from pipeline.faults import inject
-from pipeline.integrity import hash_file, verify_entries
-from pipeline.layout import RunLayout, parse_step, step_name
-from pipeline.manifest import (
+from pipeline.checkpoint.manifest import (
     MANIFEST,
     Manifest,
     Marker,
@@ -34,8 +27,15 @@ from pipeline.manifest import (
     write_latest,
     write_manifest,
 )
-from pipeline.records import read_record, stage_alive
-from pipeline.waiting import wait_until
+from pipeline.config.schema import PipelineConfig
+from pipeline.errors import DeadlineError, PipelineError, VerificationError
+from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.orchestration.records import read_record, stage_alive
+from pipeline.storage.atomic import move_aside, publish_dir, write_json_atomic
+from pipeline.storage.faults import inject
+from pipeline.storage.integrity import hash_file, verify_entries
+from pipeline.storage.layout import RunLayout, parse_step, step_name
+from pipeline.storage.waiting import wait_until
 
 CONTRACT = StageContract(
     name="verify_manifest",

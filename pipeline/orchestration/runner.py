@@ -8,13 +8,17 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pipeline.config import STAGE_ALL, PipelineConfig
-from pipeline.contract import StageContract
+from pipeline.checkpoint.manifest import read_latest
+from pipeline.config.schema import STAGE_ALL, PipelineConfig
 from pipeline.errors import ConfigError, PipelineError, RunNotFoundError
-from pipeline.layout import RunLayout
-from pipeline.manifest import read_latest
+from pipeline.orchestration.contract import StageContract
 from pipeline.stages import ORDER, get_stage
+from pipeline.storage.layout import RunLayout
+
+if TYPE_CHECKING:
+    from launchers.base import Launcher
 
 
 @dataclass(frozen=True)
@@ -26,13 +30,6 @@ class StageJob:
     cfg: PipelineConfig
     layout: RunLayout
     attempt: str
-
-
-class Launcher:
-    """Interface: run one stage job to completion (with a deadline) or raise :class:`StageFailedError`."""
-
-    def run_stage(self, job: StageJob) -> None:
-        raise NotImplementedError
 
 
 def new_run_id() -> str:

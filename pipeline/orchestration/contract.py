@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from pipeline.config import PipelineConfig
-    from pipeline.layout import RunLayout
+    from pipeline.config.schema import PipelineConfig
+    from pipeline.storage.layout import RunLayout
 
 
 @dataclass(frozen=True)

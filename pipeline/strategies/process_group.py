@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.config import StrategyConfig
+from pipeline.config.schema import StrategyConfig
 from pipeline.errors import PipelineError
 
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")

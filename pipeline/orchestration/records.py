@@ -1,6 +1,6 @@
 """Stage records: ``stages/<stage>.json`` says what ran, when, where, and how it ended.
 
-Owner: task 0 of the stage's job (the only task that writes it), through :mod:`pipeline.runner`.
+Owner: task 0 of the stage's job (the only task that writes it), through :mod:`pipeline.orchestration.runner`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import socket
 import time
 from typing import Any
 
-from pipeline.atomic import read_json, write_json_atomic
-from pipeline.layout import RunLayout
+from pipeline.storage.atomic import read_json, write_json_atomic
+from pipeline.storage.layout import RunLayout
 
 
 def now_iso() -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from pipeline.config import ModelConfig
+from pipeline.config.schema import ModelConfig
 
 
 def llama_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:

@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import PipelineConfig
-from pipeline.contract import TaskContext
-from pipeline.layout import RunLayout
-from pipeline.records import now_iso, write_record
+from pipeline.config.schema import PipelineConfig
+from pipeline.orchestration.contract import TaskContext
+from pipeline.orchestration.records import now_iso, write_record
 from pipeline.stages import get_stage
+from pipeline.storage.layout import RunLayout
 
 
 def setup_logging(rank: int) -> None:

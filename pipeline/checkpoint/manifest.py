@@ -15,10 +15,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pipeline.atomic import read_json, write_json_atomic
 from pipeline.errors import VerificationError
-from pipeline.integrity import FileEntry, hash_file, safe_join, verify_entries
-from pipeline.layout import RunLayout, step_name
+from pipeline.storage.atomic import read_json, write_json_atomic
+from pipeline.storage.integrity import FileEntry, hash_file, safe_join, verify_entries
+from pipeline.storage.layout import RunLayout, step_name
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

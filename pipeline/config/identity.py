@@ -7,8 +7,8 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import PipelineConfig
-from pipeline.layout import RunLayout
+from pipeline.config.schema import PipelineConfig
+from pipeline.storage.layout import RunLayout
 
 # Keys that may differ between invocations of one run (how it is launched, what to redo, deadlines, export).
 _VOLATILE = {

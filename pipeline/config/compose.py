@@ -11,12 +11,12 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from pipeline.config import PipelineConfig, register_configs
+from pipeline.config.schema import PipelineConfig, register_configs
 from pipeline.errors import ConfigError, PipelineError
 
 
 def conf_dir() -> Path:
-    return Path(os.environ.get("PIPELINE_CONF_DIR", Path(__file__).resolve().parents[1] / "conf"))
+    return Path(os.environ.get("PIPELINE_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
 
 
 def experiments() -> list[str]:

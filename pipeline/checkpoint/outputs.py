@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.atomic import move_aside, publish_dir, read_json, remove_tree, write_json_atomic
+from pipeline.checkpoint.manifest import Latest, read_latest, verify_committed
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.integrity import FileEntry, describe, verify_entries
-from pipeline.layout import RunLayout
-from pipeline.manifest import Latest, read_latest, verify_committed
+from pipeline.storage.atomic import move_aside, publish_dir, read_json, remove_tree, write_json_atomic
+from pipeline.storage.integrity import FileEntry, describe, verify_entries
+from pipeline.storage.layout import RunLayout
 
 CONSOLIDATED_MARKER = "consolidated.json"
 """Done-marker of ``consolidated/step_N/`` (written by consolidate, read by export)."""

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.config import DataConfig
+from pipeline.config.schema import DataConfig
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 TOKENS_FILE = "tokens.safetensors"
