@@ -1,26 +1,35 @@
-"""The one function that maps a stage's declared resources to submitit parameters."""
+"""The one function that maps a stage's resources to submitit parameters."""
 
 from __future__ import annotations
 
-import math
+import os
 from typing import Any
 
 from pipeline.config.schema import LauncherConfig, SlurmLauncherConfig
-from pipeline.orchestration.contract import StageContract
+from pipeline.orchestration.contract import Resources, StageContract
 
 
 def submitit_parameters(
-    contract: StageContract, num_tasks: int, launcher: LauncherConfig, run_id: str
+    contract: StageContract, num_tasks: int, res: Resources, launcher: LauncherConfig, run_id: str
 ) -> dict[str, Any]:
-    """Generic submitit (``AutoExecutor``) parameters, plus ``slurm_*`` ones for the SLURM launcher."""
-    res = contract.resources
+    """Generic submitit (``AutoExecutor``) parameters, plus ``slurm_*`` ones for the SLURM launcher.
+
+    GPUs are asked for per node (``gpus_per_node``); without them submitit's local executor starts every job
+    with ``CUDA_VISIBLE_DEVICES=''``. Locally the job sees the launcher's own ``CUDA_VISIBLE_DEVICES`` list.
+    """
     params: dict[str, Any] = {
         "name": f"{contract.job_name}-{run_id}",
         "nodes": 1,
         "tasks_per_node": num_tasks,
         "cpus_per_task": res.cpus_per_task,
-        "timeout_min": max(1, math.ceil(min(res.timeout_min, launcher.job_deadline_s / 60))),
+        "timeout_min": max(1, res.timeout_min),
     }
+    gpus = res.gpus_per_task * num_tasks
+    if gpus:
+        params["gpus_per_node"] = gpus
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if launcher.kind == "local" and visible and all(v.strip().isdigit() for v in visible.split(",")):
+            params["local_visible_gpus"] = [int(v) for v in visible.split(",")]
     if isinstance(launcher, SlurmLauncherConfig):
         params["mem_gb"] = res.mem_gb * num_tasks
         if launcher.partition:

@@ -2,25 +2,58 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import submitit
 
 from launchers.base import Launcher
 from launchers.resources import submitit_parameters
 from pipeline.config.schema import LauncherConfig, LocalLauncherConfig, PipelineConfig
 from pipeline.errors import StageFailedError
-from pipeline.orchestration.runner import StageJob
+from pipeline.orchestration.runner import JobWatch, StageJob
 from pipeline.orchestration.task import execute_task
+from pipeline.stages import get_stage
+
+# What a surrounding launcher (torchrun, a SLURM allocation, a user's shell) may have left in the environment. Any
+# of the first six makes TorchDistributedEnvironment.export() refuse ("... is already set"); an inherited
+# MASTER_PORT would also become the job's port; TORCHELASTIC_USE_AGENT_STORE=True would make rank 0 a client of a
+# store nobody hosts. A job's rendezvous is its own, so every task drops them all.
+_INHERITED_RENDEZVOUS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 def task_entry(stage: str, cfg: PipelineConfig, run_dir: str, attempt: str) -> dict[str, object]:
-    """Runs in every task of a job: join the job's process group environment, then run the stage."""
+    """Runs in every task of a job: join the job's process group environment, then run the stage.
+
+    Every task of a distributed stage (train) gets MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK and
+    LOCAL_WORLD_SIZE, a single-task job too: the stage always joins a process group. The port is derived from the
+    job id, so all tasks agree on it. LOCAL_RANK (the task's index on its node) picks the task's GPU among all the
+    node's GPUs, so CUDA_VISIBLE_DEVICES is left as the scheduler set it. Other stages get none of the variables.
+    """
     env = submitit.JobEnvironment()
-    if env.num_tasks > 1:
+    for key in _INHERITED_RENDEZVOUS:
+        os.environ.pop(key, None)
+    if get_stage(stage).CONTRACT.distributed:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         if isinstance(cfg.launcher, LocalLauncherConfig):
             os.environ["MASTER_ADDR"] = cfg.launcher.master_addr  # a literal IP: no hostname lookup at rendezvous
@@ -37,33 +70,67 @@ def _tail(path: Path | None, lines: int = 15) -> str:
 
 
 class SubmititLauncher(Launcher):
+    """Each stage is one submitit job; the launching process waits for it with a deadline.
+
+    Whatever ends the wait early (a deadline, Ctrl-C/SIGTERM raised as ``Interrupted``, any error), the job is
+    cancelled and, on the local executor, its process tree is waited for (``launcher.cancel_timeout_s``) and
+    killed if it is still there: nothing of a run outlives its launch.
+    """
+
     def __init__(self, launcher: LauncherConfig, cluster: str) -> None:
         self.cfg = launcher
         self.cluster = cluster
 
-    def run_stage(self, job: StageJob) -> None:
+    def run_stage(self, job: StageJob, watch: JobWatch) -> None:
         folder = job.layout.logs / job.stage / "%j"
         executor = submitit.AutoExecutor(folder=folder, cluster=self.cluster)
         executor.update_parameters(
-            **submitit_parameters(job.contract, job.contract.num_tasks(job.cfg), self.cfg, job.layout.run_id)
+            **submitit_parameters(job.contract, job.tasks, job.resources, self.cfg, job.layout.run_id)
         )
         sjob = executor.submit(task_entry, job.stage, job.cfg, str(job.layout.run_dir), job.attempt)
-        self._wait(sjob, job)
+        try:
+            watch.started(str(sjob.job_id), self.cluster, Path(str(sjob.paths.folder)))
+            self._wait(sjob, job, watch)
+        except BaseException:
+            self._cancel(sjob)
+            raise
+        self._check_result(sjob, job)
 
-    def _wait(self, sjob: Any, job: StageJob) -> None:
-        deadline = time.monotonic() + self.cfg.job_deadline_s
+    def _wait(self, sjob: Any, job: StageJob, watch: JobWatch) -> None:
+        limit_s = job.resources.timeout_min * 60 + self.cfg.deadline_grace_s
+        deadline = time.monotonic() + limit_s
         while not sjob.done():
             if time.monotonic() > deadline:
-                sjob.cancel(check=False)
                 raise StageFailedError(
-                    f"stage {job.stage} (job {sjob.job_id}) ran past "
-                    f"launcher.job_deadline_s={self.cfg.job_deadline_s:g}s "
-                    f"and was cancelled; logs: {sjob.paths.folder}"
+                    f"stage {job.stage} (job {sjob.job_id}) ran past its time limit of {job.resources.timeout_min} min "
+                    f"+ launcher.deadline_grace_s={self.cfg.deadline_grace_s:g}s and was cancelled; "
+                    f"logs: {sjob.paths.folder}"
                 )
+            watch.poll()
             time.sleep(self.cfg.poll_interval_s)
+
+    def _cancel(self, sjob: Any) -> None:
+        """Cancel ``sjob`` and wait, bounded, until its processes are gone (killed past the timeout)."""
+        procs = _process_tree(sjob) if self.cluster == "local" else []
+        try:
+            sjob.cancel(check=False)
+            if procs:
+                _gone, alive = psutil.wait_procs(procs, timeout=self.cfg.cancel_timeout_s)
+            else:
+                deadline = time.monotonic() + self.cfg.cancel_timeout_s
+                while not sjob.done() and time.monotonic() < deadline:
+                    time.sleep(self.cfg.poll_interval_s)
+                alive = []
+        except BaseException:  # a second Ctrl-C while waiting: stop waiting, kill now
+            alive = [p for p in procs if p.is_running()]
+            _kill(alive)
+            raise
+        _kill(alive)
+
+    def _check_result(self, sjob: Any, job: StageJob) -> None:
         reasons: list[str] = []
         first_failed: int | None = None
-        for task in range(job.contract.num_tasks(job.cfg)):
+        for task in range(job.tasks):
             try:
                 sjob.task(task).result()
             except Exception as e:  # submitit raises FailedJobError / UncompletedJobError with the traceback text
@@ -76,6 +143,22 @@ class SubmititLauncher(Launcher):
                 f"--- stderr tail of task {first_failed} ({paths.stderr}) ---\n{_tail(paths.stderr)}\n"
                 f"logs: {paths.folder}"
             )
+
+
+def _process_tree(sjob: Any) -> list[psutil.Process]:
+    """The local job's controller (its pid is the job id) and every process under it."""
+    try:
+        root = psutil.Process(int(sjob.job_id))
+        return [root, *root.children(recursive=True)]
+    except (psutil.NoSuchProcess, ValueError):
+        return []
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=5)
 
 
 def _reason(stderr: Path | None, err: Exception) -> str:

@@ -1,31 +1,189 @@
-"""Command line: ``python -m pipeline +experiment=<name> [key=value ...]``."""
+"""Command line: a Hydra app. ``python -m pipeline +experiment=<name> [key=value ...]`` (see ``--help``).
+
+Hydra composes and parses (``--help``, ``--cfg``, ``--info``, ``-m`` sweeps, shell completion, ``.hydra/``);
+submitit launches the stages. Before Hydra creates anything, every launch is checked here: the overrides are
+resolved against the run they continue (``run.id=<id>`` replays its recorded overrides), composed, typed,
+checked against the run's identity and planned. Bad input is one line on stderr and exit 2, nothing created.
+"""
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from pipeline.config.compose import load_config, to_yaml
-from pipeline.errors import PipelineError
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config.compose import conf_dir, load_config, to_typed, to_yaml
+from pipeline.config.docs import hydra_template, render_help
+from pipeline.config.overrides import check_hydra_overrides, find_run, merge, parse, value_of
+from pipeline.config.schema import STAGE_ALL, PipelineConfig, register_configs
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.orchestration.plan import Plan, make_plan
+from pipeline.orchestration.runner import Interrupted, check_identity, new_run_id
 from pipeline.stages import ORDER, get_stage
+from pipeline.storage.layout import RunLayout
+
+_INFO_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion")
+_exit_codes: list[int] = []
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One launch, checked: the overrides Hydra will compose, the typed config and the plan."""
+
+    overrides: list[str]
+    cfg: PipelineConfig
+    plan: Plan
+
+
+def prepare(overrides: list[str], *, fix_new_id: bool = True) -> Prepared:
+    parsed = parse(overrides)
+    check_hydra_overrides(parsed)
+    ref = find_run(parsed)
+    effective = list(overrides)
+    if ref.record is not None and ref.run_dir is not None:
+        effective = [o for o in merge(ref.record.overrides, overrides) if not o.startswith("run.id=")]
+        effective.append(f"run.id={ref.run_dir.name}")
+    elif value_of(parsed, "run.id") is None and fix_new_id:
+        if value_of(parsed, "stage") not in (None, STAGE_ALL):
+            raise ConfigError(f"stage={value_of(parsed, 'stage')} reruns one stage of an existing run: add run.id=<id>")
+        effective.append(f"run.id={new_run_id()}")
+    cfg = load_config(effective)
+    layout = RunLayout.for_run(cfg.run.root, cfg.experiment, cfg.run.id or new_run_id())
+    check_identity(cfg, layout)
+    return Prepared(effective, cfg, make_plan(cfg, layout))
+
+
+def _stage_lines() -> list[tuple[str, str]]:
+    lines = []
+    for name in ORDER:
+        c = get_stage(name).CONTRACT
+        lines.append((name, f"{c.produces} ({'one task per rank' if c.distributed else 'one task'})"))
+    return lines
+
+
+def _help(*, _root_: Any) -> str:
+    return hydra_template(render_help(_stage_lines(), _root_))
+
+
+def _register_resolvers() -> None:
+    if not OmegaConf.has_resolver("pipeline_help"):
+        OmegaConf.register_new_resolver("pipeline_help", _help)
+        # A sweep point is a new run: its dir is made here, once, in the launching process (use_cache: stable).
+        OmegaConf.register_new_resolver(
+            "pipeline_new_run_dir", lambda root, exp: str(Path(root).resolve() / exp / new_run_id()), use_cache=True
+        )
+
+
+def _hydra_task(dcfg: DictConfig) -> None:
+    """Hydra's task function: one launch (one sweep point under ``-m``). Records its exit code."""
+    from launchers.factory import make_launcher  # noqa: PLC0415 - submitit only when launching
+    from pipeline.orchestration import runner  # noqa: PLC0415
+
+    hc = HydraConfig.get()
+    try:
+        cfg = to_typed(dcfg)
+        run_dir = Path(hc.runtime.output_dir).resolve()
+        cfg.run.id = run_dir.name
+        if RunLayout.for_run(cfg.run.root, cfg.experiment, cfg.run.id).run_dir != run_dir:
+            raise ConfigError(f"hydra's run dir {run_dir} is not <run.root>/<experiment>/<run.id>")
+        overrides = [str(o) for o in hc.overrides.task]
+        files = {
+            "config.yaml": OmegaConf.to_yaml(dcfg),
+            "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)})),
+            "overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(overrides)),
+        }
+        runner.run(cfg, make_launcher(cfg.launcher), overrides=overrides, hydra_files=files)
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        _exit_codes.append(e.exit_code)
+        return
+    _exit_codes.append(0)
+
+
+def _call_hydra(argv: list[str]) -> int:
+    import hydra  # noqa: PLC0415
+
+    register_configs()
+    _register_resolvers()
+    _exit_codes.clear()
+    main_fn = hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_hydra_task)
+    saved = sys.argv
+    sys.argv = [saved[0], *argv]
+    try:
+        main_fn()
+    finally:
+        sys.argv = saved
+    return max(_exit_codes, default=0)
+
+
+def _sweep_points(overrides: list[str]) -> list[list[str]]:
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # noqa: PLC0415
+
+    try:
+        return BasicSweeper.split_arguments(parse(overrides), None)[0]
+    except HydraException as e:
+        raise ConfigError(f"cannot expand the sweep {' '.join(overrides)!r}: {e}") from e
+
+
+def _print_plan(p: Prepared) -> None:
+    print(to_yaml(p.cfg))
+    print(f"plan for run {p.plan.layout.run_id} ({p.plan.layout.run_dir}):")
+    for line in p.plan.describe():
+        print(f"  {line}")
+
+
+def entry() -> None:
+    """The ``pipeline`` console script (same as ``python -m pipeline``; shell completion needs this form)."""
+    sys.exit(main(sys.argv[1:]))
 
 
 def main(argv: list[str]) -> int:
-    try:
-        cfg = load_config(argv)
-        if cfg.dry_run:
-            print(to_yaml(cfg))
-            for name in ORDER:
-                c = get_stage(name).CONTRACT
-                print(f"{c.job_name:16} tasks={c.num_tasks(cfg)} needs={','.join(c.needs) or '-'} -> {c.produces}")
-            return 0
-        from launchers.factory import make_launcher  # noqa: PLC0415 - submitit only when launching
-        from pipeline.orchestration import runner  # noqa: PLC0415
+    from hydra._internal.utils import get_args_parser  # noqa: PLC0415
 
-        runner.run(cfg, make_launcher(cfg.launcher))
-        return 0
+    _register_resolvers()
+    if "COMP_LINE" in os.environ:  # Hydra's completion knows `python app.py` and `app`, not `python -m app`
+        os.environ["COMP_LINE"] = re.sub(r"^\s*\S*python[\d.]*\s+-m\s+pipeline\b", "pipeline", os.environ["COMP_LINE"])
+    args, _unknown = get_args_parser().parse_known_args(argv)
+    flags = [a for a in argv if a not in args.overrides]
+    try:
+        if any(getattr(args, f) for f in _INFO_FLAGS):
+            return _call_hydra([*flags, *_expand_for_info(args.overrides)])
+        if args.multirun:
+            return _multirun(flags, args.overrides)
+        prepared = prepare(args.overrides)
+        if prepared.cfg.dry_run:
+            _print_plan(prepared)
+            return 0
+        return _call_hydra([*flags, *prepared.overrides])
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except Interrupted as e:
+        return e.exit_code
+
+
+def _expand_for_info(overrides: list[str]) -> list[str]:
+    """``--cfg job run.id=<id>`` shows the run's config: replay its overrides like a launch would."""
+    if value_of(parse(overrides), "run.id") is None:
+        return overrides
+    return prepare(overrides, fix_new_id=False).overrides
+
+
+def _multirun(flags: list[str], overrides: list[str]) -> int:
+    parsed = parse(overrides)
+    check_hydra_overrides(parsed)
+    if value_of(parsed, "run.id") is not None:
+        raise ConfigError("-m sweeps start a new run per point: drop run.id (continue each run on its own)")
+    prepared = [prepare(point, fix_new_id=True) for point in _sweep_points(overrides)]
+    if any(p.cfg.dry_run for p in prepared):
+        for p in prepared:
+            _print_plan(p)
+        return 0
+    return _call_hydra([*flags, *overrides])

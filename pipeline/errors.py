@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class PipelineError(Exception):
-    """Base class: the CLI prints these as one line and exits non-zero."""
+    """Base class: the CLI prints these as one line and exits non-zero (2: bad input; 1: a stage failed)."""
 
     exit_code = 2
 
@@ -20,9 +20,13 @@ class RunNotFoundError(PipelineError):
 class DeadlineError(PipelineError):
     """A wait ran past its deadline, or what it waited for died first."""
 
+    exit_code = 1
+
 
 class VerificationError(PipelineError):
     """A file's size or hash does not match its marker or manifest."""
+
+    exit_code = 1
 
 
 class UnsafePathError(PipelineError):
@@ -32,6 +36,12 @@ class UnsafePathError(PipelineError):
 class StageFailedError(PipelineError):
     """A stage's job ended in failure; the message carries job id, state and log paths."""
 
+    exit_code = 1
+
 
 class CheckpointFormatError(PipelineError):
     """A checkpoint is not in a format this pipeline can read safely."""
+
+
+class RunBusyError(PipelineError):
+    """Another launch owns the run (its lease in the run dir), or the lease cannot be read safely."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -11,6 +12,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from pipeline.config.docs import all_keys, did_you_mean
 from pipeline.config.schema import PipelineConfig, register_configs
 from pipeline.errors import ConfigError, PipelineError
 
@@ -29,10 +31,45 @@ def compose_dict(overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"bad config override: {first} (keys are listed by `python -m pipeline +experiment=tiny dry_run=true`)"
-        ) from e
+        raise ConfigError(explain(e)) from e
+
+
+_UNKNOWN_KEY = re.compile(r"Could not override '([^']*)'\.\s*$", re.MULTILINE)
+
+
+def explain(e: BaseException) -> str:
+    """One line from a Hydra/OmegaConf error: keep its hints (available options, ``+experiment=``), drop the
+    config search path and object types, and suggest the key that was probably meant."""
+    text = str(e).strip()
+    cause = str(e.__cause__).strip() if e.__cause__ is not None else ""
+    m = _UNKNOWN_KEY.search(text)
+    if m and "not in" in cause:
+        return unknown_key(m.group(1))
+    lines: list[str] = []
+    for raw in (text + "\n" + cause).splitlines():
+        line = raw.strip()
+        if line.startswith("Config search path"):
+            break
+        if not line or line.startswith(("full_key:", "reference_type=", "object_type=", "See https://", "None")):
+            continue
+        lines.append(line)
+    msg = " ".join(lines) or type(e).__name__
+    msg = re.sub(r"Available options in '([^']*)':((?:\s+\S+)+)", _options, msg)
+    return f"bad config override: {msg}"
+
+
+def _options(m: re.Match[str]) -> str:
+    opts = [o for o in m.group(2).split() if not o.startswith("base_")]
+    return f"available options in '{m.group(1)}': {', '.join(opts)}"
+
+
+def unknown_key(key: str) -> str:
+    hint = did_you_mean(key, all_keys())
+    return (
+        f"unknown config key {key!r}"
+        + (f": did you mean {hint}?" if hint else "")
+        + " (python -m pipeline --help lists every key)"
+    )
 
 
 def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
@@ -42,7 +79,7 @@ def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
     for key in node:
         full = f"{prefix}{key!s}"
         if known is not None and key not in known:
-            raise ConfigError(f"unknown config key {full!r}: valid keys here are {', '.join(sorted(known))}")
+            raise ConfigError(unknown_key(full))
         if not OmegaConf.is_missing(node, str(key)):
             child = node[key]
             if isinstance(child, DictConfig):

@@ -1,58 +1,131 @@
-"""``run.yaml``: the resolved config a run was created with, and which parts of it fix the run's identity."""
+"""``run.yaml``: what a run was created with, and which parts of it fix the run's identity.
+
+Written by the launching process (the run's lease holder) before any job starts, and rewritten when a later
+launch changes a recorded, non-identity value (``train.steps=16`` extends a run). It holds:
+
+* ``config``: the resolved config of the newest launch (everything below the entry point reads typed configs);
+* ``overrides``: the command-line overrides a continuation (``run.id=<id>``) replays, so no original override
+  has to be repeated. Per-launch keys (``stage``, ``force``, ``run.*``, ``train.stop_after_step``...) are left out.
+
+Which fields are identity, recorded-but-mutable, or per-launch is marked on the dataclass fields themselves
+(:data:`pipeline.config.schema.MUTABLE`, :data:`~pipeline.config.schema.PER_LAUNCH`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from pipeline.config.schema import PipelineConfig
+from pipeline.errors import ConfigError
+from pipeline.storage.atomic import write_bytes_atomic
 from pipeline.storage.layout import RunLayout
 
-# Keys that may differ between invocations of one run (how it is launched, what to redo, deadlines, export).
-_VOLATILE = {
-    "stage",
-    "force",
-    "dry_run",
-    "run.overwrite",
-    "run.root",
-    "launcher",
-    "train.stop_after_step",
-    "checkpoint.marker_deadline_s",
-    "checkpoint.fail_on_save_error",
-    "export",
-    "strategy.pg_timeout_s",
-}
+
+def _walk(schema: type, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """Dotted key -> field metadata, for every field of the schema tree (an ``Any`` subtree is one key)."""
+    hints = typing.get_type_hints(schema)
+    out: dict[str, dict[str, Any]] = {}
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        out[key] = dict(f.metadata)
+        sub = hints[f.name]
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+            for k, meta in _walk(sub, f"{key}.").items():
+                out[k] = {**dict(f.metadata), **meta}  # a marked section marks everything under it
+    return out
+
+
+FIELD_META: dict[str, dict[str, Any]] = _walk(PipelineConfig)
+
+
+def _covering(key: str) -> dict[str, Any]:
+    """Metadata of ``key`` or of the nearest section above it that is in the schema."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        meta = FIELD_META.get(".".join(parts[:n]))
+        if meta is not None:
+            return meta
+    return {}
+
+
+def is_identity(key: str) -> bool:
+    return _covering(key).get("identity", True) is not False
+
+
+def is_per_launch(key: str) -> bool:
+    return bool(_covering(key).get("per_launch", False))
 
 
 def as_dict(cfg: PipelineConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def identity(cfg_dict: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, value in cfg_dict.items():
+    for key, value in tree.items():
         full = f"{prefix}{key}"
-        if full in _VOLATILE:
-            continue
-        if isinstance(value, dict):
-            out.update(identity(value, f"{full}."))
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{full}."))
         else:
             out[full] = value
     return out
 
 
-def render(cfg: PipelineConfig) -> bytes:
-    return yaml.safe_dump(as_dict(cfg), sort_keys=True).encode()
-
-
-def read_run_yaml(layout: RunLayout) -> dict[str, Any]:
-    with open(layout.run_yaml, "rb") as f:
-        data = yaml.safe_load(f)
-    return data if isinstance(data, dict) else {}
+def identity(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in _flatten(cfg_dict).items() if is_identity(k)}
 
 
 def differences(cfg: PipelineConfig, recorded: dict[str, Any]) -> list[str]:
+    """Identity keys whose value differs: ``key: run was created with X, this launch gives Y``."""
     new, old = identity(as_dict(cfg)), identity(recorded)
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(new) | set(old)) if new.get(k) != old.get(k)]
+    return [
+        f"{k}: the run was created with {old.get(k)!r}, this launch gives {new.get(k)!r}"
+        for k in sorted(set(new) | set(old))
+        if new.get(k) != old.get(k)
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """The content of ``run.yaml``."""
+
+    config: dict[str, Any]
+    overrides: list[str]
+
+    @property
+    def experiment(self) -> str:
+        return str(self.config.get("experiment", ""))
+
+    def matches(self, cfg: PipelineConfig, overrides: list[str]) -> bool:
+        """Same replayed overrides and same recorded values (per-launch keys aside): nothing to rewrite."""
+        return overrides == self.overrides and _recorded(self.config) == _recorded(as_dict(cfg))
+
+
+def _recorded(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in _flatten(cfg_dict).items() if not is_per_launch(k)}
+
+
+def read_run_record(path: Path) -> RunRecord:
+    try:
+        if path.is_symlink():
+            raise ConfigError(f"{path} is a symlink: run.yaml must be a regular file written by the pipeline")
+        with open(path, "rb") as f:
+            data = yaml.safe_load(f)
+        config, overrides = data["config"], data["overrides"]
+        if not isinstance(config, dict) or not isinstance(overrides, list):
+            raise TypeError("config must be a mapping and overrides a list")
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
+        raise ConfigError(f"cannot read the run record {path}: {e}; it is written by the launching process") from e
+    return RunRecord(config=config, overrides=[str(o) for o in overrides])
+
+
+def write_run_record(layout: RunLayout, cfg: PipelineConfig, overrides: list[str]) -> RunRecord:
+    record = RunRecord(config=as_dict(cfg), overrides=overrides)
+    text = yaml.safe_dump({"config": record.config, "overrides": record.overrides}, sort_keys=True)
+    write_bytes_atomic(layout.run_yaml, text.encode())
+    return record

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -16,19 +16,29 @@ from pipeline.errors import ConfigError
 
 STAGE_ALL = "all"
 
+# Field metadata (stopes-style: marked where the field is defined, never in a hand-kept list).
+# A run's identity is every field not marked; ``MUTABLE`` fields are recorded with the run and carried to
+# later launches but may change between them; ``PER_LAUNCH`` fields belong to one launch only (not recorded).
+MUTABLE: Final = {"identity": False}
+PER_LAUNCH: Final = {"identity": False, "per_launch": True}
+
 
 @dataclass
 class RunConfig:
-    id: str | None = None
-    """Run id. Left empty, the launching process picks one (UTC time + random suffix) before any job starts."""
-    root: str = "outputs"
+    id: str | None = field(default=None, metadata=PER_LAUNCH)
+    """Run to continue (``last`` = the newest run). Empty: a new run, id = UTC time + random suffix."""
+    create: bool = field(default=False, metadata=PER_LAUNCH)
+    """With ``run.id``: create that run if it does not exist (otherwise an unknown id is an error)."""
+    root: str = field(default="outputs", metadata=PER_LAUNCH)
     """Directory under which runs live: ``<root>/<experiment>/<id>/``."""
-    overwrite: bool = False
-    """Delete an existing run dir of the same id first (done only by prepare-dirs, before any rank starts)."""
+    overwrite: bool = field(default=False, metadata=PER_LAUNCH)
+    """Delete the run's outputs and start it over (done only by prepare-dirs, before any rank starts)."""
 
     def __post_init__(self) -> None:
         if self.id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", self.id):
             raise ConfigError(f"run.id={self.id!r} is not a valid run id: use letters, digits, '_', '-', '.'")
+        if not self.root:
+            raise ConfigError("run.root is empty: give the directory that holds the runs (default: outputs)")
 
 
 @dataclass
@@ -37,10 +47,19 @@ class LauncherConfig:
 
     kind: str = MISSING
     """Which launcher: ``local`` (submitit local executor, separate processes), ``inprocess`` (tests), ``slurm``."""
-    job_deadline_s: float = 3600.0
-    """Longest a launched stage job may take before the launcher cancels it and fails the stage."""
+    deadline_grace_s: float = 300.0
+    """A job running this long past its stage's time limit (``train.time_limit_min`` for train) is cancelled."""
     poll_interval_s: float = 0.5
     """How often the launcher polls job state."""
+    progress_interval_s: float = 30.0
+    """Without a terminal (logs, SLURM): seconds between plain progress lines of train."""
+    cancel_timeout_s: float = 30.0
+    """On Ctrl-C/SIGTERM or a deadline: how long cancelled jobs get to exit before they are killed."""
+
+    def __post_init__(self) -> None:
+        for key in ("deadline_grace_s", "poll_interval_s", "progress_interval_s", "cancel_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"launcher.{key}={getattr(self, key)} must be > 0")
 
 
 @dataclass
@@ -50,6 +69,7 @@ class LocalLauncherConfig(LauncherConfig):
     """Rendezvous address for multi-task jobs; a literal IP so a hostname lookup cannot stall start-up."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.kind not in ("local", "inprocess"):
             raise ConfigError(f"launcher.kind={self.kind!r}: the local launcher config takes 'local' or 'inprocess'")
 
@@ -64,6 +84,11 @@ class SlurmLauncherConfig(LauncherConfig):
     account: str | None = None
     """SLURM account, if the cluster needs one."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind != "slurm":
+            raise ConfigError(f"launcher.kind={self.kind!r}: the slurm launcher config takes 'slurm'")
+
 
 @dataclass
 class StrategyConfig:
@@ -73,7 +98,7 @@ class StrategyConfig:
     """Number of training ranks (tasks of the train job)."""
     backend: str = "gloo"
     """torch.distributed backend: ``gloo`` on CPU, ``nccl`` on GPU."""
-    pg_timeout_s: float = 120.0
+    pg_timeout_s: float = field(default=120.0, metadata=MUTABLE)
     """Deadline for process-group init and every collective."""
 
     def __post_init__(self) -> None:
@@ -83,6 +108,8 @@ class StrategyConfig:
             raise ConfigError(f"strategy.world_size={self.world_size} must be >= 1")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"strategy.backend={self.backend!r}: use gloo (CPU) or nccl (GPU)")
+        if not self.pg_timeout_s > 0:
+            raise ConfigError(f"strategy.pg_timeout_s={self.pg_timeout_s} must be > 0")
 
 
 @dataclass
@@ -123,12 +150,13 @@ class DataConfig:
     vocab_size: int = 256
     """Target BPE vocabulary size (the model's vocab is the tokenizer's actual size)."""
     seed: int = 1234
+    """Seed of the corpus generator (which sentences the grammar produces)."""
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 8
-    """Total optimizer steps of the run."""
+    steps: int = field(default=8, metadata=MUTABLE)
+    """Total optimizer steps of the run (raise it on a finished run to train on from ``latest``)."""
     micro_batch_size: int = 4
     """Samples per rank per step."""
     lr: float = 3e-3
@@ -139,26 +167,37 @@ class TrainConfig:
     """AdamW weight decay."""
     seed: int = 42
     """Base seed for the data order and per-rank RNG (rank k uses seed + k)."""
-    stop_after_step: int | None = None
+    stop_after_step: int | None = field(default=None, metadata=PER_LAUNCH)
     """Stop the train job cleanly after this step (simulates a pre-emption; the next run resumes)."""
+    time_limit_min: int = field(default=2880, metadata=MUTABLE)
+    """Wall-clock budget of one train job in minutes (SLURM ``--time``; locally cancelled past it plus
+    ``launcher.deadline_grace_s``). Longer runs continue in a new job from ``latest``."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.micro_batch_size < 1:
             raise ConfigError("train.steps and train.micro_batch_size must be >= 1")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if self.stop_after_step is not None and self.stop_after_step < 1:
+            raise ConfigError(f"train.stop_after_step={self.stop_after_step} must be >= 1 (or null)")
+        if self.time_limit_min < 1:
+            raise ConfigError(f"train.time_limit_min={self.time_limit_min} must be >= 1")
 
 
 @dataclass
 class CheckpointConfig:
     every: int = 4
     """Save a checkpoint every this many steps (and always at the last step)."""
-    marker_deadline_s: float = 300.0
+    marker_deadline_s: float = field(default=300.0, metadata=MUTABLE)
     """How long verify-manifest waits for every rank's done-marker while the train job is still running."""
-    fail_on_save_error: bool = False
+    fail_on_save_error: bool = field(default=False, metadata=MUTABLE)
     """If a shard save fails: false = log loudly and keep training (the step is never committed); true = stop."""
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError(f"checkpoint.every={self.every} must be >= 1")
+        if not self.marker_deadline_s > 0:
+            raise ConfigError(f"checkpoint.marker_deadline_s={self.marker_deadline_s} must be > 0")
 
 
 @dataclass
@@ -178,20 +217,28 @@ class ExportConfig:
 class PipelineConfig:
     experiment: str = MISSING
     """Name of the experiment (set by ``+experiment=<name>``)."""
-    stage: str = STAGE_ALL
+    stage: str = field(default=STAGE_ALL, metadata=PER_LAUNCH)
     """``all`` runs the DAG; a stage name (e.g. ``consolidate``) reruns that one stage of ``run.id``."""
-    force: bool = False
+    force: bool = field(default=False, metadata=PER_LAUNCH)
     """Redo a stage even if its outputs verify."""
-    dry_run: bool = False
+    dry_run: bool = field(default=False, metadata=PER_LAUNCH)
     """Print the resolved config and the stage plan, then stop."""
     run: RunConfig = field(default_factory=RunConfig)
-    launcher: Any = MISSING
+    """Which run this is and where it lives."""
+    launcher: Any = field(default=MISSING, metadata=MUTABLE)
+    """How stage jobs are launched: choose with ``launcher=local``, ``inprocess`` or ``slurm``."""
     strategy: StrategyConfig = MISSING
+    """Parallelism of the train stage: choose with ``strategy=ddp`` or ``strategy=fsdp2``."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model being trained (a small Llama)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Corpus and tokenizer, built by prepare-dirs."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Length, optimizer and schedule of training."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
+    """When checkpoints are saved and how long verify-manifest waits for them."""
+    export: ExportConfig = field(default_factory=ExportConfig, metadata=MUTABLE)
+    """Hugging Face export of the consolidated checkpoint."""
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -15,8 +16,13 @@ class Resources:
     """What one task of a stage needs; :func:`launchers.resources.submitit_parameters` maps it to submitit."""
 
     cpus_per_task: int = 1
+    """CPU cores per task."""
     mem_gb: float = 4.0
+    """Memory per task (GB)."""
     timeout_min: int = 60
+    """Wall-clock limit of the job; the launcher cancels it past this plus ``launcher.deadline_grace_s``."""
+    gpus_per_task: int = 0
+    """GPUs per task (train on NCCL: one per rank)."""
 
 
 @dataclass(frozen=True)
@@ -37,9 +43,19 @@ class StageContract:
     after_any: bool = False
     """Run even when an earlier stage failed (SLURM ``afterany``): a failed train still gets its complete steps
     committed. Stages without it are skipped after a failure."""
+    creates_run: bool = False
+    """The stage that makes the run dir's layout (and the only one that deletes, for ``run.overwrite``): it has
+    no inputs to check and always runs when a run is started over."""
+    sized_by: Callable[[PipelineConfig], Resources] | None = None
+    """Resources that depend on the config (train's time budget, GPUs on NCCL); else ``resources``."""
+    launched: bool = True
+    """False for shard-save, which runs inside train on every rank and is never a job of its own."""
 
     def num_tasks(self, cfg: PipelineConfig) -> int:
         return cfg.strategy.world_size if self.distributed else 1
+
+    def resources_for(self, cfg: PipelineConfig) -> Resources:
+        return self.sized_by(cfg) if self.sized_by is not None else self.resources
 
     @property
     def job_name(self) -> str:

@@ -47,7 +47,7 @@ def execute_task(
     if rank == 0 and layout.stages.is_dir():
         write_record(layout, stage, status="running", **common)
     try:
-        if stage != "prepare_dirs":
+        if not module.CONTRACT.creates_run:
             module.check_inputs(cfg, layout)  # a scheduler's dependency is not proof that the inputs exist
         summary = module.run(ctx)
     except BaseException as e:

@@ -15,7 +15,11 @@ ORDER: tuple[str, ...] = ("prepare_dirs", "train", "verify_manifest", "consolida
 """Stages the DAG launches as jobs; shard-save runs inside train on every rank (see shard_save.CONTRACT)."""
 
 
+INSIDE: tuple[str, ...] = ("shard_save",)
+"""Stages with a contract that run inside another stage's job, never as a job of their own."""
+
+
 def get_stage(name: str) -> StageModule:
-    if name not in ORDER:
+    if name not in ORDER + INSIDE:
         raise KeyError(name)
     return cast(StageModule, importlib.import_module(f"pipeline.stages.{name}"))

@@ -1,10 +1,10 @@
 """prepare-dirs: fix the run directory before any rank starts.
 
 Inputs: the resolved config and the run id chosen by the launching process.
-Outputs: the layout (``stages/ checkpoints/{staging,quarantine}/ consolidated/ export/``), ``run.yaml``, and
-``assets/`` (tokenizer + token stream, published by one rename).
+Outputs: the layout (``stages/ checkpoints/{staging,quarantine}/ consolidated/ export/``) and ``assets/``
+(tokenizer + token stream, published by one rename). ``run.yaml`` is the launching process's.
 Owner: this single task is the only one that deletes anything (``run.overwrite=true``), before any rank runs.
-Done-marker: ``run.yaml`` matching the config's identity keys, and ``assets/assets.json`` verifying.
+Done-marker: the planned directories exist and ``assets/assets.json`` verifies.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.checkpoint.outputs import finish, start_staging, verified_output
-from pipeline.config.identity import differences, read_run_yaml, render
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import ConfigError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.storage.atomic import clear_file, remove_tree, write_bytes_atomic
+from pipeline.storage.atomic import clear_file, remove_tree
 from pipeline.storage.layout import RunLayout
 from pipeline.workload.data import build_assets
 
@@ -24,34 +22,27 @@ CONTRACT = StageContract(
     name="prepare_dirs",
     needs=(),
     reads="config",
-    produces="run dir layout, run.yaml, assets/ (tokenizer, tokens)",
+    produces="run dir layout, assets/ (tokenizer, tokens)",
     marker="run.yaml + assets/assets.json",
     resources=Resources(cpus_per_task=1, mem_gb=2, timeout_min=10),
+    creates_run=True,
 )
 
 ASSETS_MARKER = "assets.json"
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
-    if layout.run_yaml.exists() and not cfg.run.overwrite:
-        diff = differences(cfg, read_run_yaml(layout))
-        if diff:
-            raise ConfigError(
-                f"run {layout.run_dir} was created with a different config ({'; '.join(diff)}): "
-                "use a new run.id, or run.overwrite=true to delete the old run"
-            )
+    """Nothing to check: this stage makes the layout (the run's identity is checked by the launching process)."""
 
 
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
-    if cfg.run.overwrite or not layout.run_yaml.exists():
-        return None
-    if differences(cfg, read_run_yaml(layout)):
+    if cfg.run.overwrite:
         return None
     if any(not d.is_dir() for d in layout.planned_dirs()):
         return None
     if not _assets_ok(cfg, layout):
         return None
-    return f"{layout.run_yaml} matches the config and assets verify"
+    return "the layout exists and assets verify"
 
 
 def _assets_source(cfg: PipelineConfig) -> dict[str, object]:
@@ -65,16 +56,14 @@ def _assets_ok(cfg: PipelineConfig, layout: RunLayout) -> bool:
 def run(ctx: TaskContext) -> dict[str, object]:
     layout, cfg = ctx.layout, ctx.cfg
     if cfg.run.overwrite and layout.run_dir.exists():
-        # The one deletion in the pipeline: everything but logs/ (this very job's log folder lives there).
+        # The one deletion in the pipeline. The launching process's own entries stay: its lease, logs/ (this
+        # very job's log folder is there) and .hydra/; it writes the new run.yaml once this stage succeeded.
         for entry in layout.run_dir.iterdir():
-            if entry.name != layout.logs.name:
-                remove_tree(entry) if entry.is_dir() else clear_file(entry)
+            if entry.name not in layout.launch_owned():
+                remove_tree(entry) if entry.is_dir() and not entry.is_symlink() else clear_file(entry)
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     for d in layout.planned_dirs():
         d.mkdir(parents=True, exist_ok=True)
-    check_inputs(cfg, layout)
-    if not layout.run_yaml.exists():
-        write_bytes_atomic(layout.run_yaml, render(cfg))
     built_assets = not _assets_ok(cfg, layout)
     if built_assets:
         staging = start_staging(layout.run_dir, layout.assets.name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -32,13 +33,23 @@ CONTRACT = StageContract(
     produces="checkpoints/staging/step_N/: rank-private DCP files + rank_K.done.json",
     marker="rank_<K>.done.json",
     distributed=True,
+    launched=False,
 )
 
 log = logging.getLogger(__name__)
 
 
-def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any) -> bool:
-    """Save ``state`` for ``step``; return True when this rank's marker is written."""
+@dataclass(frozen=True)
+class SaveResult:
+    """One rank's save of one step: ``ok`` once its marker is written; the bytes of its files and the time."""
+
+    ok: bool
+    bytes: int
+    seconds: float
+
+
+def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any) -> SaveResult:
+    """Save ``state`` for ``step``; ``ok`` is true when this rank's marker is written."""
     staged = ctx.layout.staged_step(step)
     staged.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
     clear_file(marker_path(staged, ctx.rank))  # our own stale marker from an older attempt, if any
@@ -72,6 +83,7 @@ def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any)
         )
         if ctx.cfg.checkpoint.fail_on_save_error:
             raise
-        return False
-    log.info("rank %d saved step %d (%d files) in %.2fs", ctx.rank, step, len(own), time.monotonic() - t0)
-    return True
+        return SaveResult(ok=False, bytes=0, seconds=time.monotonic() - t0)
+    seconds = time.monotonic() - t0
+    log.info("rank %d saved step %d (%d files) in %.2fs", ctx.rank, step, len(own), seconds)
+    return SaveResult(ok=True, bytes=sum(e.size for e in entries), seconds=seconds)

@@ -12,6 +12,7 @@ rank's marker from the current attempt.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from pipeline.formats.dcp import load_into
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.stages import shard_save
 from pipeline.storage.layout import RunLayout
+from pipeline.storage.metrics import MetricsWriter
 from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
 from pipeline.workload.data import DataPosition, SampleStream, load_tokenizer
 from pipeline.workload.model import build_model
@@ -38,7 +40,12 @@ CONTRACT = StageContract(
     produces="checkpoints/staging/step_N/ via shard-save",
     marker="final step committed, or staged with all rank markers",
     distributed=True,
-    resources=Resources(cpus_per_task=1, mem_gb=4, timeout_min=120),
+    sized_by=lambda cfg: Resources(
+        cpus_per_task=1,
+        mem_gb=4,
+        timeout_min=cfg.train.time_limit_min,
+        gpus_per_task=1 if cfg.strategy.backend == "nccl" else 0,
+    ),
 )
 
 log = logging.getLogger(__name__)
@@ -109,8 +116,46 @@ def _state(model: Any, opt: Any, sched: Any, stream: SampleStream, step: int, ra
             "data_epoch": torch.tensor(stream.pos.epoch),
             "data_offset": torch.tensor(stream.pos.offset),
         },
-        "rng": {f"rank_{rank}": torch.get_rng_state()},
+        "rng": _rng_state(model, rank),
     }
+
+
+def _rng_state(model: Any, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's generators: CPU under ``rank_K`` (the key CPU checkpoints have), its GPU's under ``rank_K_cuda``."""
+    rng = {f"rank_{rank}": torch.get_rng_state()}
+    device = next(model.parameters()).device  # the rank's training device (FSDP2's DTensors report their local one)
+    if device.type == "cuda":
+        rng[f"rank_{rank}_cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def _restore_rng(rng: dict[str, torch.Tensor], rank: int, device: torch.device) -> None:
+    torch.set_rng_state(rng[f"rank_{rank}"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(rng[f"rank_{rank}_cuda"], device)
+
+
+def _event(metrics: MetricsWriter | None, ctx: TaskContext, event: str, **fields: object) -> None:
+    """One line of ``metrics.jsonl``; ``metrics`` is None on every rank but 0, the file's one writer."""
+    if metrics is not None:
+        metrics.append({"event": event, "attempt": ctx.attempt, **fields, "time": time.time()})
+
+
+def _gather_save(
+    ctx: TaskContext, step: int, result: shard_save.SaveResult, ckpt_pg: Any, metrics: MetricsWriter | None
+) -> bool:
+    """Every rank's save of ``step`` (one all_gather), so that task 0's record tells of every rank's failure;
+    rank 0 logs the ranks that failed and writes the checkpoint event. True when every rank saved."""
+    outcomes: list[Any] = [None] * dist.get_world_size(group=ckpt_pg)
+    dist.all_gather_object(outcomes, result, group=ckpt_pg)
+    bad = [r for r, o in enumerate(outcomes) if not o.ok]
+    if bad and dist.get_rank() == 0:
+        log.error("step %d was not saved by rank(s) %s; it will not be committed", step, bad)
+    staged_bytes = sum(o.bytes for o in outcomes)
+    seconds = max(o.seconds for o in outcomes)  # the ranks save in parallel: the slowest sets the time
+    gbps = staged_bytes / seconds / 1e9 if seconds > 0 else 0.0
+    _event(metrics, ctx, "checkpoint", step=step, bytes=staged_bytes, seconds=seconds, gbps=gbps, ok=not bad)
+    return not bad
 
 
 def run(ctx: TaskContext) -> dict[str, object]:
@@ -145,30 +190,32 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         if int(state["train"]["step"]) != resume:
             raise VerificationError(f"checkpoint step_{resume} records step {int(state['train']['step'])}")
         stream.pos = DataPosition(int(state["train"]["data_epoch"]), int(state["train"]["data_offset"]))
-        torch.set_rng_state(state["rng"][f"rank_{rank}"])
+        _restore_rng(state["rng"], rank, device)
         log.info("rank %d resumed from step %d", rank, resume)
 
     losses: dict[int, float] = {}
     saved: list[int] = []
     failed: list[int] = []
     last = final_step(cfg)
+    metrics = MetricsWriter(layout.metrics) if rank == 0 else None
+    _event(metrics, ctx, "start", resume_from=resume, total=last, world_size=world)
     for step in range(resume + 1, last + 1):
+        t0 = time.monotonic()
         batch = stream.next_batch().to(device)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         opt.step()
+        lr = sched.get_last_lr()[0]  # the rate this step used
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses[step] = float(loss.detach())
         if rank == 0:
             log.info("step %d loss %.4f", step, losses[step])
+        tokens = batch.numel() * world  # every rank trains on an equal batch
+        _event(metrics, ctx, "step", step=step, loss=losses[step], lr=lr, tokens=tokens, step_s=time.monotonic() - t0)
         if is_save_step(cfg, step):
-            ok = shard_save.save(ctx, step, _state(model, opt, sched, stream, step, rank), ckpt_pg)
-            outcomes: list[object] = [None] * world
-            dist.all_gather_object(outcomes, ok, group=ckpt_pg)  # so task 0's record tells of every rank's failure
-            bad = [r for r, o in enumerate(outcomes) if not o]
-            if bad and rank == 0:
-                log.error("step %d was not saved by rank(s) %s; it will not be committed", step, bad)
-            (failed if bad else saved).append(step)
+            result = shard_save.save(ctx, step, _state(model, opt, sched, stream, step, rank), ckpt_pg)
+            (saved if _gather_save(ctx, step, result, ckpt_pg, metrics) else failed).append(step)
     dist.barrier()
+    _event(metrics, ctx, "end", last_step=last)
     return {"resumed_from": resume, "last_step": last, "saved": saved, "failed_saves": failed, "losses": losses}

@@ -46,6 +46,8 @@ CONTRACT = StageContract(
     resources=Resources(cpus_per_task=1, mem_gb=2, timeout_min=30),
     after_any=True,
 )
+PRODUCER = CONTRACT.needs[0]
+"""The stage whose staged steps this one commits (train): its record gives the attempt and liveness."""
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,7 @@ def _wait_for_markers(cfg: PipelineConfig, layout: RunLayout, step: int, attempt
         poll,
         deadline_s=cfg.checkpoint.marker_deadline_s,
         what=missing,
-        alive=lambda: stage_alive(layout, "train"),
+        alive=lambda: stage_alive(layout, PRODUCER),
     )
 
 
@@ -171,7 +173,7 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
 
 def run(ctx: TaskContext) -> dict[str, object]:
     cfg, layout = ctx.cfg, ctx.layout
-    train_rec = read_record(layout, "train") or {}
+    train_rec = read_record(layout, PRODUCER) or {}
     attempt = train_rec.get("attempt")
     committed: list[int] = []
     incomplete: list[tuple[int, str]] = []

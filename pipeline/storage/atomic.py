@@ -7,6 +7,9 @@ Two ways to publish, as in Orbax's ``atomicity`` module:
 * a **directory** is filled in a staging location, its files fsynced, and then renamed into place in one
   ``rename`` followed by an fsync of both parents (:func:`publish_dir`).
 
+A file that must never replace an existing one (a run's lease) is created whole or not at all by
+:func:`create_exclusive` (``link`` from a fsynced temp file).
+
 An fsync or close error fails the write: it is never retried into "success". No other module renames or
 deletes shared paths; stages call these helpers.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -59,8 +63,45 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     fsync_dir(path.parent)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """The one JSON encoding of files this pipeline writes (sorted keys, indented, newline-terminated)."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(path, json_bytes(obj))
+
+
+def create_exclusive(path: Path, data: bytes, mode: int = 0o644) -> bool:
+    """Create ``path`` holding all of ``data``; return False, changing nothing, if ``path`` already exists.
+
+    The data is written and fsynced under a unique temp name, then hard-linked onto ``path``: ``link`` fails
+    if the name exists, atomically on local filesystems and NFS alike, so of two creators exactly one wins and
+    no reader sees a partial file. On NFS a retransmitted ``link`` can report failure after it succeeded, so
+    the temp file's link count decides (as in open(2)'s advice on lock files). The temp name is always removed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+        except OSError as e:
+            if os.stat(tmp).st_nlink != 2:
+                if isinstance(e, FileExistsError):
+                    return False
+                raise
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
 
 
 def read_json(path: Path) -> Any:

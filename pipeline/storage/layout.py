@@ -37,6 +37,30 @@ class RunLayout:
         return self.run_dir / "run.yaml"
 
     @property
+    def lease(self) -> Path:
+        """Who owns the run now: one launching process at a time (``pipeline/orchestration/lease.py``)."""
+        return self.run_dir / "lease.json"
+
+    @property
+    def lease_lock(self) -> Path:
+        """flock'ed while a launch takes, updates or releases the lease; never deleted."""
+        return self.run_dir / ".lease.lock"
+
+    @property
+    def broken_leases(self) -> Path:
+        """Stale leases moved aside when a launch breaks them (kept, never deleted)."""
+        return self.logs / "leases"
+
+    @property
+    def hydra_dir(self) -> Path:
+        """Hydra's record of the newest launch (config.yaml, hydra.yaml, overrides.yaml)."""
+        return self.run_dir / ".hydra"
+
+    def launch_owned(self) -> frozenset[str]:
+        """Entries of the run dir that belong to the launching process; ``run.overwrite`` keeps them."""
+        return frozenset({self.lease.name, self.lease_lock.name, self.logs.name, self.hydra_dir.name})
+
+    @property
     def stages(self) -> Path:
         return self.run_dir / "stages"
 
@@ -46,6 +70,11 @@ class RunLayout:
     @property
     def logs(self) -> Path:
         return self.run_dir / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        """Per-step metrics (JSON lines), appended by train's rank 0 across attempts."""
+        return self.run_dir / "metrics.jsonl"
 
     @property
     def assets(self) -> Path:
