@@ -242,12 +242,12 @@ class Bench:
         step = self.step
         staged = self.ctx.layout.staged_step(step)
         self._prepare()
-        ok: list[bool] = []
+        ok: list[shard_save.SaveResult] = []
         phases = dict.fromkeys(PHASES, 0.0)
         with _phase_timers(shard_save, phases):
             times = self._timed(lambda: ok.append(shard_save.save(self.ctx, step, self.state, self.pg)))
-        if not ok[0]:
-            raise RuntimeError(f"rank {self.rank}: shard_save.save returned False for step {step}")
+        if not ok[0].ok:
+            raise RuntimeError(f"rank {self.rank}: shard_save.save failed for step {step}")
         gathered: list[Any] = [None] * WORLD
         dist.all_gather_object(gathered, phases)
         self._record(PIPE, rnd, times, dir_bytes(staged) if self.rank == 0 else 0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from pipeline.config.schema import LauncherConfig, SlurmLauncherConfig
@@ -14,8 +13,9 @@ def submitit_parameters(
 ) -> dict[str, Any]:
     """Generic submitit (``AutoExecutor``) parameters, plus ``slurm_*`` ones for the SLURM launcher.
 
-    GPUs are asked for per node (``gpus_per_node``); without them submitit's local executor starts every job
-    with ``CUDA_VISIBLE_DEVICES=''``. Locally the job sees the launcher's own ``CUDA_VISIBLE_DEVICES`` list.
+    GPUs are asked for per node (``gpus_per_node``): without them submitit's local executor starts every job
+    with ``CUDA_VISIBLE_DEVICES=''``; with them it shows devices ``0..N-1``. Every task sees all of the node's
+    GPUs and ``LOCAL_RANK`` picks one (so not ``gpus_per_task``, which SLURM would bind one per task).
     """
     params: dict[str, Any] = {
         "name": f"{contract.job_name}-{run_id}",
@@ -27,9 +27,6 @@ def submitit_parameters(
     gpus = res.gpus_per_task * num_tasks
     if gpus:
         params["gpus_per_node"] = gpus
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        if launcher.kind == "local" and visible and all(v.strip().isdigit() for v in visible.split(",")):
-            params["local_visible_gpus"] = [int(v) for v in visible.split(",")]
     if isinstance(launcher, SlurmLauncherConfig):
         params["mem_gb"] = res.mem_gb * num_tasks
         if launcher.partition:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,12 @@ class SubmititLauncher(Launcher):
         executor.update_parameters(
             **submitit_parameters(job.contract, job.tasks, job.resources, self.cfg, job.layout.run_id)
         )
+        if self.cluster == "local":
+            # The job controller shares our terminal; its own stderr (a KeyboardInterrupt traceback when a
+            # terminal's Ctrl-C reaches the whole process group) goes to the stage's log folder instead.
+            (job.layout.logs / job.stage).mkdir(parents=True, exist_ok=True)
+            controller_log = shlex.quote(str(job.layout.logs / job.stage / "controller.err"))
+            executor.update_parameters(local_setup=[f"exec 2>>{controller_log}"])
         sjob = executor.submit(task_entry, job.stage, job.cfg, str(job.layout.run_dir), job.attempt)
         try:
             watch.started(str(sjob.job_id), self.cluster, Path(str(sjob.paths.folder)))
@@ -113,10 +120,13 @@ class SubmititLauncher(Launcher):
         """Cancel ``sjob`` and wait, bounded, until its processes are gone (killed past the timeout)."""
         procs = _process_tree(sjob) if self.cluster == "local" else []
         try:
-            sjob.cancel(check=False)
-            if procs:
+            if procs:  # SIGTERM to the whole tree: ranks stop, the controller sees them gone and exits quietly
+                for p in procs:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        p.terminate()
                 _gone, alive = psutil.wait_procs(procs, timeout=self.cfg.cancel_timeout_s)
             else:
+                sjob.cancel(check=False)
                 deadline = time.monotonic() + self.cfg.cancel_timeout_s
                 while not sjob.done() and time.monotonic() < deadline:
                     time.sleep(self.cfg.poll_interval_s)
@@ -146,7 +156,7 @@ class SubmititLauncher(Launcher):
 
 
 def _process_tree(sjob: Any) -> list[psutil.Process]:
-    """The local job's controller (its pid is the job id) and every process under it."""
+    """The local job's process (its pid is the job id: the setup shell) and every process under it."""
     try:
         root = psutil.Process(int(sjob.job_id))
         return [root, *root.children(recursive=True)]

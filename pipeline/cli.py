@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
     _register_resolvers()
     if "COMP_LINE" in os.environ:  # Hydra's completion knows `python app.py` and `app`, not `python -m app`
         os.environ["COMP_LINE"] = re.sub(r"^\s*\S*python[\d.]*\s+-m\s+pipeline\b", "pipeline", os.environ["COMP_LINE"])
-    args, _unknown = get_args_parser().parse_known_args(argv)
+    args = get_args_parser().parse_intermixed_args(argv)  # overrides before and after -m, as Hydra allows
     flags = [a for a in argv if a not in args.overrides]
     try:
         if any(getattr(args, f) for f in _INFO_FLAGS):

@@ -60,7 +60,8 @@ def test_cli_errors_are_one_line_and_nonzero(tmp_path) -> None:
 def test_dry_run_prints_plan_and_writes_nothing(tmp_path) -> None:
     proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "dry_run=true")
     assert proc.returncode == 0, proc.stderr
-    for job in ("prepare-dirs", "train", "verify-manifest", "consolidate", "export"):
-        assert job in proc.stdout
-    assert "tasks=2" in proc.stdout
+    for stage in ("prepare_dirs", "train", "verify_manifest", "consolidate", "export"):
+        assert f"  run  {stage} (" in proc.stdout
+    assert "run  train (2 tasks; cpus/task=1" in proc.stdout and "after afterok:prepare_dirs" in proc.stdout
+    assert "run  verify_manifest (1 task;" in proc.stdout and "after afterany:train" in proc.stdout
     assert not any(tmp_path.iterdir())

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 def _run(tmp_path: Path, run_id: str, *extra: str, env: dict[str, str] | None = None) -> str:
-    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", f"run.id={run_id}", *extra, env=env)
+    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", f"run.id={run_id}", "run.create=true", *extra, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -107,6 +107,32 @@ def test_rerun_writes_nothing(ddp_run: tuple[Path, str]) -> None:
     assert snapshot(layout.run_dir) == before
 
 
+def test_continue_needs_only_the_run_id(ddp_run: tuple[Path, str]) -> None:
+    """``run.id=<id>`` and ``run.id=last`` replay the run's recorded overrides: no +experiment needed."""
+    root, _ = ddp_run
+    layout = _layout(root, "ddp")
+    before = snapshot(layout.run_dir)
+    for run_id in ("ddp", "last"):
+        proc = run_cli(f"run.root={root}", f"run.id={run_id}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"run ddp: {layout.run_dir}" in proc.stdout and "skip export:" in proc.stdout
+    assert snapshot(layout.run_dir) == before
+
+
+def test_continue_refuses_identity_change_and_unknown_ids(ddp_run: tuple[Path, str]) -> None:
+    root, _ = ddp_run
+    layout = _layout(root, "ddp")
+    before = snapshot(layout.run_dir)
+    proc = run_cli(f"run.root={root}", "run.id=ddp", "strategy=fsdp2")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "strategy.name: the run was created with 'ddp', this launch gives 'fsdp2'" in proc.stderr
+    proc = run_cli(f"run.root={root}", "run.id=ddq")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "unknown run id 'ddq'" in proc.stderr and "newest: ddp" in proc.stderr
+    assert snapshot(layout.run_dir) == before
+    assert not (root / "tiny" / "ddq").exists()
+
+
 def test_force_redoes_one_stage_and_keeps_the_old_output(ddp_run: tuple[Path, str]) -> None:
     root, _ = ddp_run
     layout = _layout(root, "ddp")
@@ -137,7 +163,16 @@ def test_interrupted_run_resumes_bit_identical(tmp_path: Path, strategy: str) ->
     assert "-> step 4" in out
     split = _layout(tmp_path, "split")
     assert read_json(split.stage_record("train"))["summary"]["last_step"] == 4
-    _run(tmp_path, "split", f"strategy={strategy}")
+    # Dry run of the continuation (only the run id: strategy and experiment are replayed from run.yaml) ...
+    dry = run_cli(f"run.root={tmp_path}", "run.id=split", "dry_run=true")
+    assert dry.returncode == 0, dry.stderr
+    planned = [line.split()[:2] for line in dry.stdout.splitlines() if line.startswith(("  run ", "  skip "))]
+    # ... says exactly what the runner then does.
+    proc = run_cli(f"run.root={tmp_path}", "run.id=split")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    done = [line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("run  ", "skip "))]
+    assert [[a, b.rstrip(":")] for a, b in planned] == [[a, b.rstrip(":")] for a, b in done]
+    assert ["skip", "prepare_dirs"] in [[a, b.rstrip(":")] for a, b in done] and ["run", "train"] in done
     rec = read_json(split.stage_record("train"))
     assert rec["summary"]["resumed_from"] == 4
     full = load_file(str(_layout(tmp_path, "full").consolidated_step(8) / "model.safetensors"))
@@ -147,17 +182,24 @@ def test_interrupted_run_resumes_bit_identical(tmp_path: Path, strategy: str) ->
     assert not mismatched, f"resumed run differs in {mismatched}"
     full_losses = read_json(_layout(tmp_path, "full").stage_record("train"))["summary"]["losses"]
     assert rec["summary"]["losses"] == {k: v for k, v in full_losses.items() if int(k) > 4}
+    if strategy == "ddp":  # extending a finished run trains on from latest
+        proc = run_cli(f"run.root={tmp_path}", "run.id=split", "train.steps=12")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert read_json(split.stage_record("train"))["summary"]["resumed_from"] == 8
+        assert read_latest(split).step == 12  # type: ignore[union-attr]
+        assert (split.export_step(12) / "provenance.json").exists()
 
 
 def test_killed_rank_keeps_committed_step_and_rerun_resumes(tmp_path: Path) -> None:
     """Rank 1 dies (os._exit) while saving step 8: train fails fast, verify still commits step 4 (after_any),
     the error names the step and the rank, and a plain rerun resumes from step 4 and finishes."""
     kill = {"PIPELINE_FAULTS": "shard_save.before_marker@rank=1@step=8@action=exit"}
-    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=k", env=kill)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
+    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=k", "run.create=true", env=kill)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL train" in proc.stdout and "task 1: died without a result" in proc.stdout
     assert "step 8: rank(s) 1 wrote no done-marker" in proc.stdout
-    assert "skip consolidate: an earlier stage failed" in proc.stdout
+    assert "skip consolidate: verify_manifest did not succeed" in proc.stdout
+    assert "failed; latest = step 4; after fixing the cause, resume: python -m pipeline run.id=k" in proc.stdout
     layout = _layout(tmp_path, "k")
     assert read_latest(layout).step == 4  # type: ignore[union-attr]
     assert read_json(layout.stage_record("train"))["status"] == "failed"

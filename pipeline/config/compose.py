@@ -64,7 +64,8 @@ def _options(m: re.Match[str]) -> str:
 
 
 def unknown_key(key: str) -> str:
-    hint = did_you_mean(key, all_keys())
+    keys = all_keys()
+    hint = did_you_mean(key, keys + sorted({k.rsplit(".", 1)[0] for k in keys if "." in k}))
     return (
         f"unknown config key {key!r}"
         + (f": did you mean {hint}?" if hint else "")

@@ -129,5 +129,5 @@ def check_machine(plan: Plan) -> None:
                 f"launcher=inprocess runs single-task stages in this process and cannot run {', '.join(multi)}: "
                 "use launcher=local, or stage=<single-task stage>"
             )
-    if any(s.resources.gpus_per_task for s in to_run):
+    if kind != "slurm" and any(s.resources.gpus_per_task for s in to_run):  # a login node may have no GPU
         check_backend(cfg.strategy)

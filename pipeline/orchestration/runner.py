@@ -146,9 +146,10 @@ def run(
         layout.logs.mkdir(parents=True, exist_ok=True, mode=0o700)  # owner: this process; job folders hold pickles
         with RunLease.acquire(layout, command=[sys.executable, "-m", "pipeline", *sys.argv[1:]], say=say) as lease:
             record = check_identity(cfg, layout)
-            for name, text in (hydra_files or {}).items():
-                _write_hydra_file(layout, name, text)
             plan = make_plan(cfg, layout)
+            if any(s.runs for s in plan.stages):  # a launch that runs nothing writes nothing, not even .hydra/
+                for name, text in (hydra_files or {}).items():
+                    _write_hydra_file(layout, name, text)
             say(f"run {layout.run_id}: {layout.run_dir}")
 
             def record_run() -> None:
