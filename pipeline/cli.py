@@ -25,7 +25,7 @@ from pipeline.config.overrides import check_hydra_overrides, find_run, merge, pa
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, register_configs
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.orchestration.plan import Plan, make_plan
-from pipeline.orchestration.runner import Interrupted, check_identity, new_run_id
+from pipeline.orchestration.runner import Interrupted, check_identity, new_run_id, status_lines
 from pipeline.stages import ORDER, get_stage
 from pipeline.storage.layout import RunLayout
 
@@ -157,7 +157,10 @@ def main(argv: list[str]) -> int:
             return _call_hydra([*flags, *_expand_for_info(args.overrides)])
         if args.multirun:
             return _multirun(flags, args.overrides)
-        prepared = prepare(args.overrides)
+        prepared = prepare(args.overrides, fix_new_id=not _wants_status(args.overrides))
+        if prepared.cfg.status:
+            print("\n".join(status_lines(prepared.plan)))
+            return 0
         if prepared.cfg.dry_run:
             _print_plan(prepared)
             return 0
@@ -167,6 +170,14 @@ def main(argv: list[str]) -> int:
         return e.exit_code
     except Interrupted as e:
         return e.exit_code
+
+
+def _wants_status(overrides: list[str]) -> bool:
+    if value_of(parse(overrides), "status") is not True:
+        return False
+    if value_of(parse(overrides), "run.id") is None:
+        raise ConfigError("status=true shows an existing run: add run.id=<id> (or run.id=last)")
+    return True
 
 
 def _expand_for_info(overrides: list[str]) -> list[str]:

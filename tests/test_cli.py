@@ -70,7 +70,8 @@ def test_nccl_without_gpus_is_refused_before_anything_runs(tmp_path: Path) -> No
     proc = run_cli(
         "+experiment=tiny", f"run.root={tmp_path}", "strategy.backend=nccl", env={"CUDA_VISIBLE_DEVICES": ""}
     )
-    assert proc.returncode == 2 and "nccl" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "nccl" in lines[0], proc.stderr
     assert not any(tmp_path.iterdir())
 
 
@@ -82,3 +83,19 @@ def test_missing_experiment_keeps_hydras_hint() -> None:
 def test_console_script_is_installed() -> None:
     exe = Path(os.__file__).parents[3] / "bin" / "pipeline"
     assert exe.exists() or (Path(__file__).parents[1] / ".venv" / "bin" / "pipeline").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_multirun_sweep_makes_one_run_per_point_with_hydra_files_inside(tmp_path: Path) -> None:
+    proc = run_cli("-m", "+experiment=tiny", f"run.root={tmp_path}", "train.seed=1,2", "train.steps=4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = sorted(d for d in (tmp_path / "tiny").iterdir() if (d / "run.yaml").exists())
+    assert len(runs) == 2, runs
+    seeds = set()
+    for run in runs:
+        overrides = (run / ".hydra" / "overrides.yaml").read_text()
+        assert "train.steps=4" in overrides and (run / ".hydra" / "config.yaml").exists()
+        seeds.add(next(s for s in ("train.seed=1", "train.seed=2") if s in overrides))
+        assert (run / "export" / "step_4" / "provenance.json").exists()
+    assert seeds == {"train.seed=1", "train.seed=2"}

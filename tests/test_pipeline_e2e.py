@@ -119,6 +119,14 @@ def test_continue_needs_only_the_run_id(ddp_run: tuple[Path, str]) -> None:
     assert snapshot(layout.run_dir) == before
 
 
+def test_status_shows_owner_records_and_latest(ddp_run: tuple[Path, str]) -> None:
+    root, _ = ddp_run
+    proc = run_cli(f"run.root={root}", "run.id=ddp", "status=true")
+    assert proc.returncode == 0, proc.stderr
+    assert "owner: none" in proc.stdout and "latest: step 8" in proc.stdout
+    assert "  train            last: succeeded" in proc.stdout
+
+
 def test_continue_refuses_identity_change_and_unknown_ids(ddp_run: tuple[Path, str]) -> None:
     root, _ = ddp_run
     layout = _layout(root, "ddp")

@@ -31,7 +31,7 @@ from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import VerificationError
 from pipeline.orchestration.records import read_record, write_record
-from pipeline.orchestration.runner import StageJob, resolve_layout
+from pipeline.orchestration.runner import JobWatch, StageJob, resolve_layout
 from pipeline.orchestration.runner import run as run_pipeline
 from pipeline.orchestration.task import execute_task
 from pipeline.stages import verify_manifest
@@ -249,7 +249,7 @@ class _RecordingLauncher(Launcher):
     def __init__(self) -> None:
         self.jobs: list[StageJob] = []
 
-    def run_stage(self, job: StageJob) -> None:
+    def run_stage(self, job: StageJob, watch: JobWatch) -> None:
         self.jobs.append(job)
         time.sleep(0.3)  # stage jobs start at different times; their run dir must not depend on it
 

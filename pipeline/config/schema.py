@@ -223,6 +223,8 @@ class PipelineConfig:
     """Redo a stage even if its outputs verify."""
     dry_run: bool = field(default=False, metadata=PER_LAUNCH)
     """Print the resolved config and the stage plan, then stop."""
+    status: bool = field(default=False, metadata=PER_LAUNCH)
+    """Print the run's state (plan, stage records, lease owner, latest), then stop; needs ``run.id``."""
     run: RunConfig = field(default_factory=RunConfig)
     """Which run this is and where it lives."""
     launcher: Any = field(default=MISSING, metadata=MUTABLE)

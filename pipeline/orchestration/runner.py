@@ -27,7 +27,7 @@ from pipeline.config.overrides import DEFAULT_ROOT, carried
 from pipeline.config.schema import STAGE_ALL, PipelineConfig
 from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, VerificationError
 from pipeline.orchestration.contract import Resources, StageContract
-from pipeline.orchestration.lease import RunLease
+from pipeline.orchestration.lease import RunLease, read_lease
 from pipeline.orchestration.plan import Plan, PlannedStage, make_plan
 from pipeline.orchestration.progress import StageProgress, commit_lines
 from pipeline.orchestration.records import now_iso, read_record, write_record
@@ -287,3 +287,24 @@ def _summarize(plan: Plan, times: dict[str, float], t0: float, say: Say, *, fail
         say(f"failed; latest = {_latest_text(layout)}; after fixing the cause, resume: {resume_command(layout)}")
     elif latest is not None and latest.step < cfg.train.steps and cfg.stage == STAGE_ALL:
         say(f"stopped at step {latest.step} of {cfg.train.steps}; resume: {resume_command(layout)}")
+
+
+def status_lines(plan: Plan) -> list[str]:
+    """The ``status=true`` view: who owns the run, each stage's last record and what a launch would do now."""
+    layout = plan.layout
+    lines = [f"run {layout.run_id}: {layout.run_dir}"]
+    try:
+        lease = read_lease(layout)
+    except PipelineError as e:
+        lease, lines = None, [*lines, f"lease: {e}"]
+    if lease is not None:
+        jobs = ", ".join(f"{j['stage']}={j['job_id']}" for j in lease.get("jobs", [])) or "none yet"
+        lines.append(f"owner: pid {lease['pid']} on {lease['host']} since {lease['started']} (jobs: {jobs})")
+    else:
+        lines.append("owner: none (no launch is running)")
+    for planned in plan.stages:
+        rec = read_record(layout, planned.name) or {}
+        last = f"{rec.get('status')} {rec.get('ended') or rec.get('started') or ''}".strip() if rec else "never ran"
+        lines.append(f"  {planned.name:16} last: {last:32} next launch: {planned.describe().split(' ', 1)[0]}")
+    lines.append(f"latest: {_latest_text(layout)}")
+    return lines
