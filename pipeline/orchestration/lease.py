@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError, RunBusyError
-from pipeline.orchestration.records import now_iso
+from pipeline.orchestration.records import now_iso, pid_alive
 from pipeline.storage.atomic import clear_file, create_exclusive, json_bytes, move_aside, write_json_atomic
 from pipeline.storage.layout import RunLayout
 
@@ -91,16 +91,6 @@ def read_lease(layout: RunLayout) -> dict[str, Any] | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
 def _job_finished(job: dict[str, Any], owner_pid: int, job_state: JobState | None) -> bool:
     """True only if ``job`` has provably finished; unknown counts as alive."""
     cluster, job_id = str(job.get("cluster")), str(job.get("job_id"))
@@ -109,7 +99,7 @@ def _job_finished(job: dict[str, Any], owner_pid: int, job_state: JobState | Non
             return False
         # an in-process job without a pid of its own runs inside the owner
         pid = int(job_id) if job_id.isdigit() else owner_pid if cluster == "inprocess" else 0
-        return pid > 0 and not _pid_alive(pid)
+        return pid > 0 and not pid_alive(pid)
     return job_state is not None and job_state(cluster, job_id) is False
 
 
@@ -117,7 +107,7 @@ def _gone_reason(lease: dict[str, Any], job_state: JobState | None) -> str | Non
     """Why the owner of ``lease`` is provably gone, or None if it may still be running."""
     here, jobs = socket.gethostname(), lease["jobs"]
     if lease["host"] == here:
-        if _pid_alive(lease["pid"]):
+        if pid_alive(lease["pid"]):
             return None
         why = f"pid {lease['pid']} is not running on {here}"
     elif jobs:

@@ -38,7 +38,8 @@ def write_record(layout: RunLayout, stage: str, **fields: Any) -> dict[str, Any]
     return rec
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """A process with this pid exists on this host (someone else's counts: PermissionError)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -55,5 +56,5 @@ def stage_alive(layout: RunLayout, stage: str) -> bool:
         return False
     if rec.get("host") == socket.gethostname():
         pid = int(rec.get("pid", 0))
-        return pid > 0 and _pid_alive(pid)
+        return pid > 0 and pid_alive(pid)
     return True  # another host: trust the record (the launcher's job state is the authority there)
