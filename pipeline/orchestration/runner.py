@@ -256,8 +256,8 @@ def _interrupted(
         except Interrupted:
             say(f"skip {committer.name}: interrupted again")
             break
-        except PipelineError as e:
-            say(f"FAIL {committer.name}: {str(e).splitlines()[0]}")
+        except PipelineError as e:  # expected: the step being saved at the interrupt is incomplete
+            say(f"     {committer.name}: {str(e).splitlines()[0]}")
     say(f"interrupted in {planned.name}; latest = {_latest_text(layout)}; resume: {resume_command(layout)}")
 
 
