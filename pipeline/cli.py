@@ -56,8 +56,19 @@ def prepare(overrides: list[str], *, fix_new_id: bool = True) -> Prepared:
         effective.append(f"run.id={new_run_id()}")
     cfg = load_config(effective)
     layout = RunLayout.for_run(cfg.run.root, cfg.experiment, cfg.run.id or new_run_id())
+    _check_writable(layout.run_dir)
     check_identity(cfg, layout)
     return Prepared(effective, cfg, make_plan(cfg, layout))
+
+
+def _check_writable(run_dir: Path) -> None:
+    """The run dir can be made: its nearest existing ancestor is a writable directory (Hydra makes it next)."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a directory" if not existing.is_dir() else "is not writable"
+        raise ConfigError(f"cannot create the run dir {run_dir}: {existing} {what}; choose another run.root")
 
 
 def _stage_lines() -> list[tuple[str, str]]:
@@ -103,6 +114,10 @@ def _hydra_task(dcfg: DictConfig) -> None:
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         _exit_codes.append(e.exit_code)
+        return
+    except OSError as e:  # a run root that is a file, read-only or full: one line, not a traceback
+        print(f"error: {e.strerror or e} ({e.filename or 'run dir'}); check run.root and its disk", file=sys.stderr)
+        _exit_codes.append(1)
         return
     _exit_codes.append(0)
 

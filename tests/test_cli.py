@@ -5,7 +5,8 @@ Every test runs ``python -m pipeline`` as a subprocess, as a user would; none of
 
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,9 +81,17 @@ def test_missing_experiment_keeps_hydras_hint() -> None:
     assert proc.returncode == 2 and "+experiment=tiny" in proc.stderr, proc.stderr
 
 
-def test_console_script_is_installed() -> None:
-    exe = Path(os.__file__).parents[3] / "bin" / "pipeline"
-    assert exe.exists() or (Path(__file__).parents[1] / ".venv" / "bin" / "pipeline").exists()
+def test_console_script_is_installed_and_is_the_same_app() -> None:
+    exe = Path(sys.executable).parent / "pipeline"
+    proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "Config groups" in proc.stdout, proc.stderr
+
+
+def test_run_root_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    proc = run_cli("+experiment=tiny", f"run.root={tmp_path / 'file'}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
 
 
 @pytest.mark.slow

@@ -97,10 +97,6 @@ class RunRecord:
     config: dict[str, Any]
     overrides: list[str]
 
-    @property
-    def experiment(self) -> str:
-        return str(self.config.get("experiment", ""))
-
     def matches(self, cfg: PipelineConfig, overrides: list[str]) -> bool:
         """Same replayed overrides and same recorded values (per-launch keys aside): nothing to rewrite."""
         return overrides == self.overrides and _recorded(self.config) == _recorded(as_dict(cfg))

@@ -42,10 +42,6 @@ class PlannedStage:
         """SLURM-style dependency kind on ``needs``: ``afterany`` runs even after an upstream failure."""
         return "afterany" if self.contract.after_any else "afterok"
 
-    @property
-    def job_name(self) -> str:
-        return self.contract.job_name
-
     def describe(self) -> str:
         if not self.runs:
             return f"skip {self.name}: {self.skip}"

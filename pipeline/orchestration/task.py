@@ -44,32 +44,19 @@ def execute_task(
     started = now_iso()
     t0 = time.monotonic()
     common = {"attempt": attempt, "job_id": job_id, "started": started, "world_size": world_size, "pid": os.getpid()}
-    if rank == 0 and layout.stages.is_dir():
-        write_record(layout, stage, status="running", **common)
+
+    def record(status: str, **extra: object) -> None:
+        if rank == 0 and layout.stages.is_dir():
+            ended = {} if status == "running" else {"ended": now_iso(), "seconds": round(time.monotonic() - t0, 3)}
+            write_record(layout, stage, status=status, **ended, **extra, **common)
+
+    record("running")
     try:
         if not module.CONTRACT.creates_run:
             module.check_inputs(cfg, layout)  # a scheduler's dependency is not proof that the inputs exist
         summary = module.run(ctx)
     except BaseException as e:
-        if rank == 0 and layout.stages.is_dir():
-            write_record(
-                layout,
-                stage,
-                status="failed",
-                ended=now_iso(),
-                seconds=round(time.monotonic() - t0, 3),
-                error=f"{type(e).__name__}: {e}",
-                **common,
-            )
+        record("failed", error=f"{type(e).__name__}: {e}")
         raise
-    if rank == 0:
-        write_record(
-            layout,
-            stage,
-            status="succeeded",
-            ended=now_iso(),
-            seconds=round(time.monotonic() - t0, 3),
-            summary=summary,
-            **common,
-        )
+    record("succeeded", summary=summary)
     return summary

@@ -39,7 +39,7 @@ class MetricsWriter:
     def append(self, event: dict[str, Any]) -> None:
         line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 os.write(fd, line)  # one write per line: appended whole at the end of the file
             finally:
@@ -50,7 +50,7 @@ class MetricsWriter:
     def _end_partial_line(self) -> None:
         """An earlier attempt killed mid-write may have left a line without its newline: end it, so that our
         first event is not glued to it (the reader skips the broken line)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != _NEWLINE:
