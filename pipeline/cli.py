@@ -27,7 +27,7 @@ from pipeline.errors import ConfigError, PipelineError
 from pipeline.orchestration.plan import Plan, make_plan
 from pipeline.orchestration.runner import Interrupted, check_identity, new_run_id, status_lines
 from pipeline.stages import ORDER, get_stage
-from pipeline.storage.layout import RunLayout
+from pipeline.storage.layout import RunLayout, restrict_umask
 
 _INFO_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion")
 _exit_codes: list[int] = []
@@ -162,6 +162,7 @@ def entry() -> None:
 def main(argv: list[str]) -> int:
     from hydra._internal.utils import get_args_parser  # noqa: PLC0415
 
+    restrict_umask()
     _register_resolvers()
     if "COMP_LINE" in os.environ:  # Hydra's completion knows `python app.py` and `app`, not `python -m app`
         os.environ["COMP_LINE"] = re.sub(r"^\s*\S*python[\d.]*\s+-m\s+pipeline\b", "pipeline", os.environ["COMP_LINE"])

@@ -15,7 +15,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.orchestration.contract import TaskContext
 from pipeline.orchestration.records import now_iso, write_record
 from pipeline.stages import get_stage
-from pipeline.storage.layout import RunLayout
+from pipeline.storage.layout import RunLayout, restrict_umask
 
 
 def setup_logging(rank: int) -> None:
@@ -37,6 +37,7 @@ def execute_task(
     job_id: str = "inprocess",
 ) -> dict[str, object]:
 
+    restrict_umask()
     setup_logging(rank)
     layout = RunLayout(Path(run_dir))
     module = get_stage(stage)

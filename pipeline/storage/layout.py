@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+PRIVATE_UMASK_BITS = 0o022
+
+
+def restrict_umask() -> None:
+    """Never create group- or world-writable files: add 022 to the process umask (``umask 000`` shells too).
+
+    Called by the launching process and by every task before they write anything.
+    """
+    os.umask(os.umask(0) | PRIVATE_UMASK_BITS)
 
 
 def step_name(step: int) -> str:
