@@ -29,8 +29,8 @@ class VerificationError(PipelineError):
     exit_code = 1
 
 
-class UnsafePathError(PipelineError):
-    """A path read from a manifest or marker escapes the run dir."""
+class UnsafePathError(VerificationError):
+    """A path read from a manifest or marker escapes the run dir, or a symlink sits where a run's file should."""
 
 
 class StageFailedError(PipelineError):

@@ -16,8 +16,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pipeline.errors import VerificationError
-from pipeline.storage.atomic import read_json, write_json_atomic
-from pipeline.storage.integrity import FileEntry, hash_file, safe_join, verify_entries
+from pipeline.storage.atomic import write_json_atomic
+from pipeline.storage.integrity import (
+    FileEntry,
+    hash_file,
+    is_real_dir,
+    lstat_kind,
+    read_record_json,
+    safe_join,
+    verify_entries,
+)
 from pipeline.storage.layout import RunLayout, step_name
 
 MANIFEST = "manifest.json"
@@ -29,7 +37,10 @@ def marker_path(step_dir: Path, rank: int) -> Path:
 
 
 R = TypeVar("R", bound="_FileRecord")
-_CASTS: dict[str, Callable[[Any], Any]] = {"int": int, "str": str}
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "int": lambda v: type(v) is int and v >= 0,
+    "str": lambda v: isinstance(v, str),
+}
 
 
 @dataclass(frozen=True)
@@ -46,11 +57,19 @@ class _FileRecord:
 
     @classmethod
     def from_json(cls: type[R], obj: Any, where: str) -> R:
-        try:
-            scalars = {f.name: _CASTS[str(f.type)](obj[f.name]) for f in fields(cls) if f.name != "files"}
-            return cls(files=tuple(FileEntry.from_json(e, where) for e in obj["files"]), **scalars)
-        except (KeyError, TypeError, ValueError) as e:
-            raise VerificationError(f"malformed {cls.__name__.lower()} {where}: {e}") from e
+        """Parse strictly: every field present with its exact JSON type (ints >= 0), or a VerificationError."""
+        what = cls.__name__.lower()
+        if not isinstance(obj, dict) or not isinstance(obj.get("files"), list):
+            raise VerificationError(f"malformed {what} {where}: not an object with a 'files' list")
+        if obj.get("format_version") != FORMAT_VERSION:
+            raise VerificationError(
+                f"{what} {where} has format_version {obj.get('format_version')!r}; this pipeline reads {FORMAT_VERSION}"
+            )
+        scalars = {f.name: obj.get(f.name) for f in fields(cls) if f.name != "files"}
+        bad = [f.name for f in fields(cls) if f.name != "files" and not _TYPES[str(f.type)](obj.get(f.name))]
+        if bad:
+            raise VerificationError(f"malformed {what} {where}: missing or wrong type: {', '.join(bad)}")
+        return cls(files=tuple(FileEntry.from_json(e, where) for e in obj["files"]), **scalars)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,13 +89,56 @@ def write_marker(step_dir: Path, marker: Marker) -> None:
 
 def read_marker(step_dir: Path, rank: int) -> Marker | None:
     path = marker_path(step_dir, rank)
-    if not path.exists():
-        return None
     try:
-        obj = read_json(path)
-    except ValueError as e:
-        raise VerificationError(f"marker {path} is not valid JSON: {e}") from e
+        obj = read_record_json(path, "marker")
+    except FileNotFoundError:
+        return None
     return Marker.from_json(obj, str(path))
+
+
+def step_markers(step_dir: Path, step: int, world_size: int) -> list[Marker | None]:
+    """Each rank's marker of ``step`` (None where absent); a marker naming another rank or step is refused."""
+    if not is_real_dir(step_dir):
+        raise VerificationError(f"{step_dir} is not a directory (a symlink is never followed)")
+    out: list[Marker | None] = []
+    for rank in range(world_size):
+        m = read_marker(step_dir, rank)
+        if m is not None and (m.rank != rank or m.step != step):
+            raise VerificationError(
+                f"{marker_path(step_dir, rank)} claims rank {m.rank} of step {m.step}: "
+                f"a marker must name its own rank ({rank}) and step ({step})"
+            )
+        out.append(m)
+    return out
+
+
+def complete_markers(markers: list[Marker | None], attempt: str | None) -> list[Marker] | None:
+    """The one marker rule, shared by train's "already staged" and the committer: every rank's marker is there
+    and all come from one attempt of train — ``attempt`` when the producing train is running (its own save is
+    the one to wait for), any single attempt once no train runs (a finished or failed attempt's complete save
+    is a valid checkpoint; markers mixing attempts never are). None when the step is not complete.
+    """
+    present = [m for m in markers if m is not None]
+    if len(present) != len(markers) or not present:
+        return None
+    attempts = {m.attempt for m in present}
+    if len(attempts) != 1 or (attempt is not None and attempts != {attempt}):
+        return None
+    return present
+
+
+def describe_incomplete(markers: list[Marker | None], attempt: str | None) -> str:
+    """Why :func:`complete_markers` said no: the ranks without a marker, or the attempts the markers mix."""
+    missing = [str(r) for r, m in enumerate(markers) if m is None]
+    if missing:
+        return f"rank(s) {', '.join(missing)} wrote no done-marker"
+    by_attempt: dict[str, list[int]] = {}
+    for r, m in enumerate(markers):
+        if m is not None:
+            by_attempt.setdefault(m.attempt, []).append(r)
+    wanted = f" (waiting for attempt {attempt})" if attempt is not None else ""
+    parts = [f"rank(s) {', '.join(map(str, rs))} from attempt {a}" for a, rs in sorted(by_attempt.items())]
+    return f"markers come from different attempts of train: {'; '.join(parts)}{wanted}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,14 +160,25 @@ def write_manifest(step_dir: Path, manifest: Manifest) -> str:
 
 def read_manifest(step_dir: Path) -> Manifest:
     path = step_dir / MANIFEST
-    if not path.exists():
-        raise VerificationError(f"{path} is missing: {step_dir} is not a committed step")
-    return Manifest.from_json(read_json(path), str(path))
+    kind = lstat_kind(step_dir)
+    if kind != "dir":
+        what = "missing" if kind is None else f"a {kind}, not a directory (a symlink is never followed)"
+        raise VerificationError(f"{step_dir} is {what}: not a committed step")
+    try:
+        obj = read_record_json(path, "manifest")
+    except FileNotFoundError:
+        raise VerificationError(f"{path} is missing: {step_dir} is not a committed step") from None
+    return Manifest.from_json(obj, str(path))
 
 
-def verify_committed(step_dir: Path) -> Manifest:
-    """Check every file of a committed step against its manifest (size, then hash); return the manifest."""
+def verify_committed(step_dir: Path, step: int | None = None) -> Manifest:
+    """Check every file of a committed step against its manifest (size, then hash); return the manifest.
+
+    ``step`` (when given) must be the step the manifest records: a step directory cannot pass for another.
+    """
     manifest = read_manifest(step_dir)
+    if step is not None and manifest.step != step:
+        raise VerificationError(f"{step_dir / MANIFEST} records step {manifest.step}, not {step}")
     verify_entries(step_dir, list(manifest.files), str(step_dir / MANIFEST))
     return manifest
 
@@ -117,22 +190,26 @@ class Latest:
 
 
 def read_latest(layout: RunLayout) -> Latest | None:
-    """The newest committed step, checked: its directory exists and its manifest hash matches."""
-    if not layout.latest.exists():
-        return None
-    obj = read_json(layout.latest)
+    """The newest committed step, checked: its directory exists and its manifest hash matches.
+
+    Every malformation (not JSON, wrong fields, a symlink, a step dir that is a link) is a VerificationError;
+    the committer (verify_manifest) repairs ``latest`` from the newest step that verifies.
+    """
     try:
-        latest = Latest(step=int(obj["step"]), manifest_hash=str(obj["manifest_hash"]))
-        if obj["dir"] != step_name(latest.step):
-            raise ValueError(f"dir {obj['dir']!r} does not match step {latest.step}")
-    except (KeyError, TypeError, ValueError) as e:
+        obj = read_record_json(layout.latest, "latest pointer")
+    except FileNotFoundError:
+        return None
+    step, digest = (obj.get("step"), obj.get("manifest_hash")) if isinstance(obj, dict) else (None, None)
+    if type(step) is not int or step < 0 or not isinstance(digest, str) or obj.get("dir") != step_name(step):
+        shown = repr(obj)[:120]
         raise VerificationError(
-            f"{layout.latest} is malformed ({e}); restore it from the newest step_*/manifest.json"
-        ) from e
-    manifest_file = safe_join(layout.checkpoints, step_name(latest.step)) / MANIFEST
-    if not manifest_file.exists() or hash_file(manifest_file) != latest.manifest_hash:
-        raise VerificationError(f"{layout.latest} names step {latest.step}, but {manifest_file} is missing or differs")
-    return latest
+            f"{layout.latest} is malformed ({shown}): it must name step, dir and manifest_hash; "
+            "rerun verify_manifest to rebuild it from the newest step that verifies"
+        )
+    manifest_file = safe_join(layout.checkpoints, f"{step_name(step)}/{MANIFEST}")
+    if lstat_kind(manifest_file) != "file" or hash_file(manifest_file) != digest:
+        raise VerificationError(f"{layout.latest} names step {step}, but {manifest_file} is missing or differs")
+    return Latest(step=step, manifest_hash=digest)
 
 
 def write_latest(layout: RunLayout, step: int, manifest_hash: str) -> None:

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.planner import ReadItem
 
 from pipeline.errors import CheckpointFormatError
+from pipeline.storage.faults import io_op
 from pipeline.storage.integrity import FileEntry
 
 METADATA_FILE = ".metadata"
@@ -109,15 +110,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class _HashingStream:
-    """Passes writes through to ``raw`` and hashes them on the way (xxh3-128), so no file is read back."""
+    """Passes writes through to ``raw`` and hashes them on the way (xxh3-128), so no file is read back.
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    Each write, and the fsync in :meth:`close`, is a counted I/O operation (:func:`~pipeline.storage.faults.io_op`).
+    """
+
+    def __init__(self, raw: IO[bytes], path: str) -> None:
         self.raw = raw
+        self.path = path
         self.hasher = xxhash.xxh3_128()
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        io_op("write", self.path)
         written = self.raw.write(view)
         if written != len(view):  # a buffered file writes all or raises; anything else would desync the hash
             raise OSError(f"short write: {written} of {len(view)} bytes")
@@ -135,10 +141,21 @@ class _HashingStream:
         return self.raw.fileno()
 
     def close(self) -> None:
-        self.raw.close()
+        """Flush, fsync and close (once): DCP closes data files itself; ``.metadata`` is closed on leaving its
+        stream. An fsync error fails the save."""
+        if self.raw.closed:
+            return
+        try:
+            self.raw.flush()
+            io_op("fsync", self.path)
+            os.fsync(self.raw.fileno())
+        finally:
+            self.raw.close()
 
 
 class _HashingFileSystem(FileSystem):
+    """DCP's local filesystem with every mutation counted, and a digest of every file written."""
+
     def __init__(self) -> None:
         super().__init__()
         self.digests: dict[str, FileEntry] = {}
@@ -150,18 +167,36 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         with open(path, "wb") as raw:
-            hashing = _HashingStream(raw)
+            hashing = _HashingStream(raw, os.fspath(path))
             yield hashing
+            hashing.close()
         name = Path(path).name
         self.digests[name] = FileEntry(path=name, size=hashing.size, hash=hashing.hasher.hexdigest())
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        io_op("rename", new_path)
+        super().rename(path, new_path)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        if not Path(path).is_dir():
+            io_op("mkdir", path)
+        super().mkdir(path)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        io_op("unlink", path)
+        super().rm_file(path)
 
 
 class RecordingWriter(FileSystemWriter):
     """A ``FileSystemWriter`` that records which data files this rank wrote, with sizes and hashes computed
-    while writing (for its done-marker); ``.metadata`` is not among them (it is renamed into place)."""
+    while writing (for its done-marker); ``.metadata`` is not among them (it is renamed into place).
+
+    Every file is fsynced when closed by the stream itself (so the fsync is a counted I/O operation), which
+    is why DCP's own ``sync_files`` is off.
+    """
 
     def __init__(self, path: Path) -> None:
-        super().__init__(str(path), sync_files=True, overwrite=True)
+        super().__init__(str(path), sync_files=False, overwrite=True)
         self._hashing_fs = _HashingFileSystem()
         self.fs = self._hashing_fs
         self.written: list[FileEntry] = []

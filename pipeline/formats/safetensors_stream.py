@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import CheckpointFormatError
+from pipeline.storage.faults import io_op
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -45,7 +46,12 @@ class TensorSpec:
 
 
 class StreamingSafetensorsWriter:
-    """``write`` tensors in the order of ``specs``; ``close`` checks that all were written and fsyncs."""
+    """``write`` tensors in the order of ``specs``; ``close`` checks that all were written and fsyncs.
+
+    The file is written under its final name, so ``path`` must lie in a staging directory that is published
+    by one rename once complete (:func:`pipeline.storage.atomic.publish_dir`). Every data write and the fsync
+    are counted I/O operations (:func:`pipeline.storage.faults.io_op`).
+    """
 
     def __init__(self, path: Path, specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None) -> None:
         self.path = path
@@ -66,8 +72,16 @@ class StreamingSafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
+        self._put(struct.pack("<Q", len(raw)) + raw)
+
+    def _put(self, data: bytes | memoryview) -> None:
+        try:
+            io_op("write", self.path)
+            self._file.write(data)
+        except BaseException:
+            self._file.close()  # a failed write ends the file: the writer is not used again
+            raise
 
     def write_parts(self, name: str, parts: Iterable[torch.Tensor]) -> None:
         """Write the next planned tensor from consecutive row-major pieces (e.g. dim-0 shards, in order)."""
@@ -77,7 +91,7 @@ class StreamingSafetensorsWriter:
             if part.dtype != spec.dtype:
                 raise CheckpointFormatError(f"{self.path}: part of {name} is {part.dtype}, planned {spec.dtype}")
             flat = part.detach().contiguous().reshape(-1).view(torch.uint8)
-            self._file.write(flat.numpy().data)
+            self._put(flat.numpy().data)
             written += flat.numel()
         if written != spec.nbytes:
             raise CheckpointFormatError(
@@ -101,13 +115,16 @@ class StreamingSafetensorsWriter:
                 f"got {name} {tensor.dtype} {tuple(tensor.shape)}"
             )
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(flat.numpy().data)
+        self._put(flat.numpy().data)
         self._next += 1
 
     def close(self) -> None:
         if self._next != len(self.specs):
             self._file.close()
             raise CheckpointFormatError(f"{self.path}: only {self._next} of {len(self.specs)} tensors were written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            self._file.flush()
+            io_op("fsync", self.path)
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()

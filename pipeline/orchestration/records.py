@@ -58,3 +58,12 @@ def stage_alive(layout: RunLayout, stage: str) -> bool:
         pid = int(rec.get("pid", 0))
         return pid > 0 and pid_alive(pid)
     return True  # another host: trust the record (the launcher's job state is the authority there)
+
+
+def producer_attempt(layout: RunLayout, stage: str) -> str | None:
+    """The attempt whose markers a reader must wait for: the running attempt of ``stage``, or None when no attempt
+    of it runs (then any one complete attempt counts; see ``checkpoint.manifest.complete_markers``)."""
+    if not stage_alive(layout, stage):
+        return None
+    attempt = (read_record(layout, stage) or {}).get("attempt")
+    return attempt if isinstance(attempt, str) else None

@@ -21,12 +21,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.checkpoint.manifest import read_latest, read_marker, verify_committed
+from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_latest, step_markers, verify_committed
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp import load_into
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.orchestration.records import producer_attempt
 from pipeline.stages import shard_save
+from pipeline.storage.integrity import is_real_dir, lstat_kind
 from pipeline.storage.layout import RunLayout
 from pipeline.storage.metrics import MetricsWriter
 from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
@@ -77,21 +79,28 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     target = final_step(cfg)
     if _latest_step(layout) >= target:
         return f"step {target} is committed"
-    if (layout.committed_step(target) / "manifest.json").exists():
+    if is_real_dir(layout.committed_step(target)) and lstat_kind(layout.committed_step(target) / MANIFEST) == "file":
         return f"step {target} is published (verify_manifest moves latest)"
     staged = layout.staged_step(target)
-    markers = [read_marker(staged, r) for r in range(cfg.strategy.world_size)] if staged.is_dir() else []
-    if markers and all(m is not None for m in markers) and len({m.attempt for m in markers if m}) == 1:
+    try:
+        markers = step_markers(staged, target, cfg.strategy.world_size) if is_real_dir(staged) else []
+    except VerificationError:
+        return None  # the committer quarantines it; train saves the step again
+    if markers and complete_markers(markers, producer_attempt(layout, CONTRACT.name)) is not None:
         return f"step {target} is staged with every rank's marker (verify_manifest commits it)"
     return None
 
 
-def _resume_step(layout: RunLayout) -> int:
-    """Rank 0 only: the newest committed step, its files checked against the manifest."""
-    latest = read_latest(layout)
-    if latest is None:
-        return 0
-    verify_committed(layout.committed_step(latest.step))
+def _resume_step(layout: RunLayout) -> int | str:
+    """Rank 0 only: the newest committed step, its files checked against the manifest; or why it cannot be
+    resumed (a message every rank raises, so no rank waits for a broadcast that never comes)."""
+    try:
+        latest = read_latest(layout)
+        if latest is None:
+            return 0
+        verify_committed(layout.committed_step(latest.step), latest.step)
+    except VerificationError as e:
+        return f"cannot resume: {e}; run stage=verify_manifest (it quarantines the damage and moves latest back)"
     return latest.step
 
 
@@ -181,7 +190,10 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     torch.manual_seed(cfg.train.seed + rank)
     ckpt_pg = dist.new_group(backend="gloo")  # checkpoint collectives never share the training group
 
-    resume = int(broadcast_from_rank0(_resume_step(layout) if rank == 0 else None))
+    decided = broadcast_from_rank0(_resume_step(layout) if rank == 0 else None)
+    if isinstance(decided, str):
+        raise VerificationError(decided)
+    resume = int(decided)
     if resume:
         state = _state(model, opt, sched, stream, 0, rank)
         load_into(state, layout.committed_step(resume), process_group=ckpt_pg)

@@ -9,20 +9,31 @@ Owner: this single task; no rank ever publishes or moves ``latest``.
 Done-marker: ``latest`` names a step whose manifest verifies, and no newer step is staged.
 
 Waiting: markers are polled until ``checkpoint.marker_deadline_s`` while the train job is alive; once it is
-not, a last look decides, and the error names the step and the missing ranks.
+not, a last look decides, and the error names the step and the missing ranks. Which markers count is one rule
+shared with train (:func:`~pipeline.checkpoint.manifest.complete_markers`).
+
+Every run first re-verifies the step ``latest`` names. Damage there (a changed or missing file, a manifest that
+is not the one ``latest`` recorded, garbage in ``latest`` itself) is moved to ``quarantine/``, ``latest`` goes
+back to the newest committed step that verifies, and the stage fails naming the file, so the next launch
+retrains from there. Nothing under ``checkpoints/`` is ever followed through a symlink: a link where a step
+should be is quarantined, never published.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 from pipeline.checkpoint.manifest import (
     MANIFEST,
     Manifest,
     Marker,
+    complete_markers,
+    describe_incomplete,
     read_latest,
-    read_marker,
+    step_markers,
     verify_committed,
     write_latest,
     write_manifest,
@@ -30,10 +41,10 @@ from pipeline.checkpoint.manifest import (
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.orchestration.records import read_record, stage_alive
-from pipeline.storage.atomic import move_aside, publish_dir, write_json_atomic
+from pipeline.orchestration.records import producer_attempt, stage_alive
+from pipeline.storage.atomic import clear_file, move_aside, publish_dir, write_json_atomic
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import hash_file, verify_entries
+from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind, verify_entries
 from pipeline.storage.layout import RunLayout, parse_step, step_name
 from pipeline.storage.waiting import wait_until
 
@@ -57,25 +68,32 @@ def _latest_step(layout: RunLayout) -> int:
     return latest.step if latest else 0
 
 
-def _candidates(layout: RunLayout, after: int) -> list[int]:
-    # The listing only nominates candidates; completeness is decided by the markers' contents.
-    if not layout.staging.is_dir():
+def _step_entries(area: Path) -> list[tuple[int, Path]]:
+    """``step_N`` entries of ``area`` (the listing only nominates; markers and manifests decide)."""
+    if not is_real_dir(area):
         return []
-    steps = (parse_step(p.name) for p in layout.staging.iterdir() if p.is_dir())
-    return sorted(s for s in steps if s is not None and s > after)
+    steps = ((parse_step(p.name), p) for p in area.iterdir())
+    return sorted((s, p) for s, p in steps if s is not None)
+
+
+def _candidates(layout: RunLayout, after: int) -> list[int]:
+    return [s for s, _ in _step_entries(layout.staging) if s > after]
 
 
 def _published_after(layout: RunLayout, after: int) -> list[int]:
     """Steps published (renamed out of staging) but not yet named by ``latest``: a crash between the two."""
-    steps = (parse_step(p.name) for p in layout.checkpoints.iterdir() if p.is_dir())
-    return sorted(s for s in steps if s is not None and s > after and (layout.committed_step(s) / MANIFEST).exists())
+    return [
+        s
+        for s, p in _step_entries(layout.checkpoints)
+        if s > after and is_real_dir(p) and lstat_kind(p / MANIFEST) == "file"
+    ]
 
 
 def _finish_interrupted_commits(layout: RunLayout, after: int) -> list[int]:
     done = []
     for step in _published_after(layout, after):
         step_dir = layout.committed_step(step)
-        verify_committed(step_dir)
+        verify_committed(step_dir, step)
         write_latest(layout, step, hash_file(step_dir / MANIFEST))
         log.warning("step %d was published but latest was not moved (interrupted commit): latest -> %d", step, step)
         done.append(step)
@@ -83,52 +101,105 @@ def _finish_interrupted_commits(layout: RunLayout, after: int) -> list[int]:
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
-    if not layout.staging.is_dir():
-        raise PipelineError(f"{layout.staging} does not exist: run stage=prepare_dirs for run {layout.run_id} first")
-    read_latest(layout)  # raises if latest is corrupt
+    if not is_real_dir(layout.staging):
+        raise PipelineError(
+            f"{layout.staging} is missing or not a directory: run stage=prepare_dirs for run {layout.run_id} first"
+        )
 
 
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     try:
         latest = read_latest(layout)
+        if latest is None or _candidates(layout, latest.step) or _published_after(layout, latest.step):
+            return None
+        if _planted(layout):
+            return None
+        verify_committed(layout.committed_step(latest.step), latest.step)
     except (VerificationError, OSError, ValueError):
-        return None
-    if latest is None or _candidates(layout, latest.step) or _published_after(layout, latest.step):
-        return None
-    try:
-        verify_committed(layout.committed_step(latest.step))
-    except (VerificationError, OSError):
         return None
     return f"latest is step {latest.step}, its manifest verifies, and nothing newer is staged"
 
 
-def _markers(cfg: PipelineConfig, layout: RunLayout, step: int, attempt: str | None) -> list[Marker | None]:
-    staged = layout.staged_step(step)
-    out: list[Marker | None] = []
-    for rank in range(cfg.strategy.world_size):
-        m = read_marker(staged, rank)
-        if m is not None and m.rank != rank:
-            raise VerificationError(
-                f"{staged}/rank_{rank}.done.json claims rank {m.rank}: a marker must name its own rank"
-            )
-        if m is not None and ((attempt is not None and m.attempt != attempt) or m.step != step):
-            m = None  # stale: left by an older attempt of train
-        out.append(m)
-    return out
+def _planted(layout: RunLayout) -> list[Path]:
+    """``step_N`` entries of ``checkpoints/`` or ``staging/`` that are not real directories (symlinks, files)."""
+    return [p for area in (layout.checkpoints, layout.staging) for _, p in _step_entries(area) if not is_real_dir(p)]
+
+
+def _quarantine(layout: RunLayout, path: Path, reason: str, step: int | None = None) -> Path:
+    """Move ``path`` (a step dir, a planted link, a damaged ``latest``) into ``quarantine/``, with the reason."""
+    where = move_aside(path, layout.quarantine, f"{path.name}.{int(time.time())}")
+    note = where / "quarantine.json" if is_real_dir(where) else where.with_name(where.name + ".quarantine.json")
+    write_json_atomic(note, {"path": str(path), "reason": reason, "step": step})
+    log.error("QUARANTINED %s: %s -> %s", path, reason, where)
+    return where
+
+
+def _newest_verifying(layout: RunLayout) -> tuple[int, str] | None:
+    """The newest published step whose files verify against its manifest: (step, manifest hash)."""
+    for step, path in reversed(_step_entries(layout.checkpoints)):
+        try:
+            verify_committed(path, step)
+        except VerificationError as e:
+            log.warning("committed step %d does not verify, not a candidate for latest: %s", step, e)
+            continue
+        return step, hash_file(path / MANIFEST)
+    return None
+
+
+def _recheck_latest(layout: RunLayout) -> list[str]:
+    """Re-verify the step ``latest`` names; on damage quarantine it and point ``latest`` at the newest step that
+    verifies (or remove ``latest`` if none does). Returns what was repaired, for the stage's error."""
+    repairs = []
+    for path in _planted(layout):
+        where = _quarantine(layout, path, f"{path} is a {lstat_kind(path)}, not a step directory; never followed")
+        repairs.append(f"{path} was a {lstat_kind(where)}, not a step directory (moved to {where})")
+    try:
+        latest = read_latest(layout)
+        if latest is None:
+            return repairs
+        verify_committed(layout.committed_step(latest.step), latest.step)
+        return repairs
+    except VerificationError as e:
+        problem = str(e)
+    damaged = _latest_step_name(layout)
+    if damaged is not None and lstat_kind(layout.committed_step(damaged)) is not None:
+        where = _quarantine(layout, layout.committed_step(damaged), problem, damaged)
+    else:
+        where = _quarantine(layout, layout.latest, problem)
+    fallback = _newest_verifying(layout)
+    if fallback is None:
+        clear_file(layout.latest)
+        now = "no committed step is left, latest removed"
+    else:
+        write_latest(layout, *fallback)
+        now = f"latest -> step {fallback[0]}, the newest step that verifies"
+    repairs.append(f"latest was damaged: {problem} (moved to {where}); {now}; rerun to train again from there")
+    return repairs
+
+
+def _latest_step_name(layout: RunLayout) -> int | None:
+    """The step a (possibly damaged) ``latest`` names, if it names one at all; used only to decide what to
+    quarantine, never to load."""
+    try:
+        text = layout.latest.read_bytes()[:4096] if lstat_kind(layout.latest) == "file" else b""
+        obj = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    step = obj.get("step") if isinstance(obj, dict) else None
+    return step if type(step) is int and step >= 0 and obj.get("dir") == step_name(step) else None
 
 
 def _wait_for_markers(cfg: PipelineConfig, layout: RunLayout, step: int, attempt: str | None) -> list[Marker]:
-    def poll() -> list[Marker] | None:
-        ms = _markers(cfg, layout, step, attempt)
-        return [m for m in ms if m is not None] if all(m is not None for m in ms) else None
+    staged = layout.staged_step(step)
+
+    def markers() -> list[Marker | None]:
+        return step_markers(staged, step, cfg.strategy.world_size)
 
     def missing() -> str:
-        ranks = [str(r) for r, m in enumerate(_markers(cfg, layout, step, attempt)) if m is None]
-        where = layout.staged_step(step)
-        return f"step {step}: rank(s) {', '.join(ranks)} wrote no done-marker in {where} (rank_<K>.done.json)"
+        return f"step {step}: {describe_incomplete(markers(), attempt)} in {staged} (rank_<K>.done.json)"
 
     return wait_until(
-        poll,
+        lambda: complete_markers(markers(), attempt),
         deadline_s=cfg.checkpoint.marker_deadline_s,
         what=missing,
         alive=lambda: stage_alive(layout, PRODUCER),
@@ -173,15 +244,14 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
 
 def run(ctx: TaskContext) -> dict[str, object]:
     cfg, layout = ctx.cfg, ctx.layout
-    train_rec = read_record(layout, PRODUCER) or {}
-    attempt = train_rec.get("attempt")
+    attempt = producer_attempt(layout, PRODUCER)
     committed: list[int] = []
     incomplete: list[tuple[int, str]] = []
-    quarantined: list[str] = []
+    quarantined: list[str] = _recheck_latest(layout)
     committed += _finish_interrupted_commits(layout, _latest_step(layout))
     latest = _latest_step(layout)
     for step in _candidates(layout, latest):
-        if layout.committed_step(step).exists():
+        if lstat_kind(layout.committed_step(step)) is not None:
             log.warning("step %d is staged again but already published; the staged copy is left alone", step)
             continue
         try:
@@ -191,10 +261,8 @@ def run(ctx: TaskContext) -> dict[str, object]:
         except DeadlineError as e:
             incomplete.append((step, str(e)))
         except VerificationError as e:
-            where = move_aside(layout.staged_step(step), layout.quarantine, f"{step_name(step)}.{int(time.time())}")
-            write_json_atomic(where / "quarantine.json", {"step": step, "reason": str(e)})
+            where = _quarantine(layout, layout.staged_step(step), str(e), step)
             quarantined.append(f"step {step}: {e} (moved to {where})")
-            log.error("QUARANTINED step %d: %s -> %s", step, e, where)
     newest = _latest_step(layout)
     pending = [msg for step, msg in incomplete if step > newest]
     if quarantined or pending:

@@ -2,8 +2,8 @@
 
 Two ways to publish, as in Orbax's ``atomicity`` module:
 
-* a **file** is written to ``<name>.tmp-<pid>`` in the same directory, flushed, fsynced, renamed onto its
-  final name, and the directory is fsynced (:func:`write_bytes_atomic`, :func:`write_json_atomic`);
+* a **file** is written to ``<name>.tmp-<pid>-<token>`` in the same directory, flushed, fsynced, renamed onto
+  its final name, and the directory is fsynced (:func:`write_bytes_atomic`, :func:`write_json_atomic`);
 * a **directory** is filled in a staging location, its files fsynced, and then renamed into place in one
   ``rename`` followed by an fsync of both parents (:func:`publish_dir`).
 
@@ -11,23 +11,31 @@ A file that must never replace an existing one (a run's lease) is created whole 
 :func:`create_exclusive` (``link`` from a fsynced temp file).
 
 An fsync or close error fails the write: it is never retried into "success". No other module renames or
-deletes shared paths; stages call these helpers.
+deletes shared paths; stages call these helpers. Every mutation here is announced to
+:func:`pipeline.storage.faults.io_op` first, so crash tests can stop the "process" before any one of them.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.storage.faults import io_op
+
+_TEMP_NAME = re.compile(r"\.tmp-\d+-[0-9a-f]{8}$")
+"""Names :func:`write_bytes_atomic` writes before its rename: never content, whoever left them."""
 
 
 def fsync_dir(path: Path) -> None:
     """Make a directory's entries (creations, renames) durable."""
+    io_op("fsync_dir", path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -36,6 +44,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def fsync_file(path: Path) -> None:
+    io_op("fsync", path)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -43,23 +52,37 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _temp_name(path: Path) -> Path:
+    # pid + random token: no two writers (threads, or a crashed attempt that reused a pid) share a temp file.
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def is_temp_name(name: str) -> bool:
+    """True for the temp names of :func:`write_bytes_atomic` (litter when a writer died before its rename)."""
+    return _TEMP_NAME.search(name) is not None
+
+
 def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    tmp = _temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
+        try:
+            view = memoryview(data)
+            while view:
+                io_op("write", tmp)
+                view = view[os.write(fd, view) :]
+            io_op("fsync", tmp)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        io_op("rename", path)
+        os.replace(tmp, path)
     except BaseException:
-        os.close(fd)
+        io_op("unlink", tmp)  # after a simulated crash this raises again: a dead process cleans nothing up
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
-    os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
@@ -87,11 +110,14 @@ def create_exclusive(path: Path, data: bytes, mode: int = 0o644) -> bool:
         try:
             view = memoryview(data)
             while view:
+                io_op("write", tmp)
                 view = view[os.write(fd, view) :]
+            io_op("fsync", tmp)
             os.fsync(fd)
         finally:
             os.close(fd)
         try:
+            io_op("link", path)
             os.link(tmp, path)
         except OSError as e:
             if os.stat(tmp).st_nlink != 2:
@@ -99,6 +125,7 @@ def create_exclusive(path: Path, data: bytes, mode: int = 0o644) -> bool:
                     return False
                 raise
     finally:
+        io_op("unlink", tmp)
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
     return True
@@ -117,14 +144,30 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def _drop_temp_litter(root: Path) -> None:
+    """Remove :func:`write_bytes_atomic` temp files that a writer which died before its rename left in ``root``:
+    they are never content, and a published directory must not carry a partial file."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            if is_temp_name(name):
+                io_op("unlink", Path(dirpath) / name)
+                (Path(dirpath) / name).unlink(missing_ok=True)
+
+
 def publish_dir(staged: Path, final: Path) -> None:
-    """Atomically move a fully written directory into place. ``final`` must not exist."""
+    """Atomically move a fully written directory into place. ``final`` must not exist.
+
+    The caller owns ``staged`` (every writer into it has finished): temp files that crashed writers left there
+    are dropped, everything is fsynced, then one rename publishes it and both parents are fsynced.
+    """
     if final.exists():
         raise PipelineError(
             f"cannot publish {staged} to {final}: the destination already exists; "
             "a published directory is never overwritten (rerun with force to redo the stage)"
         )
+    _drop_temp_litter(staged)
     fsync_tree(staged)
+    io_op("rename", final)
     os.rename(staged, final)
     fsync_dir(final.parent)
     if staged.parent != final.parent:
@@ -133,34 +176,60 @@ def publish_dir(staged: Path, final: Path) -> None:
 
 def move_aside(path: Path, dest_dir: Path, name: str) -> Path:
     """Rename ``path`` into ``dest_dir/name`` (quarantine, retired outputs); never deletes."""
-    dest_dir.mkdir(parents=True, exist_ok=True)
+    if not dest_dir.is_dir():
+        io_op("mkdir", dest_dir)
+        dest_dir.mkdir(parents=True, exist_ok=True)
     dest = dest_dir / name
     n = 1
     while dest.exists():
         dest = dest_dir / f"{name}.{n}"
         n += 1
+    io_op("rename", dest)
     os.rename(path, dest)
     fsync_dir(dest_dir)
     fsync_dir(path.parent)
     return dest
 
 
+def _rmtree_tolerant(path: Path) -> None:
+    """``rmtree`` that lets entries vanish under it (another remover of the same trash got there first)."""
+
+    def onerror(_func: Any, _path: str, exc_info: Any) -> None:
+        if not issubclass(exc_info[0], FileNotFoundError):
+            raise exc_info[1]
+
+    io_op("rmtree", path)
+    if os.path.islink(path):
+        path.unlink(missing_ok=True)
+        return
+    shutil.rmtree(path, onerror=onerror)
+
+
 def remove_tree(path: Path) -> None:
     """Delete a directory tree (only the one owner of ``path`` may call this, e.g. prepare-dirs on overwrite).
 
-    The tree is first renamed to a hidden sibling, so a crash mid-delete never leaves a half-deleted
-    directory under the original name.
+    The tree is first renamed to a hidden sibling with a unique name, so a crash mid-delete never leaves a
+    half-deleted directory under the original name. A concurrent removal is tolerated: if ``path`` is gone by
+    the time of the rename, someone else removed (or moved) it and there is nothing to do. Trash left by an
+    earlier remover that died mid-delete is removed too.
     """
-    if not path.exists():
-        return
-    trash = path.with_name(f".{path.name}.deleting-{os.getpid()}")
-    os.rename(path, trash)
-    fsync_dir(path.parent)
-    shutil.rmtree(trash)
+    path = Path(path)
+    trash = path.with_name(f".{path.name}.deleting-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        io_op("rename", trash)
+        os.rename(path, trash)
+    except FileNotFoundError:
+        pass
+    else:
+        fsync_dir(path.parent)
+        _rmtree_tolerant(trash)
+    for old in path.parent.glob(f".{glob.escape(path.name)}.deleting-*"):
+        _rmtree_tolerant(old)
 
 
 def clear_file(path: Path) -> None:
     """Remove a rank-private or owner-private file if present (e.g. a stale done-marker before a re-save)."""
+    io_op("unlink", path)
     try:
         path.unlink()
     except FileNotFoundError:
