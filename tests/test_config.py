@@ -34,6 +34,15 @@ def test_missing_experiment_says_what_to_do() -> None:
         ("strategy.name=zero9", "strategy.name='zero9'"),
         ("export.max_shard_size=lots", "size 'lots'"),
         ("run.id=../escape", "not a valid run id"),
+        ("train.lr=-1", "train.lr=-1"),
+        ("train.lr=inf", "finite"),
+        ("train.stop_after_step=-2", "train.stop_after_step=-2"),
+        ("train.warmup_steps=-1", "must be >= 0"),
+        ("launcher.poll_interval_s=-1", "launcher.poll_interval_s=-1"),
+        ("checkpoint.marker_deadline_s=-5", "checkpoint.marker_deadline_s=-5"),
+        ("strategy.pg_timeout_s=0", "strategy.pg_timeout_s=0"),
+        ("data.seq_len=0", "data.seq_len=0"),
+        ("model.num_heads=0", "model.num_heads=0"),
     ],
 )
 def test_bad_values_fail_before_anything_runs(override: str, message: str) -> None:

@@ -5,6 +5,7 @@ Everything below the entry point sees these objects, never a ``DictConfig``.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -132,6 +133,19 @@ class ModelConfig:
     """Seed for weight initialisation (identical on every rank)."""
 
     def __post_init__(self) -> None:
+        sizes = (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "max_position_embeddings",
+        )
+        for key in sizes:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.max_position_embeddings < 1:
+            raise ConfigError(f"model.max_position_embeddings={self.max_position_embeddings} must be >= 1")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model: hidden_size={self.hidden_size} must divide by num_heads={self.num_heads}, "
@@ -151,6 +165,11 @@ class DataConfig:
     """Target BPE vocabulary size (the model's vocab is the tokenizer's actual size)."""
     seed: int = 1234
     """Seed of the corpus generator (which sentences the grammar produces)."""
+
+    def __post_init__(self) -> None:
+        for key, low in (("num_documents", 1), ("seq_len", 2), ("vocab_size", 32)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"data.{key}={getattr(self, key)} must be >= {low}")
 
 
 @dataclass
@@ -176,8 +195,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.micro_batch_size < 1:
             raise ConfigError("train.steps and train.micro_batch_size must be >= 1")
-        if not self.lr > 0:
-            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"train.lr={self.lr} must be a finite number > 0")
+        if not 0 <= self.weight_decay < math.inf or self.warmup_steps < 0:
+            raise ConfigError(
+                f"train.weight_decay={self.weight_decay} and train.warmup_steps={self.warmup_steps} must be >= 0"
+            )
         if self.stop_after_step is not None and self.stop_after_step < 1:
             raise ConfigError(f"train.stop_after_step={self.stop_after_step} must be >= 1 (or null)")
         if self.time_limit_min < 1:

@@ -2,18 +2,22 @@
 
 DCP stores its ``.metadata`` with ``pickle`` and non-tensor values with ``torch.save``; stock
 ``FileSystemReader``/``DefaultLoadPlanner`` read them with full unpickling. :class:`SafeReader` reads the
-metadata with torch's weights-only unpickler (DCP's own metadata classes allow-listed) and
+metadata with a restricted unpickler (DCP's own metadata classes and a few value types allow-listed, nothing
+callable) and then checks its structure against the directory (:func:`read_metadata_safe`), and
 :class:`SafeLoadPlanner` loads non-tensor values with ``weights_only=True``. Tensor chunks are already read
-with ``weights_only=True`` by torch.
+with ``weights_only=True`` by torch. Every way hostile bytes can fail a read ends in a typed error.
 """
 
 from __future__ import annotations
 
 import collections
 import io
+import itertools
+import math
 import os
 import pathlib
 import pickle
+import stat
 import warnings
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -24,13 +28,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import metadata as dcp_meta
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
-from pipeline.errors import CheckpointFormatError
+from pipeline.errors import CheckpointFormatError, PipelineError
 from pipeline.storage.faults import io_op
-from pipeline.storage.integrity import FileEntry
+from pipeline.storage.integrity import FileEntry, safe_join
 
 METADATA_FILE = ".metadata"
 FORMAT = "torch_dcp"
@@ -68,19 +73,155 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
 
-def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
-    """Unpickle DCP ``.metadata`` allowing only DCP's own metadata classes (never arbitrary callables)."""
-    file = path / METADATA_FILE
+MAX_METADATA_BYTES = 1 << 30
+"""Largest ``.metadata`` read (a model with millions of stored chunks stays far below it)."""
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+def _refusal(file: Path, problem: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{file}: {problem}; it is not DCP metadata this pipeline reads safely "
+        "(restore the step from an intact copy or save it again)"
+    )
+
+
+def _read_metadata_bytes(path: Path) -> bytes:
+    """The bytes of ``path/.metadata``: a regular file (never a symlink or a FIFO) of bounded size."""
+    file = safe_join(path, METADATA_FILE)  # refuses a symlinked step dir or .metadata
     try:
-        with open(file, "rb") as f:
-            md = _MetadataUnpickler(f).load()
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointFormatError(f"{file} is missing: {path} is not a DCP checkpoint") from None
-    except Exception as e:
-        raise CheckpointFormatError(f"refusing to read {file}: it is not plain DCP metadata ({e})") from e
-    if not isinstance(md, dcp_meta.Metadata):
-        raise CheckpointFormatError(f"{file} holds {type(md).__name__}, not DCP metadata")
+    except OSError as e:
+        raise _refusal(file, f"cannot be opened ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise _refusal(file, "not a regular file")
+        data = f.read(MAX_METADATA_BYTES + 1)
+    if len(data) > MAX_METADATA_BYTES:
+        raise _refusal(file, f"larger than {MAX_METADATA_BYTES} bytes")
+    return data
+
+
+def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
+    """Unpickle DCP ``.metadata`` allowing only DCP's own metadata classes (never arbitrary callables), then
+    check that it is what DCP writes: typed fields, chunks inside their tensors, and every stored byte range
+    inside a regular data file of ``path`` reached by a safe relative path.
+
+    Every failure is a :class:`CheckpointFormatError` (an unsafe data path: :class:`UnsafePathError`).
+    """
+    file = path / METADATA_FILE
+    data = _read_metadata_bytes(path)
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # any failure of the restricted unpickler on hostile bytes is a format error
+        raise _refusal(file, f"cannot be unpickled safely ({type(e).__name__}: {_one_line(e)})") from None
+    _check_metadata(md, file)
+    _check_storage(path, md, file)
     return md
+
+
+def _dims(value: object) -> tuple[int, ...] | None:
+    """``value`` as a shape or an offset (a torch.Size of ints >= 0), or None if it is not one."""
+    if not isinstance(value, torch.Size) or not all(type(d) is int and d >= 0 for d in value):
+        return None
+    return tuple(value)
+
+
+def _check_metadata(md: object, file: Path) -> None:
+    """Structure and types of an unpickled ``Metadata``, as DCP writes it (pure: reads no files)."""
+    if not isinstance(md, dcp_meta.Metadata):
+        raise _refusal(file, f"holds a {type(md).__name__}, not DCP Metadata")
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        raise _refusal(file, "state_dict_metadata and storage_data must be dicts")
+    if md.planner_data is not None and not isinstance(md.planner_data, dict):
+        raise _refusal(file, "planner_data must be a dict")
+    if md.storage_meta is not None and not isinstance(md.storage_meta, dcp_meta.StorageMeta):
+        raise _refusal(file, "storage_meta must be a StorageMeta")
+    if md.version is not None and not isinstance(md.version, str):
+        raise _refusal(file, "version must be a string")
+    stored: set[tuple[str, tuple[int, ...] | None]] = set()
+    for index, info in md.storage_data.items():
+        if not isinstance(index, dcp_meta.MetadataIndex) or not isinstance(index.fqn, str):
+            raise _refusal(file, f"storage_data key {type(index).__name__} is not a MetadataIndex")
+        offset = None if index.offset is None else _dims(index.offset)
+        if index.offset is not None and offset is None:
+            raise _refusal(file, f"storage_data of {index.fqn!r} has a malformed offset")
+        if not (
+            isinstance(info, _StorageInfo)
+            and isinstance(info.relative_path, str)
+            and type(info.offset) is int
+            and type(info.length) is int
+            and info.offset >= 0
+            and info.length >= 0
+            and (info.transform_descriptors is None or isinstance(info.transform_descriptors, (list, tuple)))
+        ):
+            raise _refusal(file, f"storage_data of {index.fqn!r} is not a well-formed _StorageInfo")
+        stored.add((index.fqn, offset))
+    for key, item in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise _refusal(file, f"state_dict_metadata key {key!r} is not a string")
+        if isinstance(item, dcp_meta.BytesStorageMetadata):
+            if (key, None) not in stored:
+                raise _refusal(file, f"{key!r} has no storage_data entry")
+        elif isinstance(item, dcp_meta.TensorStorageMetadata):
+            _check_tensor(key, item, stored, file)
+        else:
+            raise _refusal(file, f"{key!r} is described by a {type(item).__name__}")
+
+
+def _check_tensor(
+    key: str, item: dcp_meta.TensorStorageMetadata, stored: set[tuple[str, tuple[int, ...] | None]], file: Path
+) -> None:
+    props, size = item.properties, _dims(item.size)
+    if not (
+        isinstance(props, dcp_meta.TensorProperties)
+        and isinstance(props.dtype, torch.dtype)
+        and props.layout is torch.strided
+    ):
+        raise _refusal(file, f"tensor {key!r} has malformed properties (dtype, strided layout)")
+    if size is None or not isinstance(item.chunks, list):
+        raise _refusal(file, f"tensor {key!r} has a malformed size or chunk list")
+    covered = 0
+    for chunk in item.chunks:
+        offsets = _dims(getattr(chunk, "offsets", None)) if isinstance(chunk, dcp_meta.ChunkStorageMetadata) else None
+        sizes = _dims(getattr(chunk, "sizes", None)) if offsets is not None else None
+        if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(size):
+            raise _refusal(file, f"tensor {key!r} has a malformed chunk")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=True)):
+            raise _refusal(file, f"tensor {key!r} {list(size)}: chunk at {list(offsets)} of {list(sizes)} lies outside it")
+        if (key, offsets) not in stored:
+            raise _refusal(file, f"tensor {key!r}: chunk at {list(offsets)} has no storage_data entry")
+        covered += math.prod(sizes)
+    if covered != math.prod(size):
+        raise _refusal(file, f"tensor {key!r} {list(size)}: its chunks hold {covered} of {math.prod(size)} elements")
+
+
+def _check_storage(path: Path, md: dcp_meta.Metadata, file: Path) -> None:
+    """Every stored byte range lies inside its data file, and no two ranges overlap (so a tensor never needs
+    more memory than the data files hold)."""
+    ranges: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+    for info in md.storage_data.values():
+        ranges[info.relative_path].append((info.offset, info.offset + info.length))
+    for rel, spans in ranges.items():
+        data_file = safe_join(path, rel)  # relative, normalised, no symlink on the way
+        try:
+            st = os.lstat(data_file)
+        except FileNotFoundError:
+            raise _refusal(file, f"it references {rel!r}, which is missing") from None
+        except OSError as e:
+            raise _refusal(file, f"it references {rel!r}, which cannot be read ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise _refusal(file, f"it references {rel!r}, which is not a regular file")
+        spans.sort()
+        if spans[-1][1] > st.st_size:
+            raise _refusal(file, f"it references bytes up to {spans[-1][1]} of {rel!r}, which has {st.st_size} (truncated?)")
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            if start < end:
+                raise _refusal(file, f"two stored items overlap in {rel!r} at byte {start}")
 
 
 class SafeReader(FileSystemReader):
@@ -215,15 +356,40 @@ def load_into(
     no_dist: bool = False,
     metadata: dcp_meta.Metadata | None = None,
 ) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(
-            state,
-            storage_reader=SafeReader(str(path), metadata),
-            planner=SafeLoadPlanner(allow_partial_load=no_dist),
-            process_group=process_group,
-            no_dist=no_dist,
-        )
+    """``dcp.load`` of the checkpoint at ``path`` into ``state``, through the safe reader and planner.
+
+    A failure on any rank is one typed error: the first :class:`PipelineError` a rank raised (e.g. the
+    metadata refusal), else a :class:`CheckpointFormatError` naming the rank and the cause. DCP's own
+    ``CheckpointException`` is a ``BaseException`` that would slip past every ``except Exception``.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                state,
+                storage_reader=SafeReader(str(path), metadata),
+                planner=SafeLoadPlanner(allow_partial_load=no_dist),
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as e:
+        failures = sorted((rank, exc) for rank, (exc, _trace) in e.failures.items())
+        typed = [exc for _, exc in failures if isinstance(exc, PipelineError)]
+        if typed:
+            raise typed[0] from None
+        rank, exc = failures[0] if failures else (-1, e)
+        raise _load_failure(path, f"rank {rank}: {type(exc).__name__}: {_one_line(exc)}") from None
+    except PipelineError:
+        raise
+    except Exception as e:
+        raise _load_failure(path, f"{type(e).__name__}: {_one_line(e)}") from None
+
+
+def _load_failure(path: Path, cause: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"cannot load the DCP checkpoint {path} ({cause}); if its files were changed since the commit, "
+        "run stage=verify_manifest to check them against the manifest"
+    )
 
 
 def tensor_entries(md: dcp_meta.Metadata, prefix: str) -> Iterator[tuple[str, dcp_meta.TensorStorageMetadata]]:

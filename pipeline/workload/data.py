@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from pipeline.config.schema import DataConfig
+from pipeline.errors import ConfigError
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 TOKENS_FILE = "tokens.safetensors"
@@ -81,7 +82,11 @@ class SampleStream:
         self.pos = DataPosition()
         self._perm_cache: tuple[int, torch.Tensor] | None = None
         if n < micro_batch_size * world_size:
-            raise ValueError(f"only {n} samples of {seq_len} tokens; need at least {micro_batch_size * world_size}")
+            raise ConfigError(
+                f"the corpus gives only {n} samples of data.seq_len={seq_len} tokens, fewer than "
+                f"train.micro_batch_size x strategy.world_size = {micro_batch_size * world_size}: raise "
+                "data.num_documents or lower data.seq_len / train.micro_batch_size"
+            )
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if self._perm_cache is None or self._perm_cache[0] != epoch:

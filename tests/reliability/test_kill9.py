@@ -77,7 +77,7 @@ def _kill_rank(first: Launch, layout: RunLayout, rng: random.Random) -> str | No
     job = wait_for("the train job", lambda: _job_of(layout, "train"), 180, while_alive=first)
     if job is None:
         return None
-    ranks = wait_for("two train ranks", lambda: (r := ranks_of(job)) if len(r) == 2 else None, 60, while_alive=first)
+    ranks = wait_for("two train ranks", lambda: r if len(r := ranks_of(job)) == 2 else None, 60, while_alive=first)
     if ranks is None:
         return None
     delay = rng.uniform(0.0, 5.0)
