@@ -77,7 +77,8 @@ MAX_METADATA_BYTES = 1 << 30
 """Largest ``.metadata`` read (a model with millions of stored chunks stays far below it)."""
 
 
-def _one_line(e: BaseException) -> str:
+def error_summary(e: BaseException) -> str:
+    """An exception's text on one line, at most 200 characters (for one-line error messages)."""
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
@@ -118,8 +119,11 @@ def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # any failure of the restricted unpickler on hostile bytes is a format error
-        raise _refusal(file, f"cannot be unpickled safely ({type(e).__name__}: {_one_line(e)})") from None
-    _check_metadata(md, file)
+        raise _refusal(file, f"cannot be unpickled safely ({type(e).__name__}: {error_summary(e)})") from None
+    try:
+        _check_metadata(md, file)
+    except AttributeError as e:  # BUILD can leave out any dataclass field
+        raise _refusal(file, f"a field DCP writes is missing ({error_summary(e)})") from None
     _check_storage(path, md, file)
     return md
 
@@ -143,6 +147,21 @@ def _check_metadata(md: object, file: Path) -> None:
         raise _refusal(file, "storage_meta must be a StorageMeta")
     if md.version is not None and not isinstance(md.version, str):
         raise _refusal(file, "version must be a string")
+    stored = _stored_keys(md, file)
+    for key, item in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise _refusal(file, f"state_dict_metadata key {key!r} is not a string")
+        if isinstance(item, dcp_meta.BytesStorageMetadata):
+            if (key, None) not in stored:
+                raise _refusal(file, f"{key!r} has no storage_data entry")
+        elif isinstance(item, dcp_meta.TensorStorageMetadata):
+            _check_tensor(key, item, stored, file)
+        else:
+            raise _refusal(file, f"{key!r} is described by a {type(item).__name__}")
+
+
+def _stored_keys(md: dcp_meta.Metadata, file: Path) -> set[tuple[str, tuple[int, ...] | None]]:
+    """``(fqn, chunk offsets)`` of every well-formed ``storage_data`` entry (offsets None for bytes items)."""
     stored: set[tuple[str, tuple[int, ...] | None]] = set()
     for index, info in md.storage_data.items():
         if not isinstance(index, dcp_meta.MetadataIndex) or not isinstance(index.fqn, str):
@@ -161,16 +180,7 @@ def _check_metadata(md: object, file: Path) -> None:
         ):
             raise _refusal(file, f"storage_data of {index.fqn!r} is not a well-formed _StorageInfo")
         stored.add((index.fqn, offset))
-    for key, item in md.state_dict_metadata.items():
-        if not isinstance(key, str):
-            raise _refusal(file, f"state_dict_metadata key {key!r} is not a string")
-        if isinstance(item, dcp_meta.BytesStorageMetadata):
-            if (key, None) not in stored:
-                raise _refusal(file, f"{key!r} has no storage_data entry")
-        elif isinstance(item, dcp_meta.TensorStorageMetadata):
-            _check_tensor(key, item, stored, file)
-        else:
-            raise _refusal(file, f"{key!r} is described by a {type(item).__name__}")
+    return stored
 
 
 def _check_tensor(
@@ -192,7 +202,7 @@ def _check_tensor(
         if offsets is None or sizes is None or not len(offsets) == len(sizes) == len(size):
             raise _refusal(file, f"tensor {key!r} has a malformed chunk")
         if any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=True)):
-            raise _refusal(file, f"tensor {key!r} {list(size)}: chunk at {list(offsets)} of {list(sizes)} lies outside it")
+            raise _refusal(file, f"tensor {key!r} {list(size)}: chunk {list(sizes)} at {list(offsets)} lies outside")
         if (key, offsets) not in stored:
             raise _refusal(file, f"tensor {key!r}: chunk at {list(offsets)} has no storage_data entry")
         covered += math.prod(sizes)
@@ -218,7 +228,7 @@ def _check_storage(path: Path, md: dcp_meta.Metadata, file: Path) -> None:
             raise _refusal(file, f"it references {rel!r}, which is not a regular file")
         spans.sort()
         if spans[-1][1] > st.st_size:
-            raise _refusal(file, f"it references bytes up to {spans[-1][1]} of {rel!r}, which has {st.st_size} (truncated?)")
+            raise _refusal(file, f"it references bytes up to {spans[-1][1]} of {rel!r}, which has {st.st_size}")
         for (_, end), (start, _) in itertools.pairwise(spans):
             if start < end:
                 raise _refusal(file, f"two stored items overlap in {rel!r} at byte {start}")
@@ -378,11 +388,11 @@ def load_into(
         if typed:
             raise typed[0] from None
         rank, exc = failures[0] if failures else (-1, e)
-        raise _load_failure(path, f"rank {rank}: {type(exc).__name__}: {_one_line(exc)}") from None
+        raise _load_failure(path, f"rank {rank}: {type(exc).__name__}: {error_summary(exc)}") from None
     except PipelineError:
         raise
     except Exception as e:
-        raise _load_failure(path, f"{type(e).__name__}: {_one_line(e)}") from None
+        raise _load_failure(path, f"{type(e).__name__}: {error_summary(e)}") from None
 
 
 def _load_failure(path: Path, cause: str) -> CheckpointFormatError:

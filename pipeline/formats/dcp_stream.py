@@ -13,6 +13,9 @@ Two paths, chosen per tensor from the metadata:
 from __future__ import annotations
 
 import io
+import itertools
+import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, cast
@@ -21,8 +24,8 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from pipeline.errors import CheckpointFormatError
-from pipeline.formats.dcp import load_into, read_metadata_safe, tensor_entries
+from pipeline.errors import CheckpointFormatError, PipelineError
+from pipeline.formats.dcp import error_summary, load_into, read_metadata_safe, tensor_entries
 from pipeline.storage.integrity import safe_join
 
 
@@ -57,7 +60,20 @@ class _FileSlice(io.RawIOBase):
 
 
 def _nbytes(meta: dcp_meta.TensorStorageMetadata) -> int:
-    return meta.size.numel() * meta.properties.dtype.itemsize
+    return math.prod(meta.size) * meta.properties.dtype.itemsize
+
+
+def _check_no_overlap(path: Path, key: str, meta: dcp_meta.TensorStorageMetadata) -> None:
+    """No two chunks of ``key`` overlap: with the element count checked by ``read_metadata_safe``, the chunks
+    then tile the tensor exactly, so the assembled buffer has no unwritten hole. Pairwise, as DCP checks it
+    when saving (chunks are few: one per rank holding a shard)."""
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks if math.prod(c.sizes)]
+    for (o1, s1), (o2, s2) in itertools.combinations(boxes, 2):
+        if all(a < b + m and b < a + n for a, n, b, m in zip(o1, s1, o2, s2, strict=True)):
+            raise CheckpointFormatError(
+                f"{path}/.metadata: chunks of tensor {key!r} at {list(o1)} and {list(o2)} overlap "
+                "(restore the step from an intact copy)"
+            )
 
 
 class TensorStreamer:
@@ -73,6 +89,15 @@ class TensorStreamer:
             if idx.offset is not None  # non-tensor (bytes) entries have no offset
         }
         self._buffer: torch.Tensor | None = None
+        # read_metadata_safe checked that stored byte ranges lie in the data files without overlapping, so an
+        # uncompressed tensor can never need more than the files hold; anything else would be a memory bomb.
+        limit = sum(os.stat(safe_join(path, rel)).st_size for rel in {i.relative_path for i in self._storage.values()})
+        for key, meta in self.entries:
+            if _nbytes(meta) > limit:
+                raise CheckpointFormatError(
+                    f"{path}/.metadata: tensor {key!r} needs {_nbytes(meta)} bytes but the checkpoint's data files "
+                    f"hold {limit}: the metadata does not describe these files (restore the step from an intact copy)"
+                )
 
     def row_blocks(
         self, key: str, meta: dcp_meta.TensorStorageMetadata
@@ -102,9 +127,7 @@ class TensorStreamer:
     ) -> Iterator[torch.Tensor]:
         """Load each block alone, in order."""
         for chunk, info in blocks:
-            with open(safe_join(self.path, info.relative_path), "rb") as f:
-                stream = cast(IO[bytes], _FileSlice(f, info.offset, info.length))
-                tensor = torch.load(stream, map_location="cpu", weights_only=True)
+            tensor = self._load_chunk(info)
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != meta.properties.dtype:
                 raise CheckpointFormatError(
                     f"{self.path}/{info.relative_path}: chunk is not a {meta.properties.dtype} tensor"
@@ -116,8 +139,24 @@ class TensorStreamer:
             yield tensor
             del tensor
 
+    def _load_chunk(self, info: _StorageInfo) -> object:
+        """``torch.load(weights_only=True)`` of one stored item; any failure on damaged bytes is typed."""
+        where = f"{self.path}/{info.relative_path} bytes {info.offset}..{info.offset + info.length}"
+        try:
+            with open(safe_join(self.path, info.relative_path), "rb") as f:
+                stream = cast(IO[bytes], _FileSlice(f, info.offset, info.length))
+                return torch.load(stream, map_location="cpu", weights_only=True)
+        except PipelineError:
+            raise
+        except Exception as e:  # torch.load on damaged bytes fails in many ways (EOFError, RuntimeError, ...)
+            raise CheckpointFormatError(
+                f"{where}: not a readable tensor ({type(e).__name__}: {error_summary(e)}); "
+                "the data file is damaged: restore the step from an intact copy"
+            ) from None
+
     def load(self, key: str, meta: dcp_meta.TensorStorageMetadata) -> torch.Tensor:
         """The whole tensor ``key`` (general path); valid until the next call (it lives in a reused buffer)."""
+        _check_no_overlap(self.path, key, meta)
         if self._buffer is None:
             self._buffer = torch.empty(max(_nbytes(m) for _, m in self.entries), dtype=torch.uint8)
         out = self._buffer[: _nbytes(meta)].view(meta.properties.dtype).view(meta.size)

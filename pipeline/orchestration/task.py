@@ -1,12 +1,16 @@
 """What runs inside one task of a stage job: re-check inputs, run the stage, record how it ended.
 
-Task 0 owns the stage record (``stages/<stage>.json``); other tasks only run the stage.
+Task 0 owns the stage record (``stages/<stage>.json``); other tasks only run the stage. A task that fails
+writes one :func:`failure_line` to its stderr before the traceback, so the launcher can tell which task of a
+job failed first, and with what, without parsing tracebacks (see :func:`parse_failure_line`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -16,6 +20,24 @@ from pipeline.orchestration.contract import TaskContext
 from pipeline.orchestration.records import now_iso, write_record
 from pipeline.stages import get_stage
 from pipeline.storage.layout import RunLayout, restrict_umask
+
+
+INPROCESS = "inprocess"
+"""``job_id`` of a stage run in the launching process (its stderr is the user's terminal, not a log)."""
+
+_FAILURE = re.compile(r"TASK FAILED rank (\d+) at (\d+(?:\.\d+)?): (.*)")
+
+
+def failure_line(rank: int, error: BaseException, at: float) -> str:
+    """``TASK FAILED rank K at <unix time>: <ExcType>: <message on one line>``."""
+    message = " ".join(str(error).split())
+    return f"TASK FAILED rank {rank} at {at:.3f}: {type(error).__name__}{': ' if message else ''}{message[:1000]}"
+
+
+def parse_failure_line(line: str) -> tuple[int, float, str] | None:
+    """(rank, unix time, ``<ExcType>: <message>``) of a :func:`failure_line`, wherever it sits in ``line``."""
+    m = _FAILURE.search(line)
+    return (int(m.group(1)), float(m.group(2)), m.group(3).strip()) if m else None
 
 
 def setup_logging(rank: int) -> None:
@@ -34,7 +56,7 @@ def execute_task(
     attempt: str,
     rank: int = 0,
     world_size: int = 1,
-    job_id: str = "inprocess",
+    job_id: str = INPROCESS,
 ) -> dict[str, object]:
 
     restrict_umask()
@@ -57,7 +79,11 @@ def execute_task(
             module.check_inputs(cfg, layout)  # a scheduler's dependency is not proof that the inputs exist
         summary = module.run(ctx)
     except BaseException as e:
-        record("failed", error=f"{type(e).__name__}: {e}")
+        if job_id != INPROCESS:  # first, before anything that may block or fail: what the launcher reports
+            with contextlib.suppress(OSError):  # a full disk: the launcher says so instead
+                print(failure_line(rank, e, time.time()), file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # the record on a full disk must not replace the task's own error
+            record("failed", error=f"{type(e).__name__}: {e}")
         raise
     record("succeeded", summary=summary)
     return summary

@@ -169,11 +169,11 @@ def _recheck_latest(layout: RunLayout) -> list[str]:
     fallback = _newest_verifying(layout)
     if fallback is None:
         clear_file(layout.latest)
-        now = "no committed step is left, latest removed"
+        now = "latest removed (no committed step verifies)"
     else:
         write_latest(layout, *fallback)
-        now = f"latest -> step {fallback[0]}, the newest step that verifies"
-    repairs.append(f"latest was damaged: {problem} (moved to {where}); {now}; rerun to train again from there")
+        now = f"latest moved back to step {fallback[0]}, the newest step that verifies"
+    repairs.append(f"{now}: {problem} (moved to {where}); rerun to train again from there")
     return repairs
 
 

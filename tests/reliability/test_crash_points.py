@@ -1,0 +1,557 @@
+"""Crash at every counted I/O operation of each stage (SQLite-style), and injected EIO/ENOSPC.
+
+For shard-save, verify_manifest (the commit), consolidate and export: the stage is first run with tracing to
+count its I/O operations (T, see :mod:`pipeline.storage.faults`); then for each chosen N in 1..T a fresh copy of
+a prepared run dir is taken, the stage "dies" at op N (no I/O from there on), and the stage (and the committer
+where it matters) is rerun without faults, as a relaunch would. At every point:
+
+* ``latest`` names a step that verifies, right after the crash and after the rerun;
+* nothing under ``checkpoints/step_*``, ``consolidated/step_*`` or ``export/step_*`` is there without a marker
+  or manifest that verifies (no partial output is accepted), and the step committed before is unchanged;
+* the rerun completes and its outputs equal a clean run's, compared file by file (xxh3-128) over the published
+  outputs — every file of ``checkpoints/step_8`` and ``checkpoints/latest`` for the commit,
+  ``consolidated/step_8``, ``export/step_8``. For shard-save, whose DCP ``.metadata`` carries a random save id
+  (so the marker and manifest hashing it differ too), the data files are compared byte for byte and
+  ``.metadata`` by its tensor and storage tables. Stage records (times, attempt ids) are not compared.
+
+Points are all ops at ``RELIABILITY_SCALE=large``; at ci a spread (every op that is not a plain data write,
+the first and last write of each file, then evenly spaced writes) up to a per-stage cap.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline.checkpoint.manifest import read_latest, verify_committed
+from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER, verified_output
+from pipeline.config.compose import load_config
+from pipeline.config.schema import PipelineConfig
+from pipeline.errors import PipelineError
+from pipeline.formats.dcp import METADATA_FILE, read_metadata_safe
+from pipeline.orchestration.contract import TaskContext
+from pipeline.orchestration.records import read_record
+from pipeline.orchestration.task import execute_task
+from pipeline.stages import get_stage, shard_save
+from pipeline.stages.export import MARKER as EXPORT_MARKER
+from pipeline.storage import faults
+from pipeline.storage.atomic import is_temp_name, read_json
+from pipeline.storage.integrity import hash_file
+from pipeline.storage.layout import RunLayout, parse_step
+from tests.reliability.conftest import record, sized
+from tests.reliability.test_protocol_mutants import no_in_place_writes, renames_reach_disk
+
+pytestmark = [pytest.mark.reliability]
+
+RUN_ID = "r1"  # manifests record the run id (the run dir's name): every copy keeps it
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --- the prepared run dirs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bases:
+    """One run, snapshotted after each stage: the start of each stage's crash points and its clean result."""
+
+    cfg: PipelineConfig
+    committed4: Path  # step 4 committed (latest=4), nothing staged
+    staged8: Path  # + train resumed and staged step 8 (marker written)
+    committed8: Path  # + verify_manifest: latest=8
+    consolidated8: Path  # + consolidate
+    exported8: Path  # + export
+
+    def layout(self, which: str) -> RunLayout:
+        return RunLayout(getattr(self, which))
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _run(stage: str, cfg: PipelineConfig, run_dir: Path, attempt: str | None = None) -> dict[str, object]:
+    return execute_task(stage, cfg, str(run_dir), attempt or f"{stage}-{time.monotonic_ns()}")
+
+
+def _snapshot(run_dir: Path, dest: Path) -> Path:
+    shutil.copytree(run_dir, dest / RUN_ID, symlinks=True)
+    return dest / RUN_ID
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> Bases:
+    """A real single-rank run (DDP over gloo, in this process): ~7 s on 2 cores."""
+    tmp = tmp_path_factory.mktemp("crash-bases")
+    cfg = load_config(
+        [
+            "+experiment=tiny",
+            f"run.root={tmp / 'outputs'}",
+            f"run.id={RUN_ID}",
+            "strategy.world_size=1",
+            "checkpoint.marker_deadline_s=1",
+        ]
+    )
+    run_dir = RunLayout.for_run(cfg.run.root, cfg.experiment, RUN_ID).run_dir
+    _run("prepare_dirs", cfg, run_dir)
+    env = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mp.setenv("MASTER_PORT", _free_port())
+        cfg.train.stop_after_step = 4
+        _run("train", cfg, run_dir, "train-a1")
+        _run("verify_manifest", cfg, run_dir)
+        committed4 = _snapshot(run_dir, tmp / "committed4")
+        cfg.train.stop_after_step = None
+        mp.setenv("MASTER_PORT", _free_port())
+        _run("train", cfg, run_dir, "train-a2")
+    staged8 = _snapshot(run_dir, tmp / "staged8")
+    _run("verify_manifest", cfg, run_dir)
+    committed8 = _snapshot(run_dir, tmp / "committed8")
+    _run("consolidate", cfg, run_dir)
+    consolidated8 = _snapshot(run_dir, tmp / "consolidated8")
+    _run("export", cfg, run_dir)
+    exported8 = _snapshot(run_dir, tmp / "exported8")
+    return Bases(cfg, committed4, staged8, committed8, consolidated8, exported8)
+
+
+@pytest.fixture
+def fresh(tmp_path: Path) -> Iterator[Callable[[Path], Path]]:
+    """``fresh(base)``: a new copy of a prepared run dir (the previous copy is deleted: disk stays small)."""
+    made: list[Path] = []
+
+    def copy(base: Path) -> Path:
+        while made:
+            shutil.rmtree(made.pop(), ignore_errors=True)
+        dest = tmp_path / f"point-{time.monotonic_ns()}"
+        made.append(dest)
+        return _snapshot(base, dest)
+
+    yield copy
+
+
+# --- what must hold at every point --------------------------------------------------------------------------
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """xxh3-128 of every file under ``root`` (relative paths); a missing root is empty."""
+    if not root.is_dir():
+        return {}
+    return {str(p.relative_to(root)): hash_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def litter(run_dir: Path) -> list[str]:
+    """Temp files and trash a writer that died left behind (logs/ excluded: the launcher's)."""
+    out = []
+    for p in run_dir.rglob("*"):
+        rel = p.relative_to(run_dir)
+        if rel.parts[0] == "logs":
+            continue
+        n = p.name
+        if is_temp_name(n) or ".new-" in n or ".deleting-" in n or n.startswith(".staging-") or n.endswith(".tmp"):
+            out.append(str(rel))
+    return sorted(out)
+
+
+def violations(run_dir: Path, *, latest_in: set[int], intact: dict[str, dict[str, str]]) -> list[str]:
+    """Everything that breaks the crash invariants in ``run_dir`` now (empty: all hold)."""
+    layout = RunLayout(run_dir)
+    out: list[str] = []
+    try:
+        latest = read_latest(layout)
+    except (PipelineError, OSError, ValueError) as e:
+        out.append(f"latest does not read: {e}")
+        latest = None
+    if latest is None:
+        if not out:
+            out.append("latest is missing")
+    elif latest.step not in latest_in:
+        out.append(f"latest names step {latest.step}, expected one of {sorted(latest_in)}")
+    else:
+        try:
+            verify_committed(layout.committed_step(latest.step))
+        except (PipelineError, OSError) as e:
+            out.append(f"latest names step {latest.step}, which does not verify: {e}")
+    for p in sorted(layout.checkpoints.iterdir()):
+        if parse_step(p.name) is None:
+            continue
+        if p.is_symlink() or not p.is_dir():
+            out.append(f"{p.name} is published but is not a directory")
+            continue
+        try:
+            verify_committed(p)
+        except (PipelineError, OSError) as e:
+            out.append(f"partial step accepted: {p.name}: {e}")
+    for area, marker in ((layout.consolidated, CONSOLIDATED_MARKER), (layout.export, EXPORT_MARKER)):
+        for p in sorted(area.iterdir()) if area.is_dir() else []:
+            if parse_step(p.name) is None:
+                continue
+            try:
+                source = read_json(p / marker)["source"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                out.append(f"partial output published: {area.name}/{p.name} has no readable {marker}: {e}")
+                continue
+            if not verified_output(p, marker, source) or source.get("step") != parse_step(p.name):
+                out.append(f"partial output published: {area.name}/{p.name} does not verify against {marker}")
+    for rel, hashes in intact.items():
+        if tree_hashes(run_dir / rel) != hashes:
+            out.append(f"{rel} changed: the previous output must stay intact")
+    return out
+
+
+def pick_points(trace: list[tuple[str, str]], cap: int) -> list[int]:
+    """1-based op numbers to crash at: all when ``cap`` allows, else every op that is not a plain data write,
+    the first and last write of each file, then evenly spaced other writes up to ``cap``."""
+    total = len(trace)
+    if cap >= total:
+        return list(range(1, total + 1))
+    must: set[int] = set()
+    for i, (kind, path) in enumerate(trace, start=1):
+        prev = trace[i - 2] if i > 1 else None
+        nxt = trace[i] if i < total else None
+        if kind != "write" or prev != (kind, path) or nxt != (kind, path):
+            must.add(i)
+    rest = [i for i in range(1, total + 1) if i not in must]
+    room = max(0, cap - len(must))
+    if rest and room:
+        step = len(rest) / room
+        must.update(rest[int(k * step)] for k in range(min(room, len(rest))))
+    return sorted(must)
+
+
+@dataclass
+class Tally:
+    """The figure of one stage's crash points: how many ran, of how many, and what broke."""
+
+    total: int
+    covered: int = 0
+    problems: list[str] | None = None
+    litter_points: int = 0
+
+    def add(self, point: int, found: list[str]) -> None:
+        self.covered += 1
+        self.problems = (self.problems or []) + [f"op {point}: {v}" for v in found]
+
+    def figure(self) -> str:
+        bad = len(self.problems or [])
+        note = f"; {self.litter_points} left temp litter outside published dirs" if self.litter_points else ""
+        return f"{self.covered}/{self.total} points, {bad} violations{note}"
+
+
+def _crash(fn: Callable[[], Any], at: int) -> faults.IoPlan:
+    """Run ``fn`` with the process "dying" at I/O op ``at``; stages wrap or swallow nothing of it that matters
+    (DCP turns it into a CheckpointException, shard-save then returns ok=False): the plan says it happened."""
+    with faults.io_plan(crash_at=at) as plan:
+        try:
+            fn()
+        except (faults.SimulatedCrash, Exception):
+            pass
+    return plan
+
+
+def _rerun(stage: str, cfg: PipelineConfig, run_dir: Path) -> None:
+    """What a relaunch does: skip a stage whose outputs verify, else run it."""
+    layout = RunLayout(run_dir)
+    if get_stage(stage).is_done(cfg, layout) is None:
+        _run(stage, cfg, run_dir)
+
+
+# --- crash points: the single-task stages -------------------------------------------------------------------
+
+STAGES = {
+    # stage: (start, clean result, published outputs compared, intact before/after, latest steps allowed after crash)
+    "verify_manifest": ("staged8", "committed8", ["checkpoints/step_8", "checkpoints/latest"], ["checkpoints/step_4"]),
+    "consolidate": ("committed8", "consolidated8", ["consolidated/step_8"], ["checkpoints"]),
+    "export": ("consolidated8", "exported8", ["export/step_8"], ["checkpoints", "consolidated"]),
+}
+CI_CAP = {"verify_manifest": 40, "consolidate": 40, "export": 40}
+
+
+def _outputs(run_dir: Path, rels: list[str]) -> dict[str, dict[str, str]]:
+    out = {}
+    for rel in rels:
+        p = run_dir / rel
+        out[rel] = {"": hash_file(p)} if p.is_file() else tree_hashes(p)
+    return out
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_crash_at_every_io_op_of_a_stage(stage: str, bases: Bases, fresh: Callable[[Path], Path]) -> None:
+    start_name, clean_name, compared, kept = STAGES[stage]
+    cfg, start = bases.cfg, getattr(bases, start_name)
+    clean = _outputs(getattr(bases, clean_name), compared)
+    intact = {rel: tree_hashes(start / rel) for rel in kept}
+    latest_after_crash = {4, 8} if stage == "verify_manifest" else {8}
+
+    run_dir = fresh(start)
+    with faults.tracing() as trace:
+        _run(stage, cfg, run_dir)
+    # The op trace obeys the publishing protocol too (checked on every stage, not only the commit).
+    trace_problems = renames_reach_disk(trace, RunLayout(run_dir)) + no_in_place_writes(trace)
+    points = pick_points(trace, sized(CI_CAP[stage], len(trace)))
+    tally = Tally(total=len(trace), problems=[f"trace: {p}" for p in trace_problems])
+    t0 = time.monotonic()
+    for n in points:
+        run_dir = fresh(start)
+        plan = _crash(lambda run_dir=run_dir: _run(stage, cfg, run_dir), n)
+        found = [] if plan.crashed else [f"op {n} was never reached (the stage has {len(trace)})"]
+        found += [f"after the crash: {v}" for v in violations(run_dir, latest_in=latest_after_crash, intact=intact)]
+        try:
+            _rerun(stage, cfg, run_dir)
+        except (PipelineError, OSError) as e:
+            found.append(f"the rerun failed: {type(e).__name__}: {e}")
+        found += [f"after the rerun: {v}" for v in violations(run_dir, latest_in={8}, intact=intact)]
+        if _outputs(run_dir, compared) != clean:
+            found.append(f"after the rerun {compared} differ from a clean run's")
+        left = litter(run_dir)
+        published = [x for x in left if any(x.startswith(rel + "/") for rel in compared)]
+        found += [f"temp file inside a published output: {x}" for x in published]
+        tally.litter_points += bool(left)
+        tally.add(n, found)
+    seconds = time.monotonic() - t0
+    problems = tally.problems or []
+    record(
+        f"crash points: {stage}",
+        f"{tally.figure()} ({seconds:.0f}s)",
+        ok=not problems,
+        notes=problems,
+    )
+    assert not problems, "\n".join(problems[:20])
+
+
+# --- crash points: shard-save (a single-rank world, in this process) ----------------------------------------
+
+
+@pytest.fixture
+def save_group(bases: Bases) -> Iterator[Any]:
+    """A one-rank gloo world for ``shard_save.save`` (after the bases' in-process train destroyed its own)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def _small_state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(16, 8, generator=g), "b": torch.randn(16, generator=g)},
+        "train": {"step": torch.tensor(step)},
+    }
+
+
+def _dcp_equal(a: Path, b: Path) -> bool:
+    """Same tensors and storage layout in two DCP ``.metadata`` files (their random save ids aside)."""
+    ma, mb = read_metadata_safe(a), read_metadata_safe(b)
+    return bool(ma.state_dict_metadata == mb.state_dict_metadata and ma.storage_data == mb.storage_data)
+
+
+def _committed_save(step_dir: Path) -> dict[str, str]:
+    """The comparable part of a committed DCP step: every file's hash but those that hash the save id."""
+    skip = {METADATA_FILE, "manifest.json", "rank_0.done.json"}
+    return {k: v for k, v in tree_hashes(step_dir).items() if k not in skip}
+
+
+def test_crash_at_every_io_op_of_shard_save(bases: Bases, fresh: Callable[[Path], Path], save_group: Any) -> None:
+    cfg, start = bases.cfg, bases.committed4
+    # Markers must come from the attempt that the train record names (the committer ignores others).
+    attempt = str((read_record(RunLayout(start), "train") or {})["attempt"])
+    state = _small_state(8)
+    intact = {"checkpoints/step_4": tree_hashes(start / "checkpoints/step_4")}
+
+    def save(run_dir: Path) -> shard_save.SaveResult:
+        ctx = TaskContext(cfg=cfg, layout=RunLayout(run_dir), attempt=attempt, rank=0, world_size=1)
+        return shard_save.save(ctx, 8, state, save_group)
+
+    clean_dir = fresh(start)
+    with faults.tracing() as trace:
+        assert save(clean_dir).ok
+    _run("verify_manifest", cfg, clean_dir)
+    clean_step = clean_dir.parent.parent / "clean-step_8"
+    shutil.copytree(clean_dir / "checkpoints/step_8", clean_step)
+    clean = _committed_save(clean_step)
+    assert set(clean) == {"__0_0.distcp"}, clean
+
+    trace_problems = renames_reach_disk(trace, RunLayout(clean_dir)) + no_in_place_writes(trace)
+    points = pick_points(trace, sized(60, len(trace)))
+    tally = Tally(total=len(trace), problems=[f"trace: {p}" for p in trace_problems])
+    t0 = time.monotonic()
+    for n in points:
+        run_dir = fresh(start)
+        layout = RunLayout(run_dir)
+        plan = _crash(lambda run_dir=run_dir: save(run_dir), n)
+        found = [] if plan.crashed else [f"op {n} was never reached (the save has {len(trace)})"]
+        found += [f"after the crash: {v}" for v in violations(run_dir, latest_in={4}, intact=intact)]
+        try:  # the committer runs after a failed train too (afterany)
+            _run("verify_manifest", cfg, run_dir)
+        except PipelineError as e:
+            if "done-marker" not in str(e):
+                found.append(f"the committer failed for another reason than the missing marker: {e}")
+        found += [f"after the commit: {v}" for v in violations(run_dir, latest_in={4, 8}, intact=intact)]
+        if layout.quarantine.is_dir() and any(layout.quarantine.iterdir()):
+            found.append("a crashed save produced a complete-looking step that failed verification (quarantined)")
+        latest = read_latest(layout)
+        if latest is not None and latest.step == 4:  # the relaunched train saves step 8 again
+            if not save(run_dir).ok:
+                found.append("the re-save failed")
+            try:
+                _run("verify_manifest", cfg, run_dir)
+            except PipelineError as e:
+                found.append(f"the commit after the re-save failed: {e}")
+        found += [f"after the rerun: {v}" for v in violations(run_dir, latest_in={8}, intact=intact)]
+        step8 = layout.committed_step(8)
+        if _committed_save(step8) != clean or not _dcp_equal(step8, clean_step):
+            found.append("the committed step 8 differs from a clean save's")
+        found += [f"temp file inside the committed step: {x}" for x in litter(run_dir) if "checkpoints/step_8/" in x]
+        tally.litter_points += bool(litter(run_dir))
+        tally.add(n, found)
+    seconds = time.monotonic() - t0
+    problems = tally.problems or []
+    record("crash points: shard_save + commit", f"{tally.figure()} ({seconds:.0f}s)", ok=not problems, notes=problems)
+    assert not problems, "\n".join(problems[:20])
+
+
+# --- injected I/O errors: EIO / ENOSPC on write, fsync and rename -------------------------------------------
+
+ERROR_STAGES = {
+    # stage: (start, the area whose ops get errors, latest before, step that the stage makes)
+    "verify_manifest": ("staged8", "checkpoints", 4),
+    "consolidate": ("committed8", "consolidated", 8),
+}
+
+
+def _error_points(trace: list[tuple[str, str]], area: Path, cap: int) -> list[tuple[int, str]]:
+    """(op number, kind) of the ops in ``area`` of kinds write/fsync/fsync_dir/rename: all, or a spread of
+    ``cap`` (all non-writes, first and last write of each file)."""
+    idx = [i for i, (kind, path) in enumerate(trace, start=1) if kind != "unlink" and Path(path).is_relative_to(area)]
+    sub = [trace[i - 1] for i in idx]
+    chosen = {idx[j - 1] for j in pick_points(sub, cap)}
+    return [(i, trace[i - 1][0]) for i in sorted(chosen)]
+
+
+@pytest.mark.parametrize("stage", list(ERROR_STAGES))
+def test_injected_io_errors_fail_in_one_line_and_a_rerun_completes(
+    stage: str, bases: Bases, fresh: Callable[[Path], Path]
+) -> None:
+    start_name, area_name, latest_before = ERROR_STAGES[stage]
+    cfg, start = bases.cfg, getattr(bases, start_name)
+    intact = {"checkpoints/step_4": tree_hashes(start / "checkpoints/step_4")}
+    if stage == "consolidate":
+        intact = {"checkpoints": tree_hashes(start / "checkpoints")}
+    run_dir = fresh(start)
+    with faults.tracing() as trace:
+        _run(stage, cfg, run_dir)
+    latest_rename = next((i for i, (k, p) in enumerate(trace, 1) if k == "rename" and p.endswith("/latest")), None)
+    points = _error_points(trace, run_dir / area_name, sized(24, len(trace)))
+    problems: list[str] = []
+    kinds: set[str] = set()
+    for n, kind in points:
+        for code in (errno.EIO, errno.ENOSPC):
+            run_dir = fresh(start)
+            layout = RunLayout(run_dir)
+            where = f"{errno.errorcode[code]} at op {n} ({kind})"
+            with faults.io_plan(fail_at=n, errno=code):
+                try:
+                    _run(stage, cfg, run_dir)
+                    error: BaseException | None = None
+                except (OSError, PipelineError) as e:
+                    error = e
+            if error is None:
+                problems.append(f"{where}: the stage succeeded")
+                continue
+            kinds.add(kind)
+            message = str(error)
+            rec = read_record(layout, stage) or {}
+            if "\n" in message or os.strerror(code) not in message:
+                problems.append(f"{where}: the error is not one line naming the cause: {message!r}")
+            if rec.get("status") != "failed" or os.strerror(code) not in str(rec.get("error", "")):
+                problems.append(f"{where}: the stage record does not say failed with the cause: {rec.get('error')!r}")
+            # An fsync of checkpoints/ after latest's rename fails the commit, but latest has moved (and verifies).
+            after_latest = latest_rename is not None and n > latest_rename
+            allowed = {latest_before, 8} if after_latest else {latest_before}
+            problems += [f"{where}: {v}" for v in violations(run_dir, latest_in=allowed, intact=intact)]
+            try:
+                _rerun(stage, cfg, run_dir)
+            except (PipelineError, OSError) as e:
+                problems.append(f"{where}: the rerun failed: {e}")
+            problems += [f"{where}: after the rerun: {v}" for v in violations(run_dir, latest_in={8}, intact=intact)]
+            problems += [f"{where}: litter after the rerun: {x}" for x in litter(run_dir)]
+    figure = f"{len(points) * 2} injections ({', '.join(sorted(kinds))} x EIO/ENOSPC), {len(problems)} violations"
+    record(f"injected I/O errors: {stage}", figure, ok=not problems, notes=problems)
+    assert not problems, "\n".join(problems[:20])
+    assert {"write", "fsync", "rename"} <= kinds
+
+
+# --- the environment switches, in a real subprocess ---------------------------------------------------------
+
+_SUBPROCESS = textwrap.dedent(
+    """
+    import sys
+    from pipeline.config.compose import load_config
+    from pipeline.orchestration.task import execute_task
+    cfg = load_config(["+experiment=tiny", "run.root=" + sys.argv[2], "strategy.world_size=1",
+                       "checkpoint.marker_deadline_s=1"])
+    try:
+        execute_task("verify_manifest", cfg, sys.argv[1], "verify-subprocess")
+    except OSError as e:
+        print(f"FAILED: {e}")
+        sys.exit(1)
+    """
+)
+
+
+def test_env_switches_crash_and_fail_a_subprocess(bases: Bases, tmp_path: Path) -> None:
+    """``PIPELINE_CRASH_AT_OP`` kills the task with exit 17 at that op; ``PIPELINE_IO_ERROR`` fails the op."""
+    results = []
+    for name, env in (
+        ("crash", {faults.CRASH_ENV: "16"}),  # the rename that publishes step 8 is op 14; latest's is op 19
+        ("error", {faults.IO_ERROR_ENV: "kind=rename,path=checkpoints/latest,errno=ENOSPC"}),
+    ):
+        run_dir = _snapshot(bases.staged8, tmp_path / name)
+        proc = subprocess.run(
+            [sys.executable, "-c", _SUBPROCESS, str(run_dir), str(tmp_path)],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        latest = read_latest(RunLayout(run_dir))
+        results.append((name, proc.returncode, latest.step if latest else None, proc.stdout.strip()))
+        assert not violations(run_dir, latest_in={4}, intact={}), name
+        _run("verify_manifest", bases.cfg, run_dir)  # the rerun, in this process without faults, completes
+        assert not violations(run_dir, latest_in={8}, intact={}), name
+    (_, crash_rc, crash_latest, _), (_, error_rc, error_latest, error_out) = results
+    assert crash_rc == faults.CRASH_EXIT_CODE and crash_latest == 4, results
+    assert error_rc == 1 and error_latest == 4 and "No space left on device" in error_out, results
+    assert len(error_out.splitlines()) == 1, error_out
+
+
+def test_plan_from_env_parses_and_refuses() -> None:
+    plan = faults.plan_from_env({faults.IO_ERROR_ENV: "kind=fsync,errno=EIO,nth=2"})
+    assert plan is not None and plan.fail_kind == "fsync" and plan.fail_nth == 2 and plan.errno == errno.EIO
+    plan = faults.plan_from_env({faults.IO_ERROR_ENV: "op=7,errno=ENOSPC", faults.CRASH_ENV: "9"})
+    assert plan is not None and plan.fail_at == 7 and plan.errno == errno.ENOSPC and plan.crash_at == 9
+    assert faults.plan_from_env({}) is None
+    for bad in ("op=x", "errno=EIO", "kind=frobnicate", "op=1,kind=write", "op=1,errno=ENOTANERRNO", "op=1,x=2"):
+        with pytest.raises(ValueError, match=faults.IO_ERROR_ENV):
+            faults.plan_from_env({faults.IO_ERROR_ENV: bad})
+    with pytest.raises(ValueError, match=faults.CRASH_ENV):
+        faults.plan_from_env({faults.CRASH_ENV: "0"})
