@@ -63,13 +63,6 @@ def task_entry(stage: str, cfg: PipelineConfig, run_dir: str, attempt: str) -> d
     )
 
 
-def _tail(path: Path | None, lines: int = 15) -> str:
-    if path is None or not Path(path).exists():
-        return "(no log)"
-    text = Path(path).read_text(errors="replace").strip().splitlines()
-    return "\n".join(text[-lines:])
-
-
 class SubmititLauncher(Launcher):
     """Each stage is one submitit job; the launching process waits for it with a deadline.
 
@@ -137,22 +130,6 @@ class SubmititLauncher(Launcher):
             raise
         _kill(alive)
 
-    def _check_result(self, sjob: Any, job: StageJob) -> None:
-        reasons: list[str] = []
-        first_failed: int | None = None
-        for task in range(job.tasks):
-            try:
-                sjob.task(task).result()
-            except Exception as e:  # submitit raises FailedJobError / UncompletedJobError with the traceback text
-                first_failed = task if first_failed is None else first_failed
-                reasons.append(f"task {task}: {_reason(sjob.task(task).paths.stderr, e)}")
-        if first_failed is not None:
-            paths = sjob.task(first_failed).paths
-            raise StageFailedError(
-                f"stage {job.stage} failed (job {sjob.job_id}, state {sjob.state}): {'; '.join(reasons)}\n"
-                f"--- stderr tail of task {first_failed} ({paths.stderr}) ---\n{_tail(paths.stderr)}\n"
-                f"logs: {paths.folder}"
-            )
 
 
 def _process_tree(sjob: Any) -> list[psutil.Process]:
@@ -169,16 +146,3 @@ def _kill(procs: list[psutil.Process]) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
     psutil.wait_procs(procs, timeout=5)
-
-
-def _reason(stderr: Path | None, err: Exception) -> str:
-    """One line: the task's own error if its stderr has one, else that it died without a result."""
-    if stderr is not None and Path(stderr).exists():
-        for line in reversed(Path(stderr).read_text(errors="replace").splitlines()):
-            text = line.split("]: ", 1)[-1].strip() if line.startswith("[rank") else line.strip()
-            if "Error" in text.split(":", 1)[0] or text.startswith(("error:", "pipeline.errors")):
-                return text[:300]
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if "has not produced any output" in str(err):
-        return "died without a result (killed, or exited without a Python error)"
-    return first[:300]

@@ -99,7 +99,7 @@ def test_garbage_latest_is_one_typed_error_then_rebuilt(make_run: RunFactory, ga
     with pytest.raises(VerificationError, match=r"latest pointer .* not valid JSON|latest is malformed|malformed"):
         read_latest(layout)
     assert train.is_done(cfg, layout) is not None, "step 8 is published: only the pointer needs the committer"
-    with pytest.raises(VerificationError, match=r"latest moved back to step 8"):
+    with pytest.raises(VerificationError, match=r"latest rebuilt as step 8"):
         _verify(cfg, layout)
     assert read_latest(layout).step == 8, "rebuilt from the newest step that verifies"  # type: ignore[union-attr]
 
@@ -112,7 +112,7 @@ def test_latest_as_symlink_is_refused_and_replaced(make_run: RunFactory, tmp_pat
     os.symlink(outside, layout.latest)
     with pytest.raises(VerificationError, match="symlink"):
         read_latest(layout)
-    with pytest.raises(VerificationError, match=r"latest moved back to step 8"):
+    with pytest.raises(VerificationError, match=r"latest rebuilt as step 8"):
         _verify(cfg, layout)
     assert not layout.latest.is_symlink() and read_latest(layout).step == 8  # type: ignore[union-attr]
 

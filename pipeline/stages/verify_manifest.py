@@ -162,7 +162,8 @@ def _recheck_latest(layout: RunLayout) -> list[str]:
     except VerificationError as e:
         problem = str(e)
     damaged = _latest_step_name(layout)
-    if damaged is not None and lstat_kind(layout.committed_step(damaged)) is not None:
+    step_damaged = damaged is not None and lstat_kind(layout.committed_step(damaged)) is not None
+    if step_damaged:
         where = _quarantine(layout, layout.committed_step(damaged), problem, damaged)
     else:
         where = _quarantine(layout, layout.latest, problem)
@@ -172,7 +173,8 @@ def _recheck_latest(layout: RunLayout) -> list[str]:
         now = "latest removed (no committed step verifies)"
     else:
         write_latest(layout, *fallback)
-        now = f"latest moved back to step {fallback[0]}, the newest step that verifies"
+        how = "moved back to" if step_damaged else "rebuilt as"
+        now = f"latest {how} step {fallback[0]}, the newest step that verifies"
     repairs.append(f"{now}: {problem} (moved to {where}); rerun to train again from there")
     return repairs
 

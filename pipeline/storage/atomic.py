@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, UnsafePathError
 from pipeline.storage.faults import io_op
 
 _TEMP_NAME = re.compile(r"\.tmp-\d+-[0-9a-f]{8}$")
@@ -158,9 +158,12 @@ def publish_dir(staged: Path, final: Path) -> None:
     """Atomically move a fully written directory into place. ``final`` must not exist.
 
     The caller owns ``staged`` (every writer into it has finished): temp files that crashed writers left there
-    are dropped, everything is fsynced, then one rename publishes it and both parents are fsynced.
+    are dropped, everything is fsynced, then one rename publishes it and both parents are fsynced. A symlink
+    is never published (nor followed to fsync what it points at).
     """
-    if final.exists():
+    if os.path.islink(staged) or not staged.is_dir():
+        raise UnsafePathError(f"cannot publish {staged}: it is a symlink or not a directory; links are never published")
+    if os.path.lexists(final):
         raise PipelineError(
             f"cannot publish {staged} to {final}: the destination already exists; "
             "a published directory is never overwritten (rerun with force to redo the stage)"

@@ -163,7 +163,7 @@ def tracing() -> Iterator[list[tuple[str, str]]]:
 def _errno_code(name: str) -> int:
     code = getattr(errno_codes, name.upper(), None) if not name.isdigit() else int(name)
     if not isinstance(code, int):
-        raise ValueError(f"{IO_ERROR_ENV}: unknown errno {name!r} (use a name such as EIO or ENOSPC)")
+        raise ValueError(f"unknown errno {name!r} (use a name such as EIO or ENOSPC)")
     return code
 
 
@@ -185,13 +185,13 @@ def plan_from_env(env: Mapping[str, str]) -> IoPlan | None:
             plan.fail_kind = spec.pop("kind", None)
             plan.fail_nth = int(spec.pop("nth", "1"))
             plan.fail_path = spec.pop("path", None)
+            plan.__post_init__()
         except ValueError as e:
             raise ValueError(f"{IO_ERROR_ENV}={failure!r}: {e}") from None
         if spec or (plan.fail_at is None) == (plan.fail_kind is None):
             raise ValueError(
                 f"{IO_ERROR_ENV}={failure!r}: give op=N or kind=K[,nth=N][,path=S], plus errno=NAME (and nothing else)"
             )
-        plan.__post_init__()
     return plan
 
 
