@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.checkpoint.manifest import read_latest, verify_committed
-from pipeline.errors import VerificationError
+from pipeline.errors import PipelineError, VerificationError
 from pipeline.orchestration.records import write_record
+from pipeline.orchestration.task import execute_task
 from pipeline.stages import train, verify_manifest
 from pipeline.storage.layout import RunLayout
 from tests import seed_helpers as sh
@@ -161,3 +162,18 @@ def test_marker_claiming_another_step_is_refused(make_run: RunFactory) -> None:
     with pytest.raises(VerificationError, match=r"claims rank 1 of step 4"):
         _verify(cfg, layout)
     assert read_latest(layout) is None
+
+
+@pytest.mark.parametrize("area", ["staging", "checkpoints"])
+def test_managed_area_replaced_by_a_symlink_is_refused(make_run: RunFactory, tmp_path: Path, area: str) -> None:
+    cfg, layout = make_run()
+    target = layout.staging if area == "staging" else layout.checkpoints
+    outside = tmp_path / f"outside-{area}"
+    outside.mkdir()
+    os.rename(target, tmp_path / f"moved-{area}")
+    os.symlink(outside, target)
+    with pytest.raises(PipelineError, match=r"run stage=prepare_dirs"):
+        train.check_inputs(cfg, layout)
+    with pytest.raises(PipelineError, match=r"is a symlink, where the run keeps a directory"):
+        execute_task("prepare_dirs", cfg, str(layout.run_dir), "prepare-again")
+    assert list(outside.iterdir()) == [], "nothing was written through the link"

@@ -13,8 +13,8 @@ from typing import Any
 
 from pipeline.checkpoint.manifest import Latest, read_latest, verify_committed
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.storage.atomic import move_aside, publish_dir, read_json, remove_tree, write_json_atomic
-from pipeline.storage.integrity import FileEntry, describe, verify_entries
+from pipeline.storage.atomic import clear_file, move_aside, publish_dir, remove_tree, write_json_atomic
+from pipeline.storage.integrity import FileEntry, describe, lstat_kind, read_record_json, verify_entries
 from pipeline.storage.layout import RunLayout
 
 CONSOLIDATED_MARKER = "consolidated.json"
@@ -42,14 +42,14 @@ def source_step(layout: RunLayout, verify: bool) -> Latest:
 def verified_output(out_dir: Path, marker_name: str, source: dict[str, Any]) -> bool:
     """True when ``out_dir``'s marker names ``source`` and every listed file verifies."""
     marker = out_dir / marker_name
-    if not marker.exists():
+    if lstat_kind(out_dir) != "dir" or lstat_kind(marker) != "file":
         return False
     try:
-        obj = read_json(marker)
-        if obj.get("source") != source:
+        obj = read_record_json(marker, "output marker")
+        if not isinstance(obj, dict) or obj.get("source") != source or not isinstance(obj.get("files"), list):
             return False
         verify_entries(out_dir, [FileEntry.from_json(f, str(marker)) for f in obj["files"]], str(marker))
-    except (VerificationError, OSError, ValueError, KeyError, TypeError):
+    except (VerificationError, OSError):
         return False
     return True
 
@@ -57,8 +57,11 @@ def verified_output(out_dir: Path, marker_name: str, source: dict[str, Any]) -> 
 def start_staging(area: Path, name: str) -> Path:
     area.mkdir(parents=True, exist_ok=True)
     staging = area / f".staging-{name}"
-    if staging.exists():
+    kind = lstat_kind(staging)
+    if kind == "dir":
         remove_tree(staging)  # leftovers of a crashed attempt of this same single-owner stage
+    elif kind is not None:
+        clear_file(staging)  # a file or link where the staging dir goes: removed, never followed
     staging.mkdir()
     return staging
 
@@ -68,6 +71,6 @@ def finish(
 ) -> None:
     entries = [describe(staging, f).to_json() for f in files]
     write_json_atomic(staging / marker_name, {"source": source, "files": entries, **extra})
-    if final.exists():
+    if lstat_kind(final) is not None:
         move_aside(final, final.parent / ".retired", f"{final.name}.{int(time.time())}")
     publish_dir(staging, final)

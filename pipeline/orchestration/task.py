@@ -21,7 +21,6 @@ from pipeline.orchestration.records import now_iso, write_record
 from pipeline.stages import get_stage
 from pipeline.storage.layout import RunLayout, restrict_umask
 
-
 INPROCESS = "inprocess"
 """``job_id`` of a stage run in the launching process (its stderr is the user's terminal, not a log)."""
 

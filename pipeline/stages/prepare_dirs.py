@@ -13,8 +13,10 @@ import dataclasses
 
 from pipeline.checkpoint.outputs import finish, start_staging, verified_output
 from pipeline.config.schema import PipelineConfig
+from pipeline.errors import UnsafePathError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.storage.atomic import clear_file, remove_tree
+from pipeline.storage.integrity import is_real_dir, lstat_kind
 from pipeline.storage.layout import RunLayout
 from pipeline.workload.data import build_assets
 
@@ -35,10 +37,15 @@ def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
     """Nothing to check: this stage makes the layout (the run's identity is checked by the launching process)."""
 
 
+def layout_problems(layout: RunLayout) -> list[str]:
+    """Planned dirs that are not real directories (missing, a file, or a symlink, which is never followed)."""
+    return [f"{d} is {lstat_kind(d) or 'missing'}" for d in layout.planned_dirs() if not is_real_dir(d)]
+
+
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     if cfg.run.overwrite:
         return None
-    if any(not d.is_dir() for d in layout.planned_dirs()):
+    if layout_problems(layout):
         return None
     if not _assets_ok(cfg, layout):
         return None
@@ -60,10 +67,15 @@ def run(ctx: TaskContext) -> dict[str, object]:
         # very job's log folder is there) and .hydra/; it writes the new run.yaml once this stage succeeded.
         for entry in layout.run_dir.iterdir():
             if entry.name not in layout.launch_owned():
-                remove_tree(entry) if entry.is_dir() and not entry.is_symlink() else clear_file(entry)
+                remove_tree(entry) if is_real_dir(entry) else clear_file(entry)
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     for d in layout.planned_dirs():
-        d.mkdir(parents=True, exist_ok=True)
+        if lstat_kind(d) not in (None, "dir"):
+            raise UnsafePathError(
+                f"{d} is a {lstat_kind(d)}, where the run keeps a directory of its own (links are never followed): "
+                f"move it away, or start over with run.overwrite=true"
+            )
+        d.mkdir(exist_ok=True)
     built_assets = not _assets_ok(cfg, layout)
     if built_assets:
         staging = start_staging(layout.run_dir, layout.assets.name)

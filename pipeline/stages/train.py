@@ -27,7 +27,7 @@ from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp import load_into
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.orchestration.records import producer_attempt
-from pipeline.stages import shard_save
+from pipeline.stages import prepare_dirs, shard_save
 from pipeline.storage.integrity import is_real_dir, lstat_kind
 from pipeline.storage.layout import RunLayout
 from pipeline.storage.metrics import MetricsWriter
@@ -63,8 +63,10 @@ def is_save_step(cfg: PipelineConfig, step: int) -> bool:
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
-    if not (layout.assets / "assets.json").exists():
-        raise PipelineError(f"{layout.assets} is not prepared: run stage=prepare_dirs for run {layout.run_id} first")
+    problems = prepare_dirs.layout_problems(layout)
+    if problems or lstat_kind(layout.assets / "assets.json") != "file" or not is_real_dir(layout.assets):
+        why = "; ".join(problems) or f"{layout.assets} is not prepared"
+        raise PipelineError(f"{why}: run stage=prepare_dirs for run {layout.run_id} first")
 
 
 def _latest_step(layout: RunLayout) -> int:
@@ -144,6 +146,27 @@ def _restore_rng(rng: dict[str, torch.Tensor], rank: int, device: torch.device) 
         torch.cuda.set_rng_state(rng[f"rank_{rank}_cuda"], device)
 
 
+def _resume(
+    layout: RunLayout, model: Any, opt: Any, sched: Any, stream: SampleStream, rank: int, device: torch.device, pg: Any
+) -> int:
+    """Load the committed step rank 0 chose (0: start fresh); every rank restores its own RNG and data position."""
+    decided = broadcast_from_rank0(_resume_step(layout) if rank == 0 else None)
+    if isinstance(decided, str):
+        raise VerificationError(decided)
+    resume = int(decided)
+    if resume:
+        state = _state(model, opt, sched, stream, 0, rank)
+        load_into(state, layout.committed_step(resume), process_group=pg)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        sched.load_state_dict(state["sched"])
+        if int(state["train"]["step"]) != resume:
+            raise VerificationError(f"checkpoint step_{resume} records step {int(state['train']['step'])}")
+        stream.pos = DataPosition(int(state["train"]["data_epoch"]), int(state["train"]["data_offset"]))
+        _restore_rng(state["rng"], rank, device)
+        log.info("rank %d resumed from step %d", rank, resume)
+    return resume
+
+
 def _event(metrics: MetricsWriter | None, ctx: TaskContext, event: str, **fields: object) -> None:
     """One line of ``metrics.jsonl``; ``metrics`` is None on every rank but 0, the file's one writer."""
     if metrics is not None:
@@ -190,20 +213,7 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     torch.manual_seed(cfg.train.seed + rank)
     ckpt_pg = dist.new_group(backend="gloo")  # checkpoint collectives never share the training group
 
-    decided = broadcast_from_rank0(_resume_step(layout) if rank == 0 else None)
-    if isinstance(decided, str):
-        raise VerificationError(decided)
-    resume = int(decided)
-    if resume:
-        state = _state(model, opt, sched, stream, 0, rank)
-        load_into(state, layout.committed_step(resume), process_group=ckpt_pg)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        sched.load_state_dict(state["sched"])
-        if int(state["train"]["step"]) != resume:
-            raise VerificationError(f"checkpoint step_{resume} records step {int(state['train']['step'])}")
-        stream.pos = DataPosition(int(state["train"]["data_epoch"]), int(state["train"]["data_offset"]))
-        _restore_rng(state["rng"], rank, device)
-        log.info("rank %d resumed from step %d", rank, resume)
+    resume = _resume(layout, model, opt, sched, stream, rank, device, ckpt_pg)
 
     losses: dict[int, float] = {}
     saved: list[int] = []

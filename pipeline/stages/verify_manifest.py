@@ -163,7 +163,7 @@ def _recheck_latest(layout: RunLayout) -> list[str]:
         problem = str(e)
     damaged = _latest_step_name(layout)
     step_damaged = damaged is not None and lstat_kind(layout.committed_step(damaged)) is not None
-    if step_damaged:
+    if damaged is not None and step_damaged:
         where = _quarantine(layout, layout.committed_step(damaged), problem, damaged)
     else:
         where = _quarantine(layout, layout.latest, problem)

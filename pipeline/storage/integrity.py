@@ -143,4 +143,5 @@ def verify_entries(root: Path, entries: list[FileEntry], where: str) -> None:
             raise VerificationError(f"{full}: size {size} != {e.size} recorded in {where}")
         got = hash_file(full)
         if got != e.hash:
-            raise VerificationError(f"{full}: content differs from {where} ({HASH_ALGO} {got[:12]}.. != {e.hash[:12]}..)")
+            differs = f"{HASH_ALGO} {got[:12]}.. != {e.hash[:12]}.."
+            raise VerificationError(f"{full}: content differs from {where} ({differs})")
