@@ -71,6 +71,7 @@ class StreamingSafetensorsWriter:
             offset += s.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
+        io_op("create", path)
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._next = 0
         self._put(struct.pack("<Q", len(raw)) + raw)

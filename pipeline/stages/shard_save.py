@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
 from pipeline.errors import VerificationError
@@ -70,7 +71,7 @@ def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any)
                 step=step, rank=ctx.rank, world_size=ctx.world_size, format=FORMAT, attempt=ctx.attempt, files=entries
             ),
         )
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # dcp.save reports a rank's I/O error as a BaseException
         log.error(
             "SHARD SAVE FAILED: rank %d step %d into %s: %s — this step will not be committed%s",
             ctx.rank,

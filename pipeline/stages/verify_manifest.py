@@ -42,7 +42,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.orchestration.records import producer_attempt, stage_alive
-from pipeline.storage.atomic import clear_file, move_aside, publish_dir, write_json_atomic
+from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, publish_dir, write_json_atomic
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind, verify_entries
 from pipeline.storage.layout import RunLayout, parse_step, step_name
@@ -118,6 +118,14 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     except (VerificationError, OSError, ValueError):
         return None
     return f"latest is step {latest.step}, its manifest verifies, and nothing newer is staged"
+
+
+def _sweep_temp_files(layout: RunLayout) -> None:
+    """Temp files a committer that died left in ``checkpoints/`` (e.g. ``latest.tmp-*``): this stage's own litter."""
+    for p in layout.checkpoints.iterdir():
+        if is_temp_name(p.name) and lstat_kind(p) == "file":
+            log.info("removing %s, left by a commit that did not finish", p)
+            clear_file(p)
 
 
 def _planted(layout: RunLayout) -> list[Path]:
@@ -249,6 +257,7 @@ def run(ctx: TaskContext) -> dict[str, object]:
     attempt = producer_attempt(layout, PRODUCER)
     committed: list[int] = []
     incomplete: list[tuple[int, str]] = []
+    _sweep_temp_files(layout)
     quarantined: list[str] = _recheck_latest(layout)
     committed += _finish_interrupted_commits(layout, _latest_step(layout))
     latest = _latest_step(layout)

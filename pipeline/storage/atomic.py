@@ -66,6 +66,7 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
     path = Path(path)
     tmp = _temp_name(path)
+    io_op("create", tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         try:
@@ -105,6 +106,7 @@ def create_exclusive(path: Path, data: bytes, mode: int = 0o644) -> bool:
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
+    io_op("create", tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         try:
@@ -184,7 +186,7 @@ def move_aside(path: Path, dest_dir: Path, name: str) -> Path:
         dest_dir.mkdir(parents=True, exist_ok=True)
     dest = dest_dir / name
     n = 1
-    while dest.exists():
+    while os.path.lexists(dest):  # a dangling link counts: nothing is ever replaced here
         dest = dest_dir / f"{name}.{n}"
         n += 1
     io_op("rename", dest)

@@ -5,10 +5,10 @@ Points are named where I/O happens (``shard_save.before_marker``, ``verify.befor
 ``key=value`` filters match the call's context, e.g. ``shard_save.before_marker@rank=1@step=4``.
 The special filter ``action=exit`` kills the process with ``os._exit(17)`` instead of raising, like a crash.
 
-**Counted I/O operations.** Every filesystem mutation of the pipeline (each write, fsync of a file or a
-directory, rename, link, unlink, rmtree and mkdir done by :mod:`pipeline.storage.atomic`, and the data writes
-of the streaming safetensors and DCP writers) first calls :func:`io_op`. Without a plan that is one global
-check. With a plan, operations are numbered from 1 and:
+**Counted I/O operations.** Every filesystem mutation of the pipeline first calls :func:`io_op`: each file
+creation, write, fsync of a file or a directory, rename, link, unlink, rmtree and mkdir done by
+:mod:`pipeline.storage.atomic`, and the file creations, data writes and fsyncs of the streaming safetensors
+and DCP writers. Without a plan that is one global check. With a plan, operations are numbered from 1 and:
 
 * ``crash_at=N`` — op N does not happen: the "process dies" there. In-process (tests) :class:`SimulatedCrash`
   (a ``BaseException``, so no ``except Exception`` swallows it) is raised at op N *and at every op after it*:
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 CRASH_EXIT_CODE = 17
 """Exit status of a process killed by ``action=exit`` or ``PIPELINE_CRASH_AT_OP``."""
 
-IO_KINDS = frozenset({"write", "fsync", "fsync_dir", "rename", "link", "unlink", "rmtree", "mkdir"})
-"""What :func:`io_op` counts. ``rename`` and ``link`` name their destination."""
+IO_KINDS = frozenset({"create", "write", "fsync", "fsync_dir", "rename", "link", "unlink", "rmtree", "mkdir"})
+"""What :func:`io_op` counts. ``create`` is a new (empty) file; ``rename`` and ``link`` name their destination."""
 
 CRASH_ENV = "PIPELINE_CRASH_AT_OP"
 IO_ERROR_ENV = "PIPELINE_IO_ERROR"
@@ -120,12 +120,15 @@ class IoPlan:
                 raise OSError(self.errno, f"{os.strerror(self.errno)} (injected at I/O op {n}, {kind})", path)
 
 
-_PLAN: IoPlan | None = None
+class _Active:
+    """The plan in force for this process (None: :func:`io_op` does nothing)."""
+
+    plan: IoPlan | None = None
 
 
 def io_op(kind: str, path: str | os.PathLike[str]) -> None:
     """Count one filesystem mutation that is about to happen (see the module docstring)."""
-    plan = _PLAN
+    plan = _Active.plan
     if plan is None:
         return
     plan.on_op(kind, os.fspath(path))
@@ -142,15 +145,14 @@ def io_plan(
     errno: int = errno_codes.EIO,
 ) -> Iterator[IoPlan]:
     """Install a plan for the ``with`` block (this process, all threads); the previous plan comes back after."""
-    global _PLAN
     plan = IoPlan(
         crash_at=crash_at, fail_at=fail_at, fail_kind=fail_kind, fail_nth=fail_nth, fail_path=fail_path, errno=errno
     )
-    previous, _PLAN = _PLAN, plan
+    previous, _Active.plan = _Active.plan, plan
     try:
         yield plan
     finally:
-        _PLAN = previous
+        _Active.plan = previous
 
 
 @contextmanager
@@ -195,4 +197,4 @@ def plan_from_env(env: Mapping[str, str]) -> IoPlan | None:
     return plan
 
 
-_PLAN = plan_from_env(os.environ)
+_Active.plan = plan_from_env(os.environ)
