@@ -16,7 +16,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.errors import UnsafePathError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.storage.atomic import clear_file, remove_tree
-from pipeline.storage.integrity import is_real_dir, lstat_kind
+from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.layout import RunLayout
 from pipeline.workload.data import build_assets
 
@@ -37,15 +37,10 @@ def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
     """Nothing to check: this stage makes the layout (the run's identity is checked by the launching process)."""
 
 
-def layout_problems(layout: RunLayout) -> list[str]:
-    """Planned dirs that are not real directories (missing, a file, or a symlink, which is never followed)."""
-    return [f"{d} is {lstat_kind(d) or 'missing'}" for d in layout.planned_dirs() if not is_real_dir(d)]
-
-
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     if cfg.run.overwrite:
         return None
-    if layout_problems(layout):
+    if not_real_dirs(layout.planned_dirs()):
         return None
     if not _assets_ok(cfg, layout):
         return None

@@ -27,8 +27,8 @@ from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp import load_into
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.orchestration.records import producer_attempt
-from pipeline.stages import prepare_dirs, shard_save
-from pipeline.storage.integrity import is_real_dir, lstat_kind
+from pipeline.stages import shard_save
+from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.layout import RunLayout
 from pipeline.storage.metrics import MetricsWriter
 from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
@@ -63,7 +63,7 @@ def is_save_step(cfg: PipelineConfig, step: int) -> bool:
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
-    problems = prepare_dirs.layout_problems(layout)
+    problems = not_real_dirs(layout.planned_dirs())
     if problems or lstat_kind(layout.assets / "assets.json") != "file" or not is_real_dir(layout.assets):
         why = "; ".join(problems) or f"{layout.assets} is not prepared"
         raise PipelineError(f"{why}: run stage=prepare_dirs for run {layout.run_id} first")

@@ -36,6 +36,11 @@ def is_real_dir(path: Path) -> bool:
     return lstat_kind(path) == "dir"
 
 
+def not_real_dirs(paths: list[Path]) -> list[str]:
+    """Why each of ``paths`` that should be a real directory is not (missing, a file, or a symlink)."""
+    return [f"{p} is {lstat_kind(p) or 'missing'}" for p in paths if not is_real_dir(p)]
+
+
 def read_record_json(path: Path, what: str) -> Any:
     """Parse a small JSON record (marker, manifest, ``latest``, output marker) that may have been tampered with.
 
