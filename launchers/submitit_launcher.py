@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import shlex
 import time
@@ -14,11 +15,13 @@ import submitit
 
 from launchers.base import Launcher
 from launchers.resources import submitit_parameters
+from launchers.task_outcomes import LocalTasks, failure_message, free_space, outcomes, size_text
 from pipeline.config.schema import LauncherConfig, LocalLauncherConfig, PipelineConfig
 from pipeline.errors import StageFailedError
 from pipeline.orchestration.runner import JobWatch, StageJob
 from pipeline.orchestration.task import execute_task
 from pipeline.stages import get_stage
+from pipeline.storage.atomic import clear_file
 
 # What a surrounding launcher (torchrun, a SLURM allocation, a user's shell) may have left in the environment. Any
 # of the first six makes TorchDistributedEnvironment.export() refuse ("... is already set"); an inherited
@@ -51,6 +54,7 @@ def task_entry(stage: str, cfg: PipelineConfig, run_dir: str, attempt: str) -> d
     job id, so all tasks agree on it. LOCAL_RANK (the task's index on its node) picks the task's GPU among all the
     node's GPUs, so CUDA_VISIBLE_DEVICES is left as the scheduler set it. Other stages get none of the variables.
     """
+    faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT, ...) leaves its name and a traceback in stderr
     env = submitit.JobEnvironment()
     for key in _INHERITED_RENDEZVOUS:
         os.environ.pop(key, None)
@@ -76,27 +80,45 @@ class SubmititLauncher(Launcher):
         self.cluster = cluster
 
     def run_stage(self, job: StageJob, watch: JobWatch) -> None:
-        folder = job.layout.logs / job.stage / "%j"
-        executor = submitit.AutoExecutor(folder=folder, cluster=self.cluster)
-        executor.update_parameters(
-            **submitit_parameters(job.contract, job.tasks, job.resources, self.cfg, job.layout.run_id)
-        )
-        if self.cluster == "local":
-            # The job controller shares our terminal; its own stderr (a KeyboardInterrupt traceback when a
-            # terminal's Ctrl-C reaches the whole process group) goes to the stage's log folder instead.
-            (job.layout.logs / job.stage).mkdir(parents=True, exist_ok=True)
-            controller_log = shlex.quote(str(job.layout.logs / job.stage / "controller.err"))
-            executor.update_parameters(local_setup=[f"exec 2>>{controller_log}"])
-        sjob = executor.submit(task_entry, job.stage, job.cfg, str(job.layout.run_dir), job.attempt)
+        sjob = self._submit(job)
+        # Several local tasks: watch them, so that one ending while its peers go on is noticed (peer_grace_s).
+        tasks = LocalTasks(sjob, job.tasks) if self.cluster == "local" and job.tasks > 1 else None
         try:
             watch.started(str(sjob.job_id), self.cluster, Path(str(sjob.paths.folder)))
-            self._wait(sjob, job, watch)
+            self._wait(sjob, job, watch, tasks)
         except BaseException:
             self._cancel(sjob)
             raise
         self._check_result(sjob, job)
 
-    def _wait(self, sjob: Any, job: StageJob, watch: JobWatch) -> None:
+    def _submit(self, job: StageJob) -> Any:
+        """Submit the stage's job. A filesystem error while submitit writes the job's pickle (a full disk, a
+        read-only run root) is one line naming the stage and the filesystem, not a traceback."""
+        folder = job.layout.logs / job.stage
+        pickles = set(folder.glob("*.pkl")) if folder.is_dir() else set()
+        children = {p.pid for p in psutil.Process().children()}
+        try:
+            executor = submitit.AutoExecutor(folder=folder / "%j", cluster=self.cluster)
+            executor.update_parameters(
+                **submitit_parameters(job.contract, job.tasks, job.resources, self.cfg, job.layout.run_id)
+            )
+            if self.cluster == "local":
+                # The job controller shares our terminal; its own stderr (a KeyboardInterrupt traceback when a
+                # terminal's Ctrl-C reaches the whole process group) goes to the stage's log folder instead.
+                folder.mkdir(parents=True, exist_ok=True)
+                controller_log = shlex.quote(str(folder / "controller.err"))
+                executor.update_parameters(local_setup=[f"exec 2>>{controller_log}"])
+            return executor.submit(task_entry, job.stage, job.cfg, str(job.layout.run_dir), job.attempt)
+        except OSError as e:
+            _undo_submit(folder, pickles, children)
+            mount, free = free_space(folder)
+            raise StageFailedError(
+                f"cannot submit stage {job.stage}: {e.strerror or e} writing "
+                f"{e.filename or f'the job file into {folder}'}; free space on {mount} ({size_text(free)} free) "
+                "or choose another run.root"
+            ) from e
+
+    def _wait(self, sjob: Any, job: StageJob, watch: JobWatch, tasks: LocalTasks | None) -> None:
         limit_s = job.resources.timeout_min * 60 + self.cfg.deadline_grace_s
         deadline = time.monotonic() + limit_s
         while not sjob.done():
@@ -106,6 +128,21 @@ class SubmititLauncher(Launcher):
                     f"+ launcher.deadline_grace_s={self.cfg.deadline_grace_s:g}s and was cancelled; "
                     f"logs: {sjob.paths.folder}"
                 )
+            if tasks is not None:
+                tasks.poll()
+                if tasks.overdue(self.cfg.peer_grace_s):  # submitit's controller would wait for all of them
+                    ended = outcomes(sjob, job.tasks, tasks)
+                    states = {t: tasks.state(t) for t in tasks.running()}
+                    raise StageFailedError(
+                        failure_message(
+                            job.stage,
+                            str(sjob.job_id),
+                            ended,
+                            Path(str(sjob.paths.folder)),
+                            states=states,
+                            grace_s=self.cfg.peer_grace_s,
+                        )
+                    )
             watch.poll()
             time.sleep(self.cfg.poll_interval_s)
 
@@ -117,6 +154,8 @@ class SubmititLauncher(Launcher):
                 for p in procs:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         p.terminate()
+                # A stopped process (SIGSTOP) cannot act on SIGTERM until continued, and nobody will continue it.
+                _kill([p for p in procs if _status(p) == psutil.STATUS_STOPPED])
                 _gone, alive = psutil.wait_procs(procs, timeout=self.cfg.cancel_timeout_s)
             else:
                 sjob.cancel(check=False)
@@ -130,6 +169,25 @@ class SubmititLauncher(Launcher):
             raise
         _kill(alive)
 
+    def _check_result(self, sjob: Any, job: StageJob) -> None:
+        if self.cluster != "local":  # a cluster's result pickle may show up late: let submitit wait for it
+            for task in range(job.tasks):
+                with contextlib.suppress(Exception):
+                    sjob.task(task).result()
+        ended = outcomes(sjob, job.tasks)
+        if any(t.status != "succeeded" for t in ended):
+            raise StageFailedError(failure_message(job.stage, str(sjob.job_id), ended, Path(str(sjob.paths.folder))))
+
+
+def _undo_submit(folder: Path, pickles: set[Path], children: set[int]) -> None:
+    """After a failed submit: remove the partial job pickle, and end a controller that may have started."""
+    for path in set(folder.glob("*.pkl")) - pickles if folder.is_dir() else ():
+        with contextlib.suppress(OSError):
+            clear_file(path)
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if child.pid not in children and str(folder) in " ".join(child.cmdline()):
+                _kill([child, *child.children(recursive=True)])
 
 
 def _process_tree(sjob: Any) -> list[psutil.Process]:
@@ -139,6 +197,13 @@ def _process_tree(sjob: Any) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except (psutil.NoSuchProcess, ValueError):
         return []
+
+
+def _status(proc: psutil.Process) -> str | None:
+    try:
+        return str(proc.status())
+    except psutil.NoSuchProcess:
+        return None
 
 
 def _kill(procs: list[psutil.Process]) -> None:

@@ -204,7 +204,7 @@ def test_killed_rank_keeps_committed_step_and_rerun_resumes(tmp_path: Path) -> N
     kill = {"PIPELINE_FAULTS": "shard_save.before_marker@rank=1@step=8@action=exit"}
     proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=k", "run.create=true", env=kill)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL train" in proc.stdout and "task 1: died without a result" in proc.stdout
+    assert "FAIL train" in proc.stdout and "rank 1 died first without a result" in proc.stdout
     assert "step 8: rank(s) 1 wrote no done-marker" in proc.stdout
     assert "skip consolidate: verify_manifest did not succeed" in proc.stdout
     assert "failed; latest = step 4; after fixing the cause, resume: python -m pipeline run.id=k" in proc.stdout

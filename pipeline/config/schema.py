@@ -56,9 +56,14 @@ class LauncherConfig:
     """Without a terminal (logs, SLURM): seconds between plain progress lines of train."""
     cancel_timeout_s: float = 30.0
     """On Ctrl-C/SIGTERM or a deadline: how long cancelled jobs get to exit before they are killed."""
+    peer_grace_s: float = 60.0
+    """Local multi-task jobs (train): once one task has ended (failed, died, or finished), how long the others
+    may keep running before the job is cancelled and the first to end is reported (a peer stopped, or blocked
+    in a collective, would otherwise hold the job until its time limit)."""
 
     def __post_init__(self) -> None:
-        for key in ("deadline_grace_s", "poll_interval_s", "progress_interval_s", "cancel_timeout_s"):
+        keys = ("deadline_grace_s", "poll_interval_s", "progress_interval_s", "cancel_timeout_s", "peer_grace_s")
+        for key in keys:
             if not getattr(self, key) > 0:
                 raise ConfigError(f"launcher.{key}={getattr(self, key)} must be > 0")
 

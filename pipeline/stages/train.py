@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -211,7 +212,8 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     stream = SampleStream(layout.assets, cfg.data.seq_len, cfg.train.seed, cfg.train.micro_batch_size, rank, world)
     torch.manual_seed(cfg.train.seed + rank)
-    ckpt_pg = dist.new_group(backend="gloo")  # checkpoint collectives never share the training group
+    # Checkpoint collectives never share the training group, and wait no longer than it does.
+    ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.strategy.pg_timeout_s))
 
     resume = _resume(layout, model, opt, sched, stream, rank, device, ckpt_pg)
 
