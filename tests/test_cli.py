@@ -92,6 +92,7 @@ def test_run_root_that_is_a_file_is_one_line(tmp_path: Path) -> None:
     proc = run_cli("+experiment=tiny", f"run.root={tmp_path / 'file'}")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "cannot create the run dir" in lines[0] and "is not a directory" in lines[0]
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ import pytest
 from pipeline.config.compose import experiments, load_config
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError
-from tests.conftest import run_cli
+from pipeline.workload.data import SampleStream
+from tests.conftest import RunFactory, run_cli
 
 
 @pytest.mark.parametrize("name", experiments())
@@ -32,17 +33,17 @@ def test_missing_experiment_says_what_to_do() -> None:
         ("+train.stpes=3", "unknown config key 'train.stpes'"),
         ("train.steps=abc", "train.steps"),
         ("strategy.name=zero9", "strategy.name='zero9'"),
-        ("export.max_shard_size=lots", "size 'lots'"),
-        ("run.id=../escape", "not a valid run id"),
-        ("train.lr=-1", "train.lr=-1"),
+        ("export.max_shard_size=lots", "size 'lots' is not understood"),
+        ("run.id=../escape", "is not a valid run id"),
+        ("train.lr=-1", "train.lr=-1.0 must be a finite number > 0"),
         ("train.lr=inf", "finite"),
         ("train.stop_after_step=-2", "train.stop_after_step=-2"),
         ("train.warmup_steps=-1", "must be >= 0"),
-        ("launcher.poll_interval_s=-1", "launcher.poll_interval_s=-1"),
+        ("launcher.poll_interval_s=-1", "launcher.poll_interval_s=-1.0 must be > 0"),
         ("checkpoint.marker_deadline_s=-5", "checkpoint.marker_deadline_s=-5"),
         ("strategy.pg_timeout_s=0", "strategy.pg_timeout_s=0"),
         ("data.seq_len=0", "data.seq_len=0"),
-        ("model.num_heads=0", "model.num_heads=0"),
+        ("model.num_heads=0", "model.num_heads=0 must be >= 1"),
     ],
 )
 def test_bad_values_fail_before_anything_runs(override: str, message: str) -> None:
@@ -74,3 +75,9 @@ def test_dry_run_prints_plan_and_writes_nothing(tmp_path) -> None:
     assert "run  train (2 tasks; cpus/task=1" in proc.stdout and "after afterok:prepare_dirs" in proc.stdout
     assert "run  verify_manifest (1 task;" in proc.stdout and "after afterany:train" in proc.stdout
     assert not any(tmp_path.iterdir())
+
+
+def test_too_small_corpus_names_the_keys(make_run: RunFactory) -> None:
+    cfg, layout = make_run("data.num_documents=1")
+    with pytest.raises(ConfigError, match=r"the corpus gives only \d+ samples of data.seq_len=32 tokens"):
+        SampleStream(layout.assets, cfg.data.seq_len, 0, micro_batch_size=64, rank=0, world_size=2)

@@ -3,6 +3,7 @@ peer's gloo error), then the path of that task's log; and a full disk is said as
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import re
 import subprocess
@@ -207,3 +208,24 @@ def test_train_on_a_disk_that_fills_up_says_so(small_fs: Path) -> None:
     train = next(line for line in proc.stdout.splitlines() if line.startswith("FAIL train"))
     assert "No space left on device" in train, train
     assert "log: " in train
+
+
+class _NeverDone:
+    """A submitit job that never ends (what the launcher sees of a job that hangs)."""
+
+    job_id = "4242"
+    paths = SimpleNamespace(folder=Path("/logs/4242"))
+
+    def done(self) -> bool:
+        return False
+
+
+def test_job_past_its_time_limit_is_cancelled(tmp_path: Path) -> None:
+    """The job deadline is the stage's time limit plus ``launcher.deadline_grace_s``; past it, one line."""
+    cfg = load_config(["+experiment=tiny", f"run.root={tmp_path}", "launcher.deadline_grace_s=0.3"])
+    contract = get_stage("consolidate").CONTRACT
+    resources = dataclasses.replace(contract.resources_for(cfg), timeout_min=0)
+    job = StageJob("consolidate", contract, cfg, RunLayout(tmp_path / "r"), "a1", 1, resources)
+    launcher = SubmititLauncher(cfg.launcher, cluster="local")
+    with pytest.raises(StageFailedError, match=r"ran past its time limit of 0 min \+ launcher.deadline_grace_s=0.3s"):
+        launcher._wait(_NeverDone(), job, _Watch(), None)

@@ -146,7 +146,7 @@ def test_init_distributed_sets_the_device_before_the_nccl_group(monkeypatch: pyt
 def test_init_distributed_nccl_needs_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_cuda(monkeypatch, count=2)
     _rendezvous_env(monkeypatch, MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", RANK="0", WORLD_SIZE="1")
-    with pytest.raises(PipelineError, match="LOCAL_RANK not set"):
+    with pytest.raises(PipelineError, match="cannot join the process group: LOCAL_RANK not set"):
         process_group.init_distributed(_nccl(1))
 
 

@@ -45,7 +45,7 @@ def test_symlinked_staged_step_is_quarantined_never_published(make_run: RunFacto
     _verify(cfg, layout)
     os.symlink(_complete_step_elsewhere(tmp_path, layout, 8), layout.staged_step(8))
     assert verify_manifest.is_done(cfg, layout) is None
-    with pytest.raises(VerificationError, match=r"staging/step_8 was a symlink"):
+    with pytest.raises(VerificationError, match=r"staging/step_8 was a symlink, not a step directory"):
         _verify(cfg, layout)
     assert read_latest(layout).step == 4  # type: ignore[union-attr]
     assert not os.path.lexists(layout.committed_step(8)) and not os.path.lexists(layout.staged_step(8))
@@ -146,7 +146,7 @@ def test_markers_mixing_attempts_are_never_committed(make_run: RunFactory) -> No
     sh.stage_rank(layout, 8, 0, world=2, attempt="attempt-A")
     sh.stage_rank(layout, 8, 1, world=2, attempt="attempt-B")
     assert train.is_done(cfg, layout) is None
-    with pytest.raises(VerificationError, match="different attempts"):
+    with pytest.raises(VerificationError, match="markers come from different attempts"):
         _verify(cfg, layout)
     assert read_latest(layout) is None
 
@@ -174,6 +174,6 @@ def test_managed_area_replaced_by_a_symlink_is_refused(make_run: RunFactory, tmp
     os.symlink(outside, target)
     with pytest.raises(PipelineError, match=r"run stage=prepare_dirs"):
         train.check_inputs(cfg, layout)
-    with pytest.raises(PipelineError, match=r"is a symlink, where the run keeps a directory"):
+    with pytest.raises(PipelineError, match=r"is a symlink, where the run keeps a directory of its own"):
         execute_task("prepare_dirs", cfg, str(layout.run_dir), "prepare-again")
     assert list(outside.iterdir()) == [], "nothing was written through the link"

@@ -114,6 +114,7 @@ def test_second_launch_refuses_in_one_line_naming_the_owner(layout: RunLayout) -
             RunLease.acquire(layout, command=["second"])
         message = str(err.value)
         assert f"pid {os.getpid()} on {HOST}" in message and "run.id=run1" in message
+        assert message.startswith(f"run {layout.run_id} is owned by another launch")
         assert str(layout.lease) in message and "\n" not in message and err.value.exit_code == 2
         on_disk = read_lease(layout)
         assert on_disk is not None and on_disk["launch_id"] == held.launch_id
@@ -204,7 +205,7 @@ def test_symlinked_lease_is_refused_not_followed(layout: RunLayout, tmp_path: Pa
     layout.lease.rename(target)
     layout.lease.symlink_to(target)
     before = target.read_bytes()
-    with pytest.raises(RunBusyError, match="is a symlink") as err:
+    with pytest.raises(RunBusyError, match="is a symlink, which is never followed") as err:
         RunLease.acquire(layout, command=["new"])
     assert str(layout.lease) in str(err.value)
     assert layout.lease.is_symlink() and target.read_bytes() == before
@@ -219,6 +220,7 @@ def test_malformed_lease_is_refused_not_broken(layout: RunLayout, content: str) 
         RunLease.acquire(layout, command=["new"])
     message = str(err.value)
     assert str(layout.lease) in message and "remove it" in message and "\n" not in message
+    assert "its owner is unknown" in message
     assert layout.lease.read_text() == content
 
 

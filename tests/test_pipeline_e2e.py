@@ -134,6 +134,7 @@ def test_continue_refuses_identity_change_and_unknown_ids(ddp_run: tuple[Path, s
     proc = run_cli(f"run.root={root}", "run.id=ddp", "strategy=fsdp2")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "strategy.name: the run was created with 'ddp', this launch gives 'fsdp2'" in proc.stderr
+    assert "keeps the config it was created with" in proc.stderr
     proc = run_cli(f"run.root={root}", "run.id=ddq")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "unknown run id 'ddq'" in proc.stderr and "newest: ddp" in proc.stderr
@@ -204,7 +205,7 @@ def test_killed_rank_keeps_committed_step_and_rerun_resumes(tmp_path: Path) -> N
     kill = {"PIPELINE_FAULTS": "shard_save.before_marker@rank=1@step=8@action=exit"}
     proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=k", "run.create=true", env=kill)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL train" in proc.stdout and "rank 1 died first without a result" in proc.stdout
+    assert "FAIL train" in proc.stdout and "rank 1 died first without a result or a Python error" in proc.stdout
     assert "step 8: rank(s) 1 wrote no done-marker" in proc.stdout
     assert "skip consolidate: verify_manifest did not succeed" in proc.stdout
     assert "failed; latest = step 4; after fixing the cause, resume: python -m pipeline run.id=k" in proc.stdout

@@ -344,7 +344,9 @@ def test_seed004_pipeline_dead_train_fails_fast_despite_long_deadline(make_run: 
         _verify(cfg, layout)
     assert time.monotonic() - t0 < 10.0
     msg = str(excinfo.value)
-    assert "no longer running" in msg and "step 4" in msg and "rank(s) 1 wrote no done-marker" in msg, msg
+    assert "the producer is no longer running" in msg and "step 4" in msg and "rank(s) 1 wrote no done-marker" in msg, (
+        msg
+    )
     _assert_step_left_uncommitted(layout, 4)
 
 

@@ -181,8 +181,8 @@ def _recheck_latest(layout: RunLayout) -> list[str]:
         now = "latest removed (no committed step verifies)"
     else:
         write_latest(layout, *fallback)
-        how = "moved back to" if step_damaged else "rebuilt as"
-        now = f"latest {how} step {fallback[0]}, the newest step that verifies"
+        now = f"latest moved back to step {fallback[0]}" if step_damaged else f"latest rebuilt as step {fallback[0]}"
+        now += ", the newest step that verifies"
     repairs.append(f"{now}: {problem} (moved to {where}); rerun to train again from there")
     return repairs
 
