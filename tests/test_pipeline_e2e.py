@@ -160,6 +160,7 @@ def test_failed_shard_save_does_not_stop_training_and_is_never_committed(tmp_pat
     layout = _layout(tmp_path, "f")
     rec = read_json(layout.stage_record("train"))
     assert rec["status"] == "succeeded" and rec["summary"]["failed_saves"] == [4]
+    assert rec["summary"]["save_errors"]["4"].startswith("rank 1: InjectedFault: injected fault at shard_save")
     _run(tmp_path, "f", "stage=verify_manifest", "checkpoint.marker_deadline_s=1")
     assert read_latest(layout).step == 8  # type: ignore[union-attr]
     assert not layout.committed_step(4).exists(), "a step with a missing marker must never be committed"

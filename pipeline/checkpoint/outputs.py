@@ -8,6 +8,8 @@ A previous output that is forced or fails verification is moved to ``<area>/.ret
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,20 @@ def verified_output(out_dir: Path, marker_name: str, source: dict[str, Any]) -> 
     except (VerificationError, OSError):
         return False
     return True
+
+
+@contextmanager
+def staging_dir(area: Path, name: str) -> Iterator[Path]:
+    """A fresh ``area/.staging-<name>`` for the ``with`` block; removed again if the block fails (a disk that
+    filled up, a file-size limit), so a failed stage leaves no litter even when the next launch skips it."""
+    staging = start_staging(area, name)
+    try:
+        yield staging
+    except BaseException:
+        with suppress(OSError):
+            if lstat_kind(staging) == "dir":
+                remove_tree(staging)
+        raise
 
 
 def start_staging(area: Path, name: str) -> Path:

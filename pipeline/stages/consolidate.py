@@ -18,7 +18,7 @@ from pipeline.checkpoint.outputs import (
     CONSOLIDATED_WEIGHTS,
     finish,
     source_step,
-    start_staging,
+    staging_dir,
     verified_output,
 )
 from pipeline.config.schema import PipelineConfig
@@ -83,9 +83,9 @@ def consolidate_dcp(step_dir: Path, out: Path, on_tensor: Callable[[str], None] 
 def run(ctx: TaskContext) -> dict[str, object]:
     layout = ctx.layout
     latest = source_step(layout, verify=False)  # check_inputs verified its files when this job started
-    staging = start_staging(layout.consolidated, step_name(latest.step))
     source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
-    count = consolidate_dcp(layout.committed_step(latest.step), staging / WEIGHTS)
     final = layout.consolidated_step(latest.step)
-    finish(staging, final, MARKER, source, [WEIGHTS], {"tensors": count})
+    with staging_dir(layout.consolidated, step_name(latest.step)) as staging:
+        count = consolidate_dcp(layout.committed_step(latest.step), staging / WEIGHTS)
+        finish(staging, final, MARKER, source, [WEIGHTS], {"tensors": count})
     return {"step": latest.step, "tensors": count, "out": str(final)}

@@ -23,7 +23,7 @@ from pipeline.checkpoint.outputs import (
     CONSOLIDATED_WEIGHTS,
     finish,
     source_step,
-    start_staging,
+    staging_dir,
     verified_output,
 )
 from pipeline.config.schema import ExportConfig, PipelineConfig, parse_size
@@ -123,15 +123,15 @@ def run(ctx: TaskContext) -> dict[str, object]:
     cfg, layout = ctx.cfg, ctx.layout
     source = _source(cfg, layout)
     step = int(str(source["step"]))
-    staging = start_staging(layout.export, step_name(step))
-    files = _write_weights(layout.consolidated_step(step) / CONSOLIDATED_WEIGHTS, staging, cfg.export)
-    tokenizer = load_tokenizer(layout.assets)
-    hf_config = llama_config(cfg.model, tokenizer)
-    hf_config.dtype = cfg.export.dtype
-    hf_config.save_pretrained(str(staging))
-    GenerationConfig.from_model_config(hf_config).save_pretrained(str(staging))
-    tokenizer.save_pretrained(str(staging))
-    files = sorted({*files, *(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())})
-    extra = {"run_id": layout.run_id, "source_dir": f"checkpoints/{step_name(step)}", "format": "huggingface"}
-    finish(staging, layout.export_step(step), MARKER, source, files, extra)
+    with staging_dir(layout.export, step_name(step)) as staging:
+        files = _write_weights(layout.consolidated_step(step) / CONSOLIDATED_WEIGHTS, staging, cfg.export)
+        tokenizer = load_tokenizer(layout.assets)
+        hf_config = llama_config(cfg.model, tokenizer)
+        hf_config.dtype = cfg.export.dtype
+        hf_config.save_pretrained(str(staging))
+        GenerationConfig.from_model_config(hf_config).save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        files = sorted({*files, *(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())})
+        extra = {"run_id": layout.run_id, "source_dir": f"checkpoints/{step_name(step)}", "format": "huggingface"}
+        finish(staging, layout.export_step(step), MARKER, source, files, extra)
     return {"step": step, "out": str(layout.export_step(step)), "files": len(files), "source": json.dumps(source)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.checkpoint.outputs import finish, start_staging, verified_output
+from pipeline.checkpoint.outputs import finish, staging_dir, verified_output
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import UnsafePathError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
@@ -73,8 +73,8 @@ def run(ctx: TaskContext) -> dict[str, object]:
         d.mkdir(exist_ok=True)
     built_assets = not _assets_ok(cfg, layout)
     if built_assets:
-        staging = start_staging(layout.run_dir, layout.assets.name)
-        build_assets(cfg.data, staging)
-        files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
-        finish(staging, layout.assets, ASSETS_MARKER, _assets_source(cfg), files, {})
+        with staging_dir(layout.run_dir, layout.assets.name) as staging:
+            build_assets(cfg.data, staging)
+            files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+            finish(staging, layout.assets, ASSETS_MARKER, _assets_source(cfg), files, {})
     return {"run_dir": str(layout.run_dir), "built_assets": built_assets}

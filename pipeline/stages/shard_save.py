@@ -47,6 +47,8 @@ class SaveResult:
     ok: bool
     bytes: int
     seconds: float
+    error: str = ""
+    """Why the save failed (first line of the error, its root cause for DCP's CheckpointException)."""
 
 
 def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any) -> SaveResult:
@@ -84,7 +86,22 @@ def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any)
         )
         if ctx.cfg.checkpoint.fail_on_save_error:
             raise
-        return SaveResult(ok=False, bytes=0, seconds=time.monotonic() - t0)
+        return SaveResult(ok=False, bytes=0, seconds=time.monotonic() - t0, error=_first_cause(e))
     seconds = time.monotonic() - t0
     log.info("rank %d saved step %d (%d files) in %.2fs", ctx.rank, step, len(own), seconds)
     return SaveResult(ok=True, bytes=sum(e.size for e in entries), seconds=seconds)
+
+
+def _first_cause(e: BaseException) -> str:
+    """One line: the deepest OSError in ``e``'s chain (or DCP's per-rank failures), else ``e`` itself."""
+    seen: list[BaseException] = [e]
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+    if isinstance(failures, dict):
+        seen += [f for f in failures.values() if isinstance(f, BaseException)]
+    while seen[-1].__cause__ is not None or seen[-1].__context__ is not None:
+        seen.append(seen[-1].__cause__ or seen[-1].__context__)  # type: ignore[arg-type]
+        if len(seen) > 20:
+            break
+    chosen = next((x for x in seen if isinstance(x, OSError)), e)
+    text = str(chosen).strip().splitlines()
+    return f"{type(chosen).__name__}: {text[0] if text else ''}"[:300]

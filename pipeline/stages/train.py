@@ -175,7 +175,12 @@ def _event(metrics: MetricsWriter | None, ctx: TaskContext, event: str, **fields
 
 
 def _gather_save(
-    ctx: TaskContext, step: int, result: shard_save.SaveResult, ckpt_pg: Any, metrics: MetricsWriter | None
+    ctx: TaskContext,
+    step: int,
+    result: shard_save.SaveResult,
+    ckpt_pg: Any,
+    metrics: MetricsWriter | None,
+    errors: dict[int, str],
 ) -> bool:
     """Every rank's save of ``step`` (one all_gather), so that task 0's record tells of every rank's failure;
     rank 0 logs the ranks that failed and writes the checkpoint event. True when every rank saved."""
@@ -184,6 +189,7 @@ def _gather_save(
     bad = [r for r, o in enumerate(outcomes) if not o.ok]
     if bad and dist.get_rank() == 0:
         log.error("step %d was not saved by rank(s) %s; it will not be committed", step, bad)
+        errors[step] = "; ".join(f"rank {r}: {outcomes[r].error}" for r in bad)
     staged_bytes = sum(o.bytes for o in outcomes)
     seconds = max(o.seconds for o in outcomes)  # the ranks save in parallel: the slowest sets the time
     gbps = staged_bytes / seconds / 1e9 if seconds > 0 else 0.0
@@ -220,6 +226,7 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     losses: dict[int, float] = {}
     saved: list[int] = []
     failed: list[int] = []
+    save_errors: dict[int, str] = {}
     last = final_step(cfg)
     metrics = MetricsWriter(layout.metrics) if rank == 0 else None
     _event(metrics, ctx, "start", resume_from=resume, total=last, world_size=world)
@@ -239,7 +246,14 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         _event(metrics, ctx, "step", step=step, loss=losses[step], lr=lr, tokens=tokens, step_s=time.monotonic() - t0)
         if is_save_step(cfg, step):
             result = shard_save.save(ctx, step, _state(model, opt, sched, stream, step, rank), ckpt_pg)
-            (saved if _gather_save(ctx, step, result, ckpt_pg, metrics) else failed).append(step)
+            (saved if _gather_save(ctx, step, result, ckpt_pg, metrics, save_errors) else failed).append(step)
     dist.barrier()
     _event(metrics, ctx, "end", last_step=last)
-    return {"resumed_from": resume, "last_step": last, "saved": saved, "failed_saves": failed, "losses": losses}
+    return {
+        "resumed_from": resume,
+        "last_step": last,
+        "saved": saved,
+        "failed_saves": failed,
+        "save_errors": save_errors,
+        "losses": losses,
+    }

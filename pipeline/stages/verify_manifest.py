@@ -41,7 +41,7 @@ from pipeline.checkpoint.manifest import (
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.orchestration.records import producer_attempt, stage_alive
+from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
 from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, publish_dir, write_json_atomic
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind, verify_entries
@@ -118,6 +118,15 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     except (VerificationError, OSError, ValueError):
         return None
     return f"latest is step {latest.step}, its manifest verifies, and nothing newer is staged"
+
+
+def _save_errors(layout: RunLayout) -> dict[int, str]:
+    """Why train's ranks could not save a step, as its record says (the cause behind a missing marker)."""
+    summary = (read_record(layout, PRODUCER) or {}).get("summary")
+    errors = summary.get("save_errors") if isinstance(summary, dict) else None
+    if not isinstance(errors, dict):
+        return {}
+    return {int(k): str(v) for k, v in errors.items() if str(k).isdigit()}
 
 
 def _sweep_temp_files(layout: RunLayout) -> None:
@@ -275,7 +284,10 @@ def run(ctx: TaskContext) -> dict[str, object]:
             where = _quarantine(layout, layout.staged_step(step), str(e), step)
             quarantined.append(f"step {step}: {e} (moved to {where})")
     newest = _latest_step(layout)
-    pending = [msg for step, msg in incomplete if step > newest]
+    reported = _save_errors(layout)
+    pending = [
+        msg + (f" (train reported: {reported[s]})" if s in reported else "") for s, msg in incomplete if s > newest
+    ]
     if quarantined or pending:
         raise VerificationError("; ".join(quarantined + pending) + f" (latest stays at step {newest})")
     for step, msg in incomplete:
