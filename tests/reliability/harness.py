@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 
 from pipeline.checkpoint.manifest import MANIFEST, read_latest, verify_committed
+from pipeline.config.identity import read_run_record
 from pipeline.storage.atomic import read_json
 from pipeline.storage.integrity import hash_file
 from pipeline.storage.layout import RunLayout, parse_step
@@ -89,7 +90,7 @@ class Launch:
         return self.proc.poll() is None
 
 
-_counter = 0
+_launches = iter(range(1, 1 << 30))  # numbers the console files of the session's launches
 
 
 def launch(
@@ -102,12 +103,11 @@ def launch(
     preexec_fn: Callable[[], None] | None = None,
 ) -> Launch:
     """Start ``python -m pipeline run.root=<root> run.id=<run_id> ...`` in a new session (not waited for)."""
-    global _counter
-    _counter += 1
+    n = next(_launches)
     args = [*(["+experiment=tiny"] if create else []), f"run.root={root}", f"run.id={run_id}"]
     args += [*(["run.create=true"] if create else []), *FAST, *overrides]
     logs.mkdir(parents=True, exist_ok=True)
-    out_path, err_path = logs / f"launch{_counter}.out", logs / f"launch{_counter}.err"
+    out_path, err_path = logs / f"launch{n}.out", logs / f"launch{n}.err"
     with out_path.open("wb") as out, err_path.open("wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline", *args],
@@ -117,7 +117,7 @@ def launch(
             stderr=err,
             start_new_session=True,
             umask=umask,
-            preexec_fn=preexec_fn,
+            preexec_fn=preexec_fn,  # noqa: PLW1509 - rlimits for the launch; the suite starts no threads
         )
     return Launch(proc, ["python", "-m", "pipeline", *args], out_path, err_path)
 
@@ -131,7 +131,7 @@ def run(root: Path, run_id: str, *overrides: str, logs: Path, timeout: float = 3
 
 # --- the shared base run ---------------------------------------------------------------------------------
 
-_base_root: Path | None = None
+_base: dict[str, Path] = {}  # "root": where the session's base run was made
 
 
 def base_run(dest_root: Path, logs: Path) -> RunLayout:
@@ -140,15 +140,14 @@ def base_run(dest_root: Path, logs: Path) -> RunLayout:
     The run is made once per test session, under ``umask 000`` (so the permissions scenario can inspect it as
     it is), then copied whole with its root layout (``<root>/tiny/base``) for every scenario that needs one.
     """
-    global _base_root
-    if _base_root is None:
+    if "root" not in _base:
         made = Path(tempfile.mkdtemp(prefix="reliability-base-"))
         atexit.register(shutil.rmtree, made, ignore_errors=True)
         done = run(made, BASE_ID, logs=logs, create=True, umask=0)
         if done.proc.returncode != 0:
             raise AssertionError(f"the base run failed:\n{done.output}")
-        _base_root = made
-    src = RunLayout.for_run(_base_root, "tiny", BASE_ID).run_dir
+        _base["root"] = made
+    src = RunLayout.for_run(_base["root"], "tiny", BASE_ID).run_dir
     dest = RunLayout.for_run(dest_root, "tiny", BASE_ID)
     dest.run_dir.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(src, dest.run_dir, symlinks=True)
@@ -157,7 +156,7 @@ def base_run(dest_root: Path, logs: Path) -> RunLayout:
 
 def base_run_dir() -> Path | None:
     """The original base run (for read-only inspection), once :func:`base_run` has made it."""
-    return None if _base_root is None else RunLayout.for_run(_base_root, "tiny", BASE_ID).run_dir
+    return RunLayout.for_run(_base["root"], "tiny", BASE_ID).run_dir if "root" in _base else None
 
 
 # --- invariants -------------------------------------------------------------------------------------------
@@ -174,6 +173,39 @@ def committed(layout: RunLayout) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
+def _check_latest(layout: RunLayout) -> tuple[int | None, list[str]]:
+    """The step ``latest`` names (None if none or unreadable) and what is wrong with it."""
+    try:
+        latest = read_latest(layout)
+    except Exception as e:  # noqa: BLE001 - any failure to read latest is a violation to report
+        return None, [f"latest unreadable: {type(e).__name__}: {e}"]
+    if latest is None:
+        return None, []
+    try:
+        verify_committed(layout.committed_step(latest.step))
+    except Exception as e:  # noqa: BLE001
+        return latest.step, [f"latest names step {latest.step}, which does not verify: {type(e).__name__}: {e}"]
+    return latest.step, []
+
+
+def _check_steps(layout: RunLayout) -> tuple[set[int], list[str]]:
+    """The published steps and those that do not verify against their manifest (or have none)."""
+    steps, bad = set(), []
+    for d in sorted(layout.checkpoints.iterdir()) if layout.checkpoints.is_dir() else []:
+        step = parse_step(d.name)
+        if step is None:
+            continue
+        steps.add(step)
+        if not (d / MANIFEST).is_file():
+            bad.append(f"{d} is a published step without {MANIFEST}")
+            continue
+        try:
+            verify_committed(d)
+        except Exception as e:  # noqa: BLE001
+            bad.append(f"{d} does not verify: {type(e).__name__}: {e}")
+    return steps, bad
+
+
 def check_run(
     layout: RunLayout,
     committed_before: dict[int, str] | None = None,
@@ -184,49 +216,33 @@ def check_run(
 
     * ``checkpoints/latest`` names a step whose files verify against its manifest;
     * every ``checkpoints/step_N`` has a manifest and verifies against it;
-    * every step in ``committed_before`` (committed before the fault) is still there, unchanged, and verifies;
+    * every step in ``committed_before`` (committed before the fault) is still there, unchanged, and verifies,
+      and latest did not go back behind them;
     * with ``final_step``: the run is complete, latest is that step and its export exists.
     """
-    bad: list[str] = []
-    try:
-        latest = read_latest(layout)
-    except Exception as e:  # noqa: BLE001 - any failure to read latest is a violation to report
-        latest = None
-        bad.append(f"latest unreadable: {type(e).__name__}: {e}")
-    if latest is not None:
-        try:
-            verify_committed(layout.committed_step(latest.step))
-        except Exception as e:  # noqa: BLE001
-            bad.append(f"latest names step {latest.step}, which does not verify: {type(e).__name__}: {e}")
-    steps: dict[int, Path] = {}
-    if layout.checkpoints.is_dir():
-        for d in sorted(layout.checkpoints.iterdir()):
-            step = parse_step(d.name)
-            if step is None:
-                continue
-            steps[step] = d
-            if not (d / MANIFEST).is_file():
-                bad.append(f"{d} is a published step without {MANIFEST}")
-                continue
-            try:
-                verify_committed(d)
-            except Exception as e:  # noqa: BLE001
-                bad.append(f"{d} does not verify: {type(e).__name__}: {e}")
+    latest, bad = _check_latest(layout)
+    steps, bad_steps = _check_steps(layout)
+    bad += bad_steps
     for step, manifest_hash in (committed_before or {}).items():
-        d = layout.committed_step(step)
+        manifest = layout.committed_step(step) / MANIFEST
         if step not in steps:
-            bad.append(f"committed step {step} was lost ({d} is gone)")
-        elif (d / MANIFEST).is_file() and hash_file(d / MANIFEST) != manifest_hash:
-            bad.append(f"committed step {step} changed: {d / MANIFEST} differs from before the fault")
-    if committed_before and latest is not None and latest.step < max(committed_before):
-        bad.append(f"latest went back to step {latest.step} from step {max(committed_before)}")
+            bad.append(f"committed step {step} was lost ({manifest.parent} is gone)")
+        elif manifest.is_file() and hash_file(manifest) != manifest_hash:
+            bad.append(f"committed step {step} changed: {manifest} differs from before the fault")
+    if committed_before and latest is not None and latest < max(committed_before):
+        bad.append(f"latest went back to step {latest} from step {max(committed_before)}")
     if final_step is not None:
-        if latest is None or latest.step != final_step:
-            bad.append(f"latest is {latest.step if latest else None}, not the final step {final_step}")
+        if latest != final_step:
+            bad.append(f"latest is {latest}, not the final step {final_step}")
         export = layout.run_dir / "export" / f"step_{final_step}" / "provenance.json"
         if not export.is_file():
             bad.append(f"no export of step {final_step} ({export} is missing)")
     return bad
+
+
+def recorded_steps(layout: RunLayout) -> int:
+    """``train.steps`` as ``run.yaml`` records it: the step a plain continuation of the run trains to."""
+    return int(read_run_record(layout.run_yaml).config["train"]["steps"])
 
 
 def launcher_faults(result: Launch, *, one_line_error: bool) -> list[str]:

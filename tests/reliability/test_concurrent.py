@@ -1,0 +1,179 @@
+"""Concurrent launches of one run: exactly one proceeds, the others refuse in one line, no work is done twice.
+
+Two kinds of trial:
+
+* **mixed**: K launches of the finished base run, a mix of a plain continuation (``run.id=base``), a restart
+  (``run.overwrite=true``) and a one-stage rerun (``stage=consolidate force=true``). To make them meet at the
+  lease at the same moment, the test holds ``.lease.lock`` while they start and lets go once every one of them
+  is waiting on it: they all take the lock within milliseconds of each other.
+* **double submit**: ``+experiment=tiny run.id=X run.create=true run.overwrite=true`` twice at once, for a run
+  that does not exist yet (no lock trick: the run dir is not there to hold).
+
+In each trial exactly one launch proceeds (prints ``run <id>:`` and exits 0); every other one exits 2 with one
+line on stderr naming the owner ("owned by another launch"), and no traceback. The job folders created under
+``logs/`` are exactly the jobs the winner reported (no duplicate work), each stage record names the winner's
+job, and the run verifies afterwards (latest = step 8 with its export; a non-overwriting winner loses no
+committed step).
+
+Figure: launches N, proceeded exactly one in each of M trials, refusals one-line.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline.storage.atomic import read_json
+from pipeline.storage.layout import RunLayout
+from tests.reliability.conftest import record, sized
+from tests.reliability.harness import (
+    BASE_ID,
+    BASE_STEPS,
+    Launch,
+    base_run,
+    check_run,
+    committed,
+    job_ids,
+    launch,
+    launcher_faults,
+    leftovers,
+    seeded_rng,
+)
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.distributed]
+
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "continue": (),
+    "overwrite": ("run.overwrite=true",),
+    "consolidate": ("stage=consolidate", "force=true"),
+}
+LOCK_PATIENCE_S = 7.0
+"""Let go of the lock at the latest this long after the first launch began to wait (each waits 10 s for it)."""
+JOB_LINE = re.compile(r"^\s+(\w+): job (\d+), logs ", re.MULTILINE)
+
+
+@dataclass
+class Outcome:
+    launches: int = 0
+    exactly_one: bool = False
+    refusals_one_line: bool = True
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _opened_lock(proc: Launch, lock: Path) -> bool:
+    try:
+        return any(f.path == str(lock) for f in psutil.Process(proc.pid).open_files())
+    except psutil.Error:
+        return False
+
+
+def _judge(layout: RunLayout, launches: list[Launch], jobs_before: set[tuple[str, str]]) -> Outcome:
+    out = Outcome(launches=len(launches))
+    for one in launches:
+        one.wait(300)
+    proceeded = [one for one in launches if one.proc.returncode != 2]
+    refused = [one for one in launches if one.proc.returncode == 2]
+    out.exactly_one = len(proceeded) == 1
+    if not out.exactly_one:
+        out.problems.append(
+            f"{len(proceeded)} of {len(launches)} launches proceeded:\n" + "\n".join(p.output for p in proceeded)
+        )
+    for one in launches:
+        out.problems += launcher_faults(one, one_line_error=one in refused)
+    for one in refused:
+        err = one.stderr.strip()
+        if len(err.splitlines()) != 1 or "owned by another launch" not in err or f"run {layout.run_id}:" in one.stdout:
+            out.refusals_one_line = False
+            out.problems.append(f"refusal is not one line naming the owner:\n{one.output}")
+    if len(proceeded) == 1:
+        winner = proceeded[0]
+        if winner.proc.returncode != 0:
+            out.problems.append(f"the launch that proceeded failed:\n{winner.output}")
+        if refused and not any(f"pid {winner.pid} on " in one.stderr for one in refused):
+            out.problems.append(f"no refusal names the winner (pid {winner.pid})")
+        reported = {(m[1], m[2]) for m in JOB_LINE.finditer(winner.stdout)}
+        new = job_ids(layout) - jobs_before
+        if new != reported:
+            out.problems.append(f"job folders {sorted(new)} are not the winner's jobs {sorted(reported)}")
+        for stage, job in reported:
+            rec = read_json(layout.stage_record(stage)) if layout.stage_record(stage).exists() else {}
+            if str(rec.get("job_id")) != job:
+                out.problems.append(f"stages/{stage}.json names job {rec.get('job_id')}, not the winner's {job}")
+    return out
+
+
+def _mixed_trial(i: int, rng: random.Random, tmp_path: Path) -> Outcome:
+    root, logs = tmp_path / f"m{i}", tmp_path / "console"
+    layout = base_run(root, logs)
+    before, jobs_before = committed(layout), job_ids(layout)
+    k = 3 if i == 0 else rng.randint(2, 5)
+    names = list(VARIANTS) if i == 0 else [rng.choice(list(VARIANTS)) for _ in range(k)]
+    rng.shuffle(names)
+    lock = layout.lease_lock
+    fd = os.open(lock, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        launches = [launch(root, BASE_ID, *VARIANTS[name], logs=logs) for name in names]
+        waiting: dict[int, float] = {}  # pid -> when it was first seen waiting on the lock
+        deadline = time.monotonic() + 120
+        while len(waiting) < len(launches) and time.monotonic() < deadline:
+            now = time.monotonic()
+            waiting |= {one.pid: now for one in launches if one.pid not in waiting and _opened_lock(one, lock)}
+            if waiting and now - min(waiting.values()) > LOCK_PATIENCE_S:
+                break
+            if not all(one.running() for one in launches):
+                break
+            time.sleep(0.02)
+        met = len(waiting) == len(launches)
+    finally:
+        os.close(fd)  # let them all at the lease at once
+    out = _judge(layout, launches, jobs_before)
+    out.notes.append(f"mixed trial {i}: {'all' if met else 'NOT all'} {k} launches were waiting on the lock")
+    winner = next((one for one in launches if one.proc.returncode != 2), None)
+    overwrote = winner is not None and "run.overwrite=true" in winner.args
+    print(
+        f"mixed trial {i}: {names}; proceeded: {[n for n, one in zip(names, launches, strict=True) if one is winner]}"
+    )
+    out.problems += check_run(layout, None if overwrote else before, final_step=BASE_STEPS)
+    out.problems += leftovers(layout.run_dir)
+    return out
+
+
+def _double_submit_trial(i: int, tmp_path: Path) -> Outcome:
+    root, logs = tmp_path / f"d{i}", tmp_path / "console"
+    run_id = f"double{i}"
+    layout = RunLayout.for_run(root, "tiny", run_id)
+    launches = [launch(root, run_id, "run.overwrite=true", logs=logs, create=True) for _ in range(2)]
+    out = _judge(layout, launches, set())
+    print(f"double submit {i}: exits {[one.proc.returncode for one in launches]}")
+    out.problems += check_run(layout, final_step=BASE_STEPS)
+    out.problems += leftovers(layout.run_dir)
+    return out
+
+
+def test_concurrent_launches_of_one_run_exactly_one_proceeds(tmp_path: Path) -> None:
+    rng, seed = seeded_rng("concurrent")
+    t0 = time.monotonic()
+    outcomes = [_mixed_trial(i, rng, tmp_path) for i in range(sized(ci=1, large=10))]
+    outcomes += [_double_submit_trial(i, tmp_path) for i in range(sized(ci=1, large=5))]
+    launches = sum(o.launches for o in outcomes)
+    exact = sum(o.exactly_one for o in outcomes)
+    one_line = all(o.refusals_one_line for o in outcomes)
+    problems = [p for o in outcomes for p in o.problems]
+    figure = (
+        f"launches {launches}, proceeded exactly one in {exact} of {len(outcomes)} trials, "
+        f"refusals {'one-line' if one_line else 'NOT one-line'}"
+    )
+    notes = [f"seed {seed}, {len(outcomes)} trials in {time.monotonic() - t0:.0f}s", *problems]
+    notes += [n for o in outcomes for n in o.notes]
+    record("concurrent launches of one run", figure, ok=not problems, notes=notes)
+    assert not problems, "\n\n".join(problems)
