@@ -10,12 +10,23 @@ import socket
 import time
 from typing import Any
 
-from pipeline.storage.atomic import read_json, write_json_atomic
+from pipeline.storage.atomic import clear_file, is_temp_name, read_json, write_json_atomic
+from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RunLayout
 
 
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def sweep_record_litter(layout: RunLayout) -> None:
+    """Remove temp files of stage records that a task left when it died mid-write. Only the launching process
+    calls this, holding the run's lease and before any job starts, so no writer can be alive."""
+    if lstat_kind(layout.stages) != "dir":
+        return
+    for p in layout.stages.iterdir():
+        if is_temp_name(p.name) and lstat_kind(p) == "file":
+            clear_file(p)
 
 
 def read_record(layout: RunLayout, stage: str) -> dict[str, Any] | None:

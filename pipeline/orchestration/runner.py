@@ -30,7 +30,7 @@ from pipeline.orchestration.contract import Resources, StageContract
 from pipeline.orchestration.lease import RunLease, read_lease
 from pipeline.orchestration.plan import Plan, PlannedStage, make_plan
 from pipeline.orchestration.progress import StageProgress, commit_lines
-from pipeline.orchestration.records import now_iso, read_record, write_record
+from pipeline.orchestration.records import now_iso, read_record, sweep_record_litter, write_record
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import write_bytes_atomic
 from pipeline.storage.layout import RunLayout
@@ -146,6 +146,7 @@ def run(
         layout.logs.mkdir(parents=True, exist_ok=True, mode=0o700)  # owner: this process; job folders hold pickles
         with RunLease.acquire(layout, command=[sys.executable, "-m", "pipeline", *sys.argv[1:]], say=say) as lease:
             record = check_identity(cfg, layout)
+            sweep_record_litter(layout)  # we hold the lease: no task of this run is alive to be writing
             plan = make_plan(cfg, layout)
             if any(s.runs for s in plan.stages):  # a launch that runs nothing writes nothing, not even .hydra/
                 for name, text in (hydra_files or {}).items():

@@ -49,7 +49,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.formats.dcp import METADATA_FILE, read_metadata_safe
 from pipeline.orchestration.contract import TaskContext
-from pipeline.orchestration.records import read_record
+from pipeline.orchestration.records import read_record, sweep_record_litter
 from pipeline.orchestration.task import execute_task
 from pipeline.stages import get_stage, shard_save
 from pipeline.stages.export import MARKER as EXPORT_MARKER
@@ -289,8 +289,9 @@ def _crash(fn: Callable[[], Any], at: int) -> faults.IoPlan:
 
 
 def _rerun(stage: str, cfg: PipelineConfig, run_dir: Path) -> None:
-    """What a relaunch does: skip a stage whose outputs verify, else run it."""
+    """What a relaunch does: sweep record litter (it holds the lease); skip a stage whose outputs verify, else run."""
     layout = RunLayout(run_dir)
+    sweep_record_litter(layout)
     if get_stage(stage).is_done(cfg, layout) is None:
         _run(stage, cfg, run_dir)
 
