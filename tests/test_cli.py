@@ -53,7 +53,7 @@ def test_info_and_shell_completion(tmp_path: Path) -> None:
         (["hydra/launcher=submitit_slurm"], "hydra/launcher is set by the pipeline"),
         (["launcher=slurm"], "sbatch is not on PATH"),
         (["launcher=inprocess"], "launcher=inprocess runs single-task stages in this process and cannot run train"),
-        (["train.lr=-1"], "train.lr=-1.0 must be > 0"),
+        (["train.lr=-1"], "train.lr=-1.0 must be a finite number > 0"),
         (["run.id=nope"], "unknown run id 'nope'"),
         (["stage=train"], "add run.id=<id>"),
         (["-m", "train.seed=1,2", "run.id=x"], "drop run.id"),
