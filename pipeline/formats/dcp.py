@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 import pickle
+import pickletools
 import stat
 import warnings
 from collections.abc import Generator, Iterator
@@ -91,20 +92,42 @@ def _refusal(file: Path, problem: str) -> CheckpointFormatError:
 
 def _read_metadata_bytes(path: Path) -> bytes:
     """The bytes of ``path/.metadata``: a regular file (never a symlink or a FIFO) of bounded size."""
-    file = safe_join(path, METADATA_FILE)  # refuses a symlinked step dir or .metadata
+    file = path / METADATA_FILE
     try:
+        safe_join(path, METADATA_FILE)  # refuses a symlinked step dir or .metadata
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointFormatError(f"{file} is missing: {path} is not a DCP checkpoint") from None
     except OSError as e:
         raise _refusal(file, f"cannot be opened ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory with its own error
+        os.close(fd)
+        raise _refusal(file, "not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise _refusal(file, "not a regular file")
         data = f.read(MAX_METADATA_BYTES + 1)
     if len(data) > MAX_METADATA_BYTES:
         raise _refusal(file, f"larger than {MAX_METADATA_BYTES} bytes")
     return data
+
+
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_opcodes(data: bytes, file: Path) -> None:
+    """Walk the pickle's opcodes without running them and refuse what would make the C unpickler allocate far
+    beyond the file: a memo index larger than the number of opcodes before it (``LONG_BINPUT 10**9`` grows
+    the memo table to gigabytes; a pickler numbers its memo entries from 0), a frame or a length that runs
+    past the end of the data."""
+    try:
+        for count, (op, arg, pos) in enumerate(pickletools.genops(data)):
+            if op.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg <= count):
+                raise _refusal(file, f"memo index {arg!r} at byte {pos} is not one a pickler writes")
+            if op.name == "FRAME" and not (isinstance(arg, int) and arg <= len(data) - (pos or 0)):
+                raise _refusal(file, f"a frame of {arg!r} bytes at byte {pos} runs past the end")
+    except PipelineError:
+        raise
+    except Exception as e:  # truncated opcodes, lengths past the end, unknown opcodes
+        raise _refusal(file, f"its pickle opcodes are malformed ({type(e).__name__}: {error_summary(e)})") from None
 
 
 def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
@@ -116,6 +139,7 @@ def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
     """
     file = path / METADATA_FILE
     data = _read_metadata_bytes(path)
+    _check_opcodes(data, file)
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # any failure of the restricted unpickler on hostile bytes is a format error
@@ -176,11 +200,16 @@ def _stored_keys(md: dcp_meta.Metadata, file: Path) -> set[tuple[str, tuple[int,
             and type(info.length) is int
             and info.offset >= 0
             and info.length >= 0
-            and (info.transform_descriptors is None or isinstance(info.transform_descriptors, (list, tuple)))
+            and _descriptors_ok(info.transform_descriptors)
         ):
             raise _refusal(file, f"storage_data of {index.fqn!r} is not a well-formed _StorageInfo")
         stored.add((index.fqn, offset))
     return stored
+
+
+def _descriptors_ok(descriptors: object) -> bool:
+    """``_StorageInfo.transform_descriptors``: None or the list of names DCP writes (e.g. of a compression)."""
+    return descriptors is None or (type(descriptors) is list and all(isinstance(d, str) for d in descriptors))
 
 
 def _check_tensor(
@@ -217,8 +246,8 @@ def _check_storage(path: Path, md: dcp_meta.Metadata, file: Path) -> None:
     for info in md.storage_data.values():
         ranges[info.relative_path].append((info.offset, info.offset + info.length))
     for rel, spans in ranges.items():
-        data_file = safe_join(path, rel)  # relative, normalised, no symlink on the way
         try:
+            data_file = safe_join(path, rel)  # relative, normalised, no symlink on the way
             st = os.lstat(data_file)
         except FileNotFoundError:
             raise _refusal(file, f"it references {rel!r}, which is missing") from None
@@ -317,6 +346,7 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
+        io_op("create", path)
         with open(path, "wb") as raw:
             hashing = _HashingStream(raw, os.fspath(path))
             yield hashing
