@@ -108,6 +108,11 @@ def step_markers(step_dir: Path, step: int, world_size: int) -> list[Marker | No
                 f"{marker_path(step_dir, rank)} claims rank {m.rank} of step {m.step}: "
                 f"a marker must name its own rank ({rank}) and step ({step})"
             )
+        if m is not None and m.world_size != world_size:
+            raise VerificationError(
+                f"{marker_path(step_dir, rank)} was written by a world of {m.world_size} ranks; "
+                f"this run has {world_size} (strategy.world_size)"
+            )
         out.append(m)
     return out
 
@@ -179,6 +184,16 @@ def verify_committed(step_dir: Path, step: int | None = None) -> Manifest:
     manifest = read_manifest(step_dir)
     if step is not None and manifest.step != step:
         raise VerificationError(f"{step_dir / MANIFEST} records step {manifest.step}, not {step}")
+    markers = step_markers(step_dir, manifest.step, manifest.world_size)  # published with the step
+    present = complete_markers(markers, None)
+    if present is None:
+        raise VerificationError(f"{step_dir}: {describe_incomplete(markers, None)}; its manifest cannot be checked")
+    said = (tuple(f for m in present for f in m.files), present[0].attempt, present[0].format)
+    if said != (manifest.files, manifest.attempt, manifest.format):
+        raise VerificationError(
+            f"{step_dir / MANIFEST} does not say what the step's markers say (files, attempt or format): "
+            "an entry was dropped, added or changed"
+        )
     verify_entries(step_dir, list(manifest.files), str(step_dir / MANIFEST))
     return manifest
 

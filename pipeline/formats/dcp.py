@@ -432,6 +432,13 @@ def _load_failure(path: Path, cause: str) -> CheckpointFormatError:
     )
 
 
+def stored_files(path: Path) -> set[str]:
+    """The data files a DCP checkpoint's ``.metadata`` stores bytes in (read safely), plus ``.metadata`` itself:
+    what the markers of a step must list, so that no file of the checkpoint goes unverified."""
+    md = read_metadata_safe(path)
+    return {str(info.relative_path) for info in md.storage_data.values()} | {METADATA_FILE}
+
+
 def tensor_entries(md: dcp_meta.Metadata, prefix: str) -> Iterator[tuple[str, dcp_meta.TensorStorageMetadata]]:
     """Tensors whose flattened key starts with ``prefix`` (e.g. ``model.``), in sorted key order."""
     for key in sorted(md.state_dict_metadata):

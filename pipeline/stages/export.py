@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import GenerationConfig
 
 from pipeline.checkpoint.outputs import (
@@ -27,7 +27,7 @@ from pipeline.checkpoint.outputs import (
     verified_output,
 )
 from pipeline.config.schema import ExportConfig, PipelineConfig, parse_size
-from pipeline.errors import PipelineError, VerificationError
+from pipeline.errors import CheckpointFormatError, PipelineError, VerificationError
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.storage.atomic import read_json, write_json_atomic
@@ -99,6 +99,15 @@ def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec
 
 
 def _write_weights(src: Path, staging: Path, export: ExportConfig) -> list[str]:
+    try:
+        return _write_weights_from(src, staging, export)
+    except SafetensorError as e:  # a consolidated file whose header or data is malformed
+        raise CheckpointFormatError(
+            f"{src} is not a readable safetensors file ({(str(e) or type(e).__name__).splitlines()[0][:200]})"
+        ) from None
+
+
+def _write_weights_from(src: Path, staging: Path, export: ExportConfig) -> list[str]:
     dtype = getattr(torch, export.dtype)
     with safe_open(str(src), framework="pt") as f:
         names = sorted(f.keys())

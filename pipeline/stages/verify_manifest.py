@@ -21,9 +21,9 @@ should be is quarantined, never published.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.checkpoint.manifest import (
@@ -40,11 +40,13 @@ from pipeline.checkpoint.manifest import (
 )
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
+from pipeline.formats.dcp import FORMAT as DCP_FORMAT
+from pipeline.formats.dcp import stored_files
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
 from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, publish_dir, write_json_atomic
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind, verify_entries
+from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind, read_record_json, verify_entries
 from pipeline.storage.layout import RunLayout, parse_step, step_name
 from pipeline.storage.waiting import wait_until
 
@@ -57,6 +59,8 @@ CONTRACT = StageContract(
     resources=Resources(cpus_per_task=1, mem_gb=2, timeout_min=30),
     after_any=True,
 )
+STORED_FILES: dict[str, Callable[[Path], set[str]]] = {DCP_FORMAT: stored_files}
+"""Per checkpoint format: the files a step's own metadata says hold its data (every one must be in a marker)."""
 PRODUCER = CONTRACT.needs[0]
 """The stage whose staged steps this one commits (train): its record gives the attempt and liveness."""
 
@@ -89,11 +93,23 @@ def _published_after(layout: RunLayout, after: int) -> list[int]:
     ]
 
 
-def _finish_interrupted_commits(layout: RunLayout, after: int) -> list[int]:
+def _check_published(layout: RunLayout, step: int, world_size: int) -> None:
+    """A published step that ``latest`` does not vouch for yet: its files verify against its manifest, and the
+    manifest says exactly what the step's own markers (published with it) say: no entry dropped or added."""
+    step_dir = layout.committed_step(step)
+    manifest = verify_committed(step_dir, step)  # files, and the manifest against the markers published with it
+    if (manifest.world_size, manifest.run_id) != (world_size, layout.run_id):
+        raise VerificationError(
+            f"{step_dir / MANIFEST} records world size {manifest.world_size} of run {manifest.run_id!r}; "
+            f"this is run {layout.run_id!r} with {world_size} ranks"
+        )
+
+
+def _finish_interrupted_commits(layout: RunLayout, after: int, world_size: int) -> list[int]:
     done = []
     for step in _published_after(layout, after):
         step_dir = layout.committed_step(step)
-        verify_committed(step_dir, step)
+        _check_published(layout, step, world_size)
         write_latest(layout, step, hash_file(step_dir / MANIFEST))
         log.warning("step %d was published but latest was not moved (interrupted commit): latest -> %d", step, step)
         done.append(step)
@@ -151,11 +167,11 @@ def _quarantine(layout: RunLayout, path: Path, reason: str, step: int | None = N
     return where
 
 
-def _newest_verifying(layout: RunLayout) -> tuple[int, str] | None:
-    """The newest published step whose files verify against its manifest: (step, manifest hash)."""
+def _newest_verifying(layout: RunLayout, world_size: int) -> tuple[int, str] | None:
+    """The newest published step whose files verify against its manifest and markers: (step, manifest hash)."""
     for step, path in reversed(_step_entries(layout.checkpoints)):
         try:
-            verify_committed(path, step)
+            _check_published(layout, step, world_size)
         except VerificationError as e:
             log.warning("committed step %d does not verify, not a candidate for latest: %s", step, e)
             continue
@@ -163,7 +179,7 @@ def _newest_verifying(layout: RunLayout) -> tuple[int, str] | None:
     return None
 
 
-def _recheck_latest(layout: RunLayout) -> list[str]:
+def _recheck_latest(layout: RunLayout, world_size: int) -> list[str]:
     """Re-verify the step ``latest`` names; on damage quarantine it and point ``latest`` at the newest step that
     verifies (or remove ``latest`` if none does). Returns what was repaired, for the stage's error."""
     repairs = []
@@ -184,7 +200,7 @@ def _recheck_latest(layout: RunLayout) -> list[str]:
         where = _quarantine(layout, layout.committed_step(damaged), problem, damaged)
     else:
         where = _quarantine(layout, layout.latest, problem)
-    fallback = _newest_verifying(layout)
+    fallback = _newest_verifying(layout, world_size)
     if fallback is None:
         clear_file(layout.latest)
         now = "latest removed (no committed step verifies)"
@@ -200,9 +216,8 @@ def _latest_step_name(layout: RunLayout) -> int | None:
     """The step a (possibly damaged) ``latest`` names, if it names one at all; used only to decide what to
     quarantine, never to load."""
     try:
-        text = layout.latest.read_bytes()[:4096] if lstat_kind(layout.latest) == "file" else b""
-        obj = json.loads(text)
-    except (OSError, ValueError):
+        obj = read_record_json(layout.latest, "latest pointer")
+    except (OSError, VerificationError):
         return None
     step = obj.get("step") if isinstance(obj, dict) else None
     return step if type(step) is int and step >= 0 and obj.get("dir") == step_name(step) else None
@@ -235,6 +250,11 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
             f"markers of step {step} in {staged} disagree: world sizes {sorted(world)} "
             f"(expected {ctx.cfg.strategy.world_size}), attempts {sorted(attempts)}"
         )
+    formats = {m.format for m in markers}
+    if len(formats) != 1 or not formats <= STORED_FILES.keys():
+        raise VerificationError(
+            f"markers of step {step} in {staged} name format(s) {sorted(formats)}; known: {sorted(STORED_FILES)}"
+        )
     files = tuple(f for m in markers for f in m.files)
     paths = [f.path for f in files]
     dupes = sorted({p for p in paths if paths.count(p) > 1})
@@ -244,6 +264,13 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
         )
     for m in markers:
         verify_entries(staged, list(m.files), str(staged / f"rank_{m.rank}.done.json"))
+    # The format's own metadata (hashed above, so these are verified bytes) names every file holding data.
+    unlisted = sorted(STORED_FILES[markers[0].format](staged) - set(paths))
+    if unlisted:
+        raise VerificationError(
+            f"step {step} in {staged}: {unlisted} hold checkpoint data but no marker lists them (a marker that "
+            "lists fewer files than its rank wrote)"
+        )
     manifest = Manifest(
         step=step,
         world_size=markers[0].world_size,
@@ -267,8 +294,8 @@ def run(ctx: TaskContext) -> dict[str, object]:
     committed: list[int] = []
     incomplete: list[tuple[int, str]] = []
     _sweep_temp_files(layout)
-    quarantined: list[str] = _recheck_latest(layout)
-    committed += _finish_interrupted_commits(layout, _latest_step(layout))
+    quarantined: list[str] = _recheck_latest(layout, cfg.strategy.world_size)
+    committed += _finish_interrupted_commits(layout, _latest_step(layout), cfg.strategy.world_size)
     latest = _latest_step(layout)
     for step in _candidates(layout, latest):
         if lstat_kind(layout.committed_step(step)) is not None:

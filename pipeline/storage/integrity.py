@@ -26,6 +26,10 @@ def lstat_kind(path: Path) -> str | None:
         mode = os.lstat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:
+        if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+            return None  # a name no file of this pipeline can have
+        raise
     if stat.S_ISLNK(mode):
         return "symlink"
     return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
@@ -56,10 +60,10 @@ def read_record_json(path: Path, what: str) -> Any:
         if isinstance(e, FileNotFoundError):
             raise
         raise VerificationError(f"cannot read {what} {path}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise VerificationError(f"{what} {path} is not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise VerificationError(f"{what} {path} is not a regular file")
         raw = f.read(MAX_RECORD_BYTES + 1)
     if len(raw) > MAX_RECORD_BYTES:
         raise VerificationError(f"{what} {path} is larger than {MAX_RECORD_BYTES} bytes: not one this pipeline wrote")
@@ -115,9 +119,14 @@ def safe_join(root: Path, rel: str) -> Path:
     down to the file: every existing component is checked with ``lstat``, never followed.
     """
     pure = PurePosixPath(rel)
-    if not rel or pure.is_absolute() or ".." in pure.parts or rel != str(pure) or "\\" in rel or "\0" in rel:
+    too_long = len(rel.encode(errors="replace")) >= 4096 or any(
+        len(p.encode(errors="replace")) > 255 for p in pure.parts
+    )
+    control = any(ord(c) < 32 for c in rel)
+    if not rel or pure.is_absolute() or ".." in pure.parts or rel != str(pure) or "\\" in rel or control or too_long:
         raise UnsafePathError(
-            f"unsafe path {rel!r} under {root}: paths in markers and manifests must be relative and normalised"
+            f"unsafe path {rel[:200]!r} under {root}: paths in markers and manifests must be relative, normalised, "
+            "without control characters, and no longer than the filesystem allows"
         )
     full = root
     for part in (None, *pure.parts):

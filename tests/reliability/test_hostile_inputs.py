@@ -51,8 +51,7 @@ paths and symlinks      ``..``, absolute, backslashes, empty, ``a/./b``,     ver
                         in and out of the run at every managed path
 ======================  ===================================================  ====================================
 
-Known gaps in modules outside this suite's reach are excluded from the families above (counted as "known
-gap" in the table) and pinned by the ``xfail(strict=True)`` tests at the end, each a minimal reproducer.
+The gaps this suite found (``GAPS``: G1-G8) are fixed; each keeps its minimal reproducer as a test at the end.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import metadata as dcp_meta
 
@@ -106,7 +105,7 @@ CASE_LIMIT_S = 20.0
 """A reader still busy after this long on one small case hangs (a FIFO read without O_NONBLOCK, say)."""
 NAME_MAX, PATH_MAX = 255, 4096
 
-GAPS = {
+GAPS = {  # found by this suite, fixed; their reproducers stay as the test_gap_* tests
     "G1": "train.is_done counts the markers of a 2-rank save as complete when world_size=1 "
     "(complete_markers never compares a marker's world_size)",
     "G2": "a directory where a marker, manifest or latest should be: IsADirectoryError from os.fdopen in "
@@ -196,15 +195,9 @@ class Family:
     name: str
     cases: int = 0
     answers: Counter[str] = field(default_factory=Counter)
-    gaps: Counter[str] = field(default_factory=Counter)
     bad: int = 0
     untyped: int = 0
     seconds: float = 0.0
-
-    def skip_gap(self, gap: str) -> None:
-        """Leave this case out: it hits a known gap (pinned by its xfail test)."""
-        self.gaps[gap] += 1
-        assume(False)
 
     def judge(self, reader: str, out: Outcome, *, may_accept: bool, what: object, hash_layer: bool = False) -> None:
         """Count one answer; fail the case (hypothesis then shrinks it) on an acceptance of changed meaning, an
@@ -232,14 +225,13 @@ class Family:
 
     def figure(self) -> str:
         parts = [f"{k} {v}" for k, v in sorted(self.answers.items())]
-        parts += [f"known gap {g}: {n} left out" for g, n in sorted(self.gaps.items())]
         return f"{self.cases} cases in {self.seconds:.1f}s ({', '.join(parts)})"
 
 
 FAMILIES: list[Family] = []
 
 
-def run_family(family: Family, body: Callable[[], None], known_gap: str | None = None) -> None:
+def run_family(family: Family, body: Callable[[], None]) -> None:
     """Run a family's hypothesis test; its row goes into the scenario table also when it fails."""
     t0 = time.monotonic()
     try:
@@ -247,8 +239,7 @@ def run_family(family: Family, body: Callable[[], None], known_gap: str | None =
     finally:
         family.seconds = time.monotonic() - t0
         FAMILIES.append(family)
-        notes = [f"known gap {known_gap} (xfail, reported): {GAPS[known_gap]}"] if known_gap else []
-        record(f"hostile: {family.name}", family.figure(), ok=family.bad == 0 and family.untyped == 0, notes=notes)
+        record(f"hostile: {family.name}", family.figure(), ok=family.bad == 0 and family.untyped == 0)
 
 
 # --- the baseline and per-case run dirs ----------------------------------------------------------------------
@@ -761,10 +752,6 @@ def test_malformed_markers_never_commit(baseline: Baseline) -> None:
     def case(data: st.DataObject, rank: int) -> None:
         original = baseline.markers[rank]
         m = data.draw(record_mutations(original), label="marker")
-        if m.kind == "directory":
-            family.skip_gap("G2")
-        if m.kind == "file" and not m.may_be_accepted(original) and says_less(parse(m.raw), original, {"format"}):
-            family.skip_gap("G4")
         family.cases += 1
         with case_dir(baseline) as root:
             layout = make_run(baseline, root, step8="staged", latest=PREV)
@@ -786,11 +773,6 @@ def test_malformed_manifests_are_never_trusted(baseline: Baseline) -> None:
     @given(data=st.data())
     def case(data: st.DataObject) -> None:
         m = data.draw(record_mutations(original), label="manifest")
-        if m.kind == "directory":
-            family.skip_gap("G2")
-        free = {"attempt", "run_id", "world_size", "format"}
-        if m.kind == "file" and not m.may_be_accepted(original) and says_less(parse(m.raw), original, free):
-            family.skip_gap("G5")
         family.cases += 1
         with case_dir(baseline) as root:
             # Published, but latest still names step 4: a crash between the rename and the move of latest.
@@ -834,11 +816,6 @@ def test_malformed_latest_is_refused(baseline: Baseline) -> None:
     @given(data=st.data())
     def case(data: st.DataObject) -> None:
         m = data.draw(latest_mutations(original), label="latest")
-        obj = parse(m.raw)
-        if m.kind == "directory":
-            family.skip_gap("G2")
-        if isinstance(obj, dict) and len(f"step_{obj.get('step')}") > NAME_MAX:
-            family.skip_gap("G3")
         family.cases += 1
         may_accept = m.may_be_accepted(original)
         with case_dir(baseline) as root:
@@ -855,9 +832,6 @@ def test_malformed_latest_is_refused(baseline: Baseline) -> None:
             family.judge(
                 "consolidate", call(lambda: stage(baseline, layout, "consolidate")), may_accept=may_accept, what=m
             )
-            if m.how.startswith("nesting") and len(m.raw) > 2000:
-                family.gaps["G6"] += 1  # verify_manifest's own parse of latest; the other readers were judged
-                return
             # verify_manifest repairs a damaged latest (quarantine, fall back) and fails naming it.
             out = call(lambda: stage(baseline, layout, "verify_manifest"))
             family.judge("verify_manifest", out, may_accept=may_accept, what=m)
@@ -1430,12 +1404,6 @@ def plant_links(step_dir: Path, outside: Path) -> None:
     (step_dir / "dangling").symlink_to(outside / "nothing-here")
 
 
-def path_gap(path: str) -> str | None:
-    if len(path.encode()) >= PATH_MAX or any(len(part.encode()) > NAME_MAX for part in path.split("/")):
-        return "G3"
-    return "G8" if "\n" in path else None
-
-
 LINK_SITES = (
     "staged data file",
     "staged marker",
@@ -1481,8 +1449,6 @@ def _listed_path_case(family: Family, base: Baseline, data: st.DataObject, root:
     original = base.markers[0] if where == "marker" else base.manifest
     index = data.draw(st.integers(0, len(original["files"]) - 1), label="entry")
     path = data.draw(HOSTILE_PATHS.filter(lambda p: p != original["files"][index]["path"]), label="path")
-    if gap := path_gap(path):
-        family.skip_gap(gap)
     family.cases += 1
     layout = make_run(base, root, step8="staged" if where == "marker" else "committed", latest=PREV)
     step_dir = layout.staged_step(STEP) if where == "marker" else layout.committed_step(STEP)
@@ -1563,10 +1529,9 @@ def test_hostile_paths_and_symlinks_are_refused(baseline: Baseline) -> None:
     run_family(family, case)
 
 
-# --- known gaps outside this suite's files: minimal reproducers -----------------------------------------------
+# --- gaps this suite found (fixed): their minimal reproducers -----------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=GAPS["G1"])
 def test_gap_g1_is_done_counts_markers_of_another_world_size(baseline: Baseline) -> None:
     with case_dir(baseline) as root:
         layout = make_run(baseline, root, step8="staged", latest=PREV)
@@ -1575,7 +1540,6 @@ def test_gap_g1_is_done_counts_markers_of_another_world_size(baseline: Baseline)
         assert train.is_done(cfg, layout) is None  # today: "step 8 is staged with every rank's marker"
 
 
-@pytest.mark.xfail(strict=True, reason=GAPS["G2"])
 def test_gap_g2_a_directory_where_latest_should_be(baseline: Baseline) -> None:
     with case_dir(baseline) as root:
         layout = make_run(baseline, root, step8="committed", latest=STEP)
@@ -1585,7 +1549,6 @@ def test_gap_g2_a_directory_where_latest_should_be(baseline: Baseline) -> None:
             read_latest(layout)
 
 
-@pytest.mark.xfail(strict=True, reason=GAPS["G3"])
 def test_gap_g3_a_step_name_longer_than_name_max(baseline: Baseline) -> None:
     with case_dir(baseline) as root:
         layout = make_run(baseline, root, step8="committed", latest=STEP)
@@ -1595,7 +1558,6 @@ def test_gap_g3_a_step_name_longer_than_name_max(baseline: Baseline) -> None:
             read_latest(layout)
 
 
-@pytest.mark.xfail(strict=True, reason=GAPS["G4"])
 def test_gap_g4_a_marker_listing_fewer_files_is_committed(baseline: Baseline) -> None:
     with case_dir(baseline) as root:
         layout = make_run(baseline, root, step8="staged", latest=PREV)
@@ -1605,7 +1567,6 @@ def test_gap_g4_a_marker_listing_fewer_files_is_committed(baseline: Baseline) ->
         assert out.kind == TYPED, out.describe()  # today: committed; the manifest omits __1_0.distcp
 
 
-@pytest.mark.xfail(strict=True, reason=GAPS["G5"])
 def test_gap_g5_a_manifest_missing_an_entry_finishes_the_interrupted_commit(baseline: Baseline) -> None:
     with case_dir(baseline) as root:
         layout = make_run(baseline, root, step8="committed", latest=PREV)
@@ -1615,7 +1576,6 @@ def test_gap_g5_a_manifest_missing_an_entry_finishes_the_interrupted_commit(base
         assert out.kind == TYPED, out.describe()  # today: latest -> step 8 with a manifest that lists 2 of 3 files
 
 
-@pytest.mark.xfail(strict=True, reason=GAPS["G6"])
 def test_gap_g6_deeply_nested_latest_crashes_the_committer(baseline: Baseline) -> None:
     with case_dir(baseline) as root:
         layout = make_run(baseline, root, step8="committed", latest=STEP)
@@ -1624,7 +1584,6 @@ def test_gap_g6_deeply_nested_latest_crashes_the_committer(baseline: Baseline) -
         assert out.kind == TYPED, out.describe()  # today: RecursionError
 
 
-@pytest.mark.xfail(strict=True, reason=GAPS["G7"])
 def test_gap_g7_export_reader_on_malformed_safetensors(baseline: Baseline, tmp_path: Path) -> None:
     family = Family("consolidated model.safetensors -> export's reader, marker rewritten to match (G7)")
     real = (baseline.run.consolidated_step(STEP) / "model.safetensors").read_bytes()
@@ -1641,10 +1600,9 @@ def test_gap_g7_export_reader_on_malformed_safetensors(baseline: Baseline, tmp_p
         shutil.rmtree(out_dir)
         family.judge("export._write_weights", out, may_accept=safetensors_valid(raw), what=how)
 
-    run_family(family, case, known_gap="G7")
+    run_family(family, case)
 
 
-@pytest.mark.xfail(strict=True, reason=GAPS["G8"])
 def test_gap_g8_a_newline_in_a_listed_path_makes_a_two_line_message(baseline: Baseline) -> None:
     with case_dir(baseline) as root:
         layout = make_run(baseline, root, step8="staged", latest=PREV)
@@ -1660,21 +1618,18 @@ def test_gap_g8_a_newline_in_a_listed_path_makes_a_two_line_message(baseline: Ba
 
 
 def test_zz_hostile_inputs_total() -> None:
-    """Runs last (file order): one row over every family that ran (the G7 family is a known gap: not counted)."""
+    """Runs last (file order): one row over every family that ran."""
     if not FAMILIES:
         pytest.skip("no hostile-input family ran")
-    counted = [f for f in FAMILIES if "(G7)" not in f.name]  # the known-gap family: reported in its own row
+    counted = list(FAMILIES)
     cases = sum(f.cases for f in counted)
     accepted, untyped = sum(f.bad for f in counted), sum(f.untyped for f in counted)
     answers = Counter[str]()
-    gaps = Counter[str]()
     for f in counted:
         answers.update(f.answers)
-        gaps.update(f.gaps)
     notes = [
         f"{sum(answers.values())} reader answers: " + ", ".join(f"{k} {v}" for k, v in sorted(answers.items())),
-        "known gaps (xfail, reported): "
-        + ", ".join(f"{g} ({gaps[g]} cases left out)" if gaps[g] else g for g in sorted(GAPS)),
+        f"gaps found and fixed: {', '.join(sorted(GAPS))}",
     ]
     record(
         "hostile inputs",
