@@ -62,22 +62,28 @@ def is_temp_name(name: str) -> bool:
     return _TEMP_NAME.search(name) is not None
 
 
+def _write_new(tmp: Path, data: bytes, mode: int) -> None:
+    """Create ``tmp`` (it must not exist), write all of ``data`` and fsync it. A created file that fails is left
+    for the caller to remove."""
+    io_op("create", tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            io_op("write", tmp)
+            view = view[os.write(fd, view) :]
+        io_op("fsync", tmp)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
     path = Path(path)
     tmp = _temp_name(path)
-    io_op("create", tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                io_op("write", tmp)
-                view = view[os.write(fd, view) :]
-            io_op("fsync", tmp)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_new(tmp, data, mode)
         io_op("rename", path)
         os.replace(tmp, path)
     except BaseException:
@@ -106,18 +112,8 @@ def create_exclusive(path: Path, data: bytes, mode: int = 0o644) -> bool:
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
-    io_op("create", tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                io_op("write", tmp)
-                view = view[os.write(fd, view) :]
-            io_op("fsync", tmp)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_new(tmp, data, mode)
         try:
             io_op("link", path)
             os.link(tmp, path)
