@@ -98,10 +98,9 @@ def _check_published(layout: RunLayout, step: int, world_size: int) -> None:
     manifest says exactly what the step's own markers (published with it) say: no entry dropped or added."""
     step_dir = layout.committed_step(step)
     manifest = verify_committed(step_dir, step)  # files, and the manifest against the markers published with it
-    if (manifest.world_size, manifest.run_id) != (world_size, layout.run_id):
+    if manifest.world_size != world_size:  # run_id is provenance: a run dir moved to another id still verifies
         raise VerificationError(
-            f"{step_dir / MANIFEST} records world size {manifest.world_size} of run {manifest.run_id!r}; "
-            f"this is run {layout.run_id!r} with {world_size} ranks"
+            f"{step_dir / MANIFEST} records a world of {manifest.world_size} ranks; this run has {world_size}"
         )
 
 
