@@ -1,17 +1,55 @@
-"""The ``Launcher`` interface: how the runner hands a planned stage job to whatever runs it."""
+"""The ``Launcher`` interface: how the runner hands planned stage jobs to whatever runs them."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
 
 from pipeline.orchestration.runner import JobWatch, StageJob
 
 
-class Launcher:
-    """Run one stage job to completion, or raise.
+class JobHandle(Protocol):
+    """A submitted stage job."""
 
-    ``run_stage`` reports the job id through ``watch.started`` and calls ``watch.poll`` while it waits. When it
-    raises for any reason (failure, deadline, ``Interrupted``), the job has been cancelled and its processes
-    are gone (bounded by ``launcher.cancel_timeout_s``): nothing outlives the launch.
-    """
+    job_id: str
+    folder: Path
+
+    def poll(self) -> bool:
+        """True once the job has ended. Raises ``StageFailedError`` when the launcher gives up on it (a deadline,
+        a task that ended while its peers hang); the runner then cancels it."""
+        ...
+
+    def outcome(self) -> None:
+        """After ``poll`` said done: return if every task succeeded, else raise ``StageFailedError``."""
+        ...
+
+    def cancel(self) -> None:
+        """Cancel the job and wait, bounded by ``launcher.cancel_timeout_s``, until its processes are gone."""
+        ...
+
+
+class Launcher:
+    """Submits stage jobs. ``chains`` launchers (SLURM) take every job of a plan at once and let the scheduler
+    start each after its dependencies (``after`` names each dependency's kind and handle); the others get a job
+    only once its dependencies have ended (or started, for ``after``)."""
+
+    cluster: str = "local"
+    chains: bool = False
+
+    def submit(self, job: StageJob, after: Sequence[tuple[str, JobHandle]] = ()) -> JobHandle:
+        raise NotImplementedError
 
     def run_stage(self, job: StageJob, watch: JobWatch) -> None:
-        raise NotImplementedError
+        """Submit one job and wait for it (tests and one-off tools; the runner drives handles itself)."""
+        handle = self.submit(job)
+        try:
+            watch.started(handle.job_id, self.cluster, handle.folder)
+            while not handle.poll():
+                watch.poll()
+                time.sleep(job.cfg.launcher.poll_interval_s)
+        except BaseException:
+            handle.cancel()
+            raise
+        handle.outcome()

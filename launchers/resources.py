@@ -9,28 +9,44 @@ from pipeline.orchestration.contract import Resources, StageContract
 
 
 def submitit_parameters(
-    contract: StageContract, num_tasks: int, res: Resources, launcher: LauncherConfig, run_id: str
+    contract: StageContract,
+    num_tasks: int,
+    res: Resources,
+    launcher: LauncherConfig,
+    run_id: str,
+    dependency: str = "",
 ) -> dict[str, Any]:
     """Generic submitit (``AutoExecutor``) parameters, plus ``slurm_*`` ones for the SLURM launcher.
 
     GPUs are asked for per node (``gpus_per_node``): without them submitit's local executor starts every job
     with ``CUDA_VISIBLE_DEVICES=''``; with them it shows devices ``0..N-1``. Every task sees all of the node's
-    GPUs and ``LOCAL_RANK`` picks one (so not ``gpus_per_task``, which SLURM would bind one per task).
+    GPUs and ``LOCAL_RANK`` picks one (so not ``gpus_per_task``, which SLURM would bind one per task). A job on
+    several nodes runs ``num_tasks / nodes`` tasks on each. ``dependency`` is SLURM's ``--dependency`` value
+    (e.g. ``afterok:12,after:13``); a job whose dependency can never be satisfied is cancelled by SLURM
+    (``--kill-on-invalid-dep=yes``) instead of pending forever.
     """
+    per_node = num_tasks // res.nodes
     params: dict[str, Any] = {
         "name": f"{contract.job_name}-{run_id}",
-        "nodes": 1,
-        "tasks_per_node": num_tasks,
+        "nodes": res.nodes,
+        "tasks_per_node": per_node,
         "cpus_per_task": res.cpus_per_task,
         "timeout_min": max(1, res.timeout_min),
     }
-    gpus = res.gpus_per_task * num_tasks
-    if gpus:
+    gpus = res.gpus_per_task * per_node
+    if gpus and not res.gres:
         params["gpus_per_node"] = gpus
     if isinstance(launcher, SlurmLauncherConfig):
-        params["mem_gb"] = res.mem_gb * num_tasks
-        if launcher.partition:
-            params["slurm_partition"] = launcher.partition
-        if launcher.account:
-            params["slurm_account"] = launcher.account
+        params["mem_gb"] = res.mem_gb * per_node
+        params["slurm_signal_delay_s"] = launcher.signal_delay_s
+        for key in ("partition", "qos", "account", "constraint", "gres"):
+            value = getattr(res, key)
+            if value:
+                params[f"slurm_{key}"] = value
+        if dependency:
+            params["slurm_dependency"] = dependency
+        extra: dict[str, Any] = {"kill-on-invalid-dep": "yes"} if dependency else {}
+        extra.update(dict(res.extra))
+        if extra:
+            params["slurm_additional_parameters"] = extra
     return params

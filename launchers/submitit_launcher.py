@@ -7,18 +7,22 @@ import faulthandler
 import os
 import shlex
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 import submitit
+from submitit.core.utils import FailedJobError
 
-from launchers.base import Launcher
+from launchers.base import JobHandle, Launcher
 from launchers.resources import submitit_parameters
 from launchers.task_outcomes import LocalTasks, failure_message, free_space, outcomes, size_text
-from pipeline.config.schema import LauncherConfig, LocalLauncherConfig, PipelineConfig
+from pipeline.config.schema import LauncherConfig, LocalLauncherConfig, PipelineConfig, SlurmLauncherConfig
 from pipeline.errors import StageFailedError
-from pipeline.orchestration.runner import JobWatch, StageJob
+from pipeline.orchestration import preemption
+from pipeline.orchestration.contract import JobRef
+from pipeline.orchestration.runner import StageJob
 from pipeline.orchestration.task import execute_task
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import clear_file
@@ -46,69 +50,131 @@ _INHERITED_RENDEZVOUS = (
 )
 
 
-def task_entry(stage: str, cfg: PipelineConfig, run_dir: str, attempt: str) -> dict[str, object]:
+def task_entry(
+    stage: str, cfg: PipelineConfig, run_dir: str, attempt: str, beside: JobRef | None = None
+) -> dict[str, object]:
     """Runs in every task of a job: join the job's process group environment, then run the stage.
 
     Every task of a distributed stage (train) gets MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK and
-    LOCAL_WORLD_SIZE, a single-task job too: the stage always joins a process group. The port is derived from the
-    job id, so all tasks agree on it. LOCAL_RANK (the task's index on its node) picks the task's GPU among all the
-    node's GPUs, so CUDA_VISIBLE_DEVICES is left as the scheduler set it. Other stages get none of the variables.
+    LOCAL_WORLD_SIZE from submitit's view of the job (on SLURM: the job's first node, a port derived from the job
+    id), so all tasks agree on them, across nodes too. LOCAL_RANK (the task's index on its node) picks the task's
+    GPU among all the node's GPUs, so CUDA_VISIBLE_DEVICES is left as the scheduler set it. Other stages get none
+    of the variables. On SLURM, train saves and requeues itself on USR2 (time limit or preemption).
     """
     faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT, ...) leaves its name and a traceback in stderr
     env = submitit.JobEnvironment()
     for key in _INHERITED_RENDEZVOUS:
         os.environ.pop(key, None)
-    if get_stage(stage).CONTRACT.distributed:
+    distributed = get_stage(stage).CONTRACT.distributed
+    if distributed:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         if isinstance(cfg.launcher, LocalLauncherConfig):
             os.environ["MASTER_ADDR"] = cfg.launcher.master_addr  # a literal IP: no hostname lookup at rendezvous
-    return execute_task(
-        stage, cfg, run_dir, attempt, rank=env.global_rank, world_size=env.num_tasks, job_id=str(env.job_id)
+    if distributed and isinstance(cfg.launcher, SlurmLauncherConfig):
+        preemption.install()  # after submitit's own handlers: USR2 only sets a flag that the ranks agree on
+    summary = execute_task(
+        stage,
+        cfg,
+        run_dir,
+        attempt,
+        rank=env.global_rank,
+        world_size=env.num_tasks,
+        job_id=str(env.job_id),
+        beside=beside,
     )
+    if summary.get("requeue"):
+        preemption.requeue(env.global_rank, str(env.job_id))  # exits
+    return summary
+
+
+class SubmititHandle:
+    """One submitted submitit job, as the runner polls it."""
+
+    def __init__(self, launcher: SubmititLauncher, sjob: Any, job: StageJob) -> None:
+        self.launcher, self.sjob, self.job = launcher, sjob, job
+        self.job_id = str(sjob.job_id)
+        self.folder = Path(str(sjob.paths.folder))
+        # Several local tasks: watch them, so that one ending while its peers go on is noticed (peer_grace_s).
+        local_multi = launcher.cluster == "local" and job.tasks > 1
+        self.tasks = LocalTasks(sjob, job.tasks) if local_multi else None
+        self.deadline = time.monotonic() + launcher.time_limit_s(job)
+
+    def poll(self) -> bool:
+        cfg, job, sjob = self.launcher.cfg, self.job, self.sjob
+        if sjob.done():
+            return True
+        if time.monotonic() > self.deadline:
+            raise StageFailedError(
+                f"stage {job.stage} (job {sjob.job_id}) ran past its time limit of {job.resources.timeout_min} min "
+                f"+ launcher.deadline_grace_s={cfg.deadline_grace_s:g}s and was cancelled; logs: {sjob.paths.folder}"
+            )
+        if self.tasks is not None:
+            self.tasks.poll()
+            if self.tasks.overdue(cfg.peer_grace_s):  # submitit's controller would wait for all of them
+                ended = outcomes(sjob, job.tasks, self.tasks)
+                states = {t: self.tasks.state(t) for t in self.tasks.running()}
+                raise StageFailedError(
+                    failure_message(
+                        job.stage, str(sjob.job_id), ended, self.folder, states=states, grace_s=cfg.peer_grace_s
+                    )
+                )
+        return False
+
+    def outcome(self) -> None:
+        self.launcher.check_result(self.sjob, self.job)
+
+    def cancel(self) -> None:
+        self.launcher.cancel(self.sjob)
 
 
 class SubmititLauncher(Launcher):
-    """Each stage is one submitit job; the launching process waits for it with a deadline.
+    """Each stage is one submitit job (local executor, or an sbatch job on SLURM).
 
-    Whatever ends the wait early (a deadline, Ctrl-C/SIGTERM raised as ``Interrupted``, any error), the job is
-    cancelled and, on the local executor, its process tree is waited for (``launcher.cancel_timeout_s``) and
-    killed if it is still there: nothing of a run outlives its launch.
+    Whatever ends a wait early (a deadline, Ctrl-C/SIGTERM raised as ``Interrupted``, any error), the runner
+    cancels the job and, on the local executor, its process tree is waited for (``launcher.cancel_timeout_s``)
+    and killed if it is still there: nothing of a run outlives its launch. On SLURM every job of the plan is
+    submitted at once with its dependencies (``--kill-on-invalid-dep=yes``: a failed upstream job cancels its
+    dependents instead of leaving them pending forever).
     """
 
     def __init__(self, launcher: LauncherConfig, cluster: str) -> None:
         self.cfg = launcher
         self.cluster = cluster
+        self.chains = cluster == "slurm"
 
-    def run_stage(self, job: StageJob, watch: JobWatch) -> None:
-        sjob = self._submit(job)
-        # Several local tasks: watch them, so that one ending while its peers go on is noticed (peer_grace_s).
-        tasks = LocalTasks(sjob, job.tasks) if self.cluster == "local" and job.tasks > 1 else None
-        try:
-            watch.started(str(sjob.job_id), self.cluster, Path(str(sjob.paths.folder)))
-            self._wait(sjob, job, watch, tasks)
-        except BaseException:
-            self._cancel(sjob)
-            raise
-        self._check_result(sjob, job)
+    def time_limit_s(self, job: StageJob) -> float:
+        """How long the launcher waits for a job: its time limit (times the requeues it may take) plus grace."""
+        runs = 1 + (self.cfg.max_num_timeout if isinstance(self.cfg, SlurmLauncherConfig) else 0)
+        return job.resources.timeout_min * 60 * runs + self.cfg.deadline_grace_s
 
-    def _submit(self, job: StageJob) -> Any:
+    def executor(self, job: StageJob, after: Sequence[tuple[str, JobHandle]] = ()) -> Any:
+        folder = job.layout.logs / job.stage
+        kwargs: dict[str, Any] = {}
+        if isinstance(self.cfg, SlurmLauncherConfig):
+            kwargs["slurm_max_num_timeout"] = self.cfg.max_num_timeout
+        executor = submitit.AutoExecutor(folder=folder / "%j", cluster=self.cluster, **kwargs)
+        dependency = ",".join(f"{kind}:{handle.job_id}" for kind, handle in after)
+        executor.update_parameters(
+            **submitit_parameters(job.contract, job.tasks, job.resources, self.cfg, job.layout.run_id, dependency)
+        )
+        if self.cluster == "local":
+            # The job controller shares our terminal; its own stderr (a KeyboardInterrupt traceback when a
+            # terminal's Ctrl-C reaches the whole process group) goes to the stage's log folder instead.
+            folder.mkdir(parents=True, exist_ok=True)
+            controller_log = shlex.quote(str(folder / "controller.err"))
+            executor.update_parameters(local_setup=[f"exec 2>>{controller_log}"])
+        return executor
+
+    def submit(self, job: StageJob, after: Sequence[tuple[str, JobHandle]] = ()) -> SubmititHandle:
         """Submit the stage's job. A filesystem error while submitit writes the job's pickle (a full disk, a
-        read-only run root) is one line naming the stage and the filesystem, not a traceback."""
+        read-only run root) is one line naming the stage and the filesystem, not a traceback; so is sbatch
+        refusing the job."""
         folder = job.layout.logs / job.stage
         pickles = set(folder.glob("*.pkl")) if folder.is_dir() else set()
         children = {p.pid for p in psutil.Process().children()}
         try:
-            executor = submitit.AutoExecutor(folder=folder / "%j", cluster=self.cluster)
-            executor.update_parameters(
-                **submitit_parameters(job.contract, job.tasks, job.resources, self.cfg, job.layout.run_id)
-            )
-            if self.cluster == "local":
-                # The job controller shares our terminal; its own stderr (a KeyboardInterrupt traceback when a
-                # terminal's Ctrl-C reaches the whole process group) goes to the stage's log folder instead.
-                folder.mkdir(parents=True, exist_ok=True)
-                controller_log = shlex.quote(str(folder / "controller.err"))
-                executor.update_parameters(local_setup=[f"exec 2>>{controller_log}"])
-            return executor.submit(task_entry, job.stage, job.cfg, str(job.layout.run_dir), job.attempt)
+            executor = self.executor(job, after)
+            sjob = executor.submit(task_entry, job.stage, job.cfg, str(job.layout.run_dir), job.attempt, job.beside)
         except OSError as e:
             _undo_submit(folder, pickles, children)
             mount, free = free_space(folder)
@@ -117,36 +183,15 @@ class SubmititLauncher(Launcher):
                 f"{e.filename or f'the job file into {folder}'}; free space on {mount} ({size_text(free)} free) "
                 "or choose another run.root"
             ) from e
+        except FailedJobError as e:  # sbatch refused the job (a bad partition, account or limit)
+            _undo_submit(folder, pickles, children)
+            why = " ".join(str(e).split())[:500]
+            raise StageFailedError(
+                f"sbatch refused stage {job.stage}: {why}; check launcher.* and launcher.stages.{job.stage}.*"
+            ) from None
+        return SubmititHandle(self, sjob, job)
 
-    def _wait(self, sjob: Any, job: StageJob, watch: JobWatch, tasks: LocalTasks | None) -> None:
-        limit_s = job.resources.timeout_min * 60 + self.cfg.deadline_grace_s
-        deadline = time.monotonic() + limit_s
-        while not sjob.done():
-            if time.monotonic() > deadline:
-                raise StageFailedError(
-                    f"stage {job.stage} (job {sjob.job_id}) ran past its time limit of {job.resources.timeout_min} min "
-                    f"+ launcher.deadline_grace_s={self.cfg.deadline_grace_s:g}s and was cancelled; "
-                    f"logs: {sjob.paths.folder}"
-                )
-            if tasks is not None:
-                tasks.poll()
-                if tasks.overdue(self.cfg.peer_grace_s):  # submitit's controller would wait for all of them
-                    ended = outcomes(sjob, job.tasks, tasks)
-                    states = {t: tasks.state(t) for t in tasks.running()}
-                    raise StageFailedError(
-                        failure_message(
-                            job.stage,
-                            str(sjob.job_id),
-                            ended,
-                            Path(str(sjob.paths.folder)),
-                            states=states,
-                            grace_s=self.cfg.peer_grace_s,
-                        )
-                    )
-            watch.poll()
-            time.sleep(self.cfg.poll_interval_s)
-
-    def _cancel(self, sjob: Any) -> None:
+    def cancel(self, sjob: Any) -> None:
         """Cancel ``sjob`` and wait, bounded, until its processes are gone (killed past the timeout)."""
         procs = _process_tree(sjob) if self.cluster == "local" else []
         try:
@@ -169,14 +214,25 @@ class SubmititLauncher(Launcher):
             raise
         _kill(alive)
 
-    def _check_result(self, sjob: Any, job: StageJob) -> None:
-        if self.cluster != "local":  # a cluster's result pickle may show up late: let submitit wait for it
-            for task in range(job.tasks):
+    def check_result(self, sjob: Any, job: StageJob) -> None:
+        if self.cluster != "local":
+            state = str(sjob.state)
+            if state.startswith("CANCELLED") and not any(self._logs(sjob)):
+                raise StageFailedError(
+                    f"stage {job.stage} (job {sjob.job_id}) was cancelled before it started: a job it depends on "
+                    "did not succeed, or someone ran scancel"
+                )
+            for task in range(job.tasks):  # a cluster's result pickle may show up late: let submitit wait for it
                 with contextlib.suppress(Exception):
                     sjob.task(task).result()
         ended = outcomes(sjob, job.tasks)
         if any(t.status != "succeeded" for t in ended):
             raise StageFailedError(failure_message(job.stage, str(sjob.job_id), ended, Path(str(sjob.paths.folder))))
+
+    @staticmethod
+    def _logs(sjob: Any) -> list[Path]:
+        folder = Path(str(sjob.paths.folder))
+        return list(folder.glob("*_log.err")) if folder.is_dir() else []
 
 
 def _undo_submit(folder: Path, pickles: set[Path], children: set[int]) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import errno
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ import psutil
 import pytest
 
 from launchers import task_outcomes
-from launchers.submitit_launcher import SubmititLauncher
+from launchers.submitit_launcher import SubmititHandle, SubmititLauncher
 from launchers.task_outcomes import TaskOutcome, failure_message, outcomes
 from pipeline.config.compose import load_config
 from pipeline.errors import ConfigError, StageFailedError
@@ -226,6 +227,8 @@ def test_job_past_its_time_limit_is_cancelled(tmp_path: Path) -> None:
     contract = get_stage("consolidate").CONTRACT
     resources = dataclasses.replace(contract.resources_for(cfg), timeout_min=0)
     job = StageJob("consolidate", contract, cfg, RunLayout(tmp_path / "r"), "a1", 1, resources)
-    launcher = SubmititLauncher(cfg.launcher, cluster="local")
+    handle = SubmititHandle(SubmititLauncher(cfg.launcher, cluster="local"), _NeverDone(), job)
+    assert handle.poll() is False
+    time.sleep(0.4)
     with pytest.raises(StageFailedError, match=r"ran past its time limit of 0 min \+ launcher.deadline_grace_s=0.3s"):
-        launcher._wait(_NeverDone(), job, _Watch(), None)
+        handle.poll()

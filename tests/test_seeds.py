@@ -20,18 +20,18 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
-from launchers.base import Launcher
+from launchers.base import JobHandle, Launcher
 from pipeline.checkpoint.manifest import MANIFEST, read_latest, read_manifest, read_marker
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import VerificationError
 from pipeline.orchestration.records import read_record, write_record
-from pipeline.orchestration.runner import JobWatch, StageJob, resolve_layout
+from pipeline.orchestration.runner import StageJob, resolve_layout
 from pipeline.orchestration.runner import run as run_pipeline
 from pipeline.orchestration.task import execute_task
 from pipeline.stages import verify_manifest
@@ -245,13 +245,30 @@ def test_seed001_layout_has_no_rank_clock_or_pid_input(tmp_path: Path) -> None:
     assert resolve_layout(fresh) != resolve_layout(fresh)
 
 
+class _Ran:
+    def __init__(self, n: int) -> None:
+        self.job_id, self.folder = str(n), Path("/unused")
+
+    def poll(self) -> bool:
+        return True
+
+    def outcome(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
 class _RecordingLauncher(Launcher):
+    cluster = "inprocess"
+
     def __init__(self) -> None:
         self.jobs: list[StageJob] = []
 
-    def run_stage(self, job: StageJob, watch: JobWatch) -> None:
+    def submit(self, job: StageJob, after: Sequence[tuple[str, JobHandle]] = ()) -> JobHandle:
         self.jobs.append(job)
         time.sleep(0.3)  # stage jobs start at different times; their run dir must not depend on it
+        return _Ran(len(self.jobs))
 
 
 def test_seed001_runner_fixes_run_id_before_any_stage(tmp_path: Path) -> None:

@@ -43,6 +43,60 @@ class RunConfig:
 
 
 @dataclass
+class StageResourcesConfig:
+    """Overrides of one stage's resources; null keeps the stage contract's default (see ``dry_run=true``)."""
+
+    time_min: int | None = None
+    """Wall-clock limit of the job in minutes (SLURM ``--time``); train's default is ``train.time_limit_min``."""
+    cpus_per_task: int | None = None
+    """CPU cores per task."""
+    mem_gb: float | None = None
+    """Memory per task in GB (SLURM asks for it per node: times the tasks on a node)."""
+    gpus_per_task: int | None = None
+    """GPUs per task (train on NCCL: 1)."""
+    nodes: int | None = None
+    """Nodes of the job (train only: its ``strategy.world_size`` tasks are spread evenly over them)."""
+    gres: str | None = None
+    """SLURM ``--gres`` (e.g. ``gpu:a100:4``), instead of ``gpus_per_task``."""
+    partition: str | None = None
+    """SLURM partition of this stage (default: ``launcher.partition``)."""
+    qos: str | None = None
+    """SLURM QOS of this stage (default: ``launcher.qos``)."""
+    account: str | None = None
+    """SLURM account of this stage (default: ``launcher.account``)."""
+    constraint: str | None = None
+    """SLURM ``--constraint`` of this stage (default: ``launcher.constraint``)."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """More sbatch options of this stage, ``{option: value}`` without ``--`` (merged over ``launcher.extra``)."""
+
+    def __post_init__(self) -> None:
+        for key in ("time_min", "cpus_per_task", "nodes"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"launcher.stages.*.{key}={value} must be >= 1 (or null for the default)")
+        for key in ("mem_gb", "gpus_per_task"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ConfigError(f"launcher.stages.*.{key}={value} must be >= 0 (or null for the default)")
+
+
+@dataclass
+class StagesResourcesConfig:
+    """Per-stage resource overrides: ``launcher.stages.<stage>.<key>=<value>``."""
+
+    prepare_dirs: StageResourcesConfig = field(default_factory=StageResourcesConfig)
+    """prepare-dirs (one task)."""
+    train: StageResourcesConfig = field(default_factory=StageResourcesConfig)
+    """train (``strategy.world_size`` tasks)."""
+    verify_manifest: StageResourcesConfig = field(default_factory=StageResourcesConfig)
+    """The committer (one task, runs beside train)."""
+    consolidate: StageResourcesConfig = field(default_factory=StageResourcesConfig)
+    """consolidate (one task)."""
+    export: StageResourcesConfig = field(default_factory=StageResourcesConfig)
+    """export (one task)."""
+
+
+@dataclass
 class LauncherConfig:
     """Base launcher options shared by every launcher."""
 
@@ -60,6 +114,8 @@ class LauncherConfig:
     """Local multi-task jobs (train): once one task has ended (failed, died, or finished), how long the others
     may keep running before the job is cancelled and the first to end is reported (a peer stopped, or blocked
     in a collective, would otherwise hold the job until its time limit)."""
+    stages: StagesResourcesConfig = field(default_factory=StagesResourcesConfig)
+    """Resources of each stage's job, over the stage contract's defaults."""
 
     def __post_init__(self) -> None:
         keys = ("deadline_grace_s", "poll_interval_s", "progress_interval_s", "cancel_timeout_s", "peer_grace_s")
@@ -82,18 +138,37 @@ class LocalLauncherConfig(LauncherConfig):
 
 @dataclass
 class SlurmLauncherConfig(LauncherConfig):
-    """SLURM through submitit (stages chained as dependent jobs). Filled in by a later issue."""
+    """SLURM through submitit: every stage is one sbatch job, chained by dependencies (``afterok``; the
+    committer starts beside train with ``after``); the launch submits the chain and exits unless ``wait``."""
 
     kind: str = "slurm"
     partition: str | None = None
-    """SLURM partition for every stage job."""
+    """SLURM partition for every stage job (null: the cluster's default partition)."""
     account: str | None = None
     """SLURM account, if the cluster needs one."""
+    qos: str | None = None
+    """SLURM QOS for every stage job."""
+    constraint: str | None = None
+    """SLURM ``--constraint`` for every stage job."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """More sbatch options for every job, ``{option: value}`` without ``--`` (e.g. ``{mail-type: END}``)."""
+    wait: bool = False
+    """false: submit the chain, print the job ids and the status command, exit. true: wait and report like the
+    local launcher (Ctrl-C cancels the chain; the committer still commits what is complete)."""
+    max_num_timeout: int = 3
+    """How many times train may requeue itself on its time limit or a preemption (submitit's countdown)."""
+    signal_delay_s: int = 90
+    """Seconds before the time limit at which SLURM sends USR2 (train then saves its step and requeues)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.kind != "slurm":
             raise ConfigError(f"launcher.kind={self.kind!r}: the slurm launcher config takes 'slurm'")
+        if self.max_num_timeout < 0 or self.signal_delay_s < 1:
+            raise ConfigError(
+                f"launcher.max_num_timeout={self.max_num_timeout} must be >= 0 and "
+                f"launcher.signal_delay_s={self.signal_delay_s} >= 1"
+            )
 
 
 @dataclass
@@ -220,12 +295,26 @@ class CheckpointConfig:
     """How long verify-manifest waits for every rank's done-marker while the train job is still running."""
     fail_on_save_error: bool = field(default=False, metadata=MUTABLE)
     """If a shard save fails: false = log loudly and keep training (the step is never committed); true = stop."""
+    keep_last: int | None = field(default=None, metadata=MUTABLE)
+    """Retention: keep the newest this many committed steps up to ``latest`` (null = keep every step). Older
+    steps are deleted by verify-manifest after each commit; ``latest`` and steps newer than it are always kept."""
+    keep_every: int | None = field(default=None, metadata=MUTABLE)
+    """Retention: also keep, forever, every committed step that is a multiple of this (null = no such steps).
+    With ``keep_last`` null too, nothing is ever deleted."""
+    keep_outputs_last: int | None = field(default=None, metadata=MUTABLE)
+    """Retention of ``consolidated/`` and ``export/``: keep the complete outputs of the newest this many steps up
+    to ``latest`` (null = keep all); latest's output is always kept, and an older one goes only once a newer
+    complete output of the same kind exists."""
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError(f"checkpoint.every={self.every} must be >= 1")
         if not self.marker_deadline_s > 0:
             raise ConfigError(f"checkpoint.marker_deadline_s={self.marker_deadline_s} must be > 0")
+        for key in ("keep_last", "keep_every", "keep_outputs_last"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"checkpoint.{key}={value} must be >= 1 (or null to keep every step)")
 
 
 @dataclass
@@ -266,7 +355,7 @@ class PipelineConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """Length, optimizer and schedule of training."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """When checkpoints are saved and how long verify-manifest waits for them."""
+    """When checkpoints are saved, how long verify-manifest waits for them, and how many it keeps."""
     export: ExportConfig = field(default_factory=ExportConfig, metadata=MUTABLE)
     """Hugging Face export of the consolidated checkpoint."""
 

@@ -23,6 +23,16 @@ class Resources:
     """Wall-clock limit of the job; the launcher cancels it past this plus ``launcher.deadline_grace_s``."""
     gpus_per_task: int = 0
     """GPUs per task (train on NCCL: one per rank)."""
+    nodes: int = 1
+    """Nodes of the job; its tasks are spread evenly over them."""
+    gres: str | None = None
+    """SLURM ``--gres`` instead of ``gpus_per_task``."""
+    partition: str | None = None
+    qos: str | None = None
+    account: str | None = None
+    constraint: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()
+    """More sbatch options, (option, value) pairs."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,9 @@ class StageContract:
     """Resources that depend on the config (train's time budget, GPUs on NCCL); else ``resources``."""
     launched: bool = True
     """False for shard-save, which runs inside train on every rank and is never a job of its own."""
+    beside: str | None = None
+    """The stage this one runs beside (the committer beside train): both start together (SLURM ``after``),
+    this one watches the other's job and finishes after it ends. Launched whenever that stage is."""
 
     def num_tasks(self, cfg: PipelineConfig) -> int:
         return cfg.strategy.world_size if self.distributed else 1
@@ -63,6 +76,16 @@ class StageContract:
 
 
 @dataclass(frozen=True)
+class JobRef:
+    """A submitted job, as a stage beside it sees it: which scheduler, its id, and its launch id (attempt)."""
+
+    stage: str
+    cluster: str
+    job_id: str
+    attempt: str
+
+
+@dataclass(frozen=True)
 class TaskContext:
     """What one task of a stage job receives: the run is fixed before any task starts (never derived here)."""
 
@@ -72,6 +95,8 @@ class TaskContext:
     """Launch id decided by the launching process; markers carry it so stale ones from an older try are ignored."""
     rank: int = 0
     world_size: int = 1
+    beside: JobRef | None = None
+    """For a stage with ``beside`` set: the job it runs beside (the committer watches train's job)."""
 
 
 class StageModule(Protocol):

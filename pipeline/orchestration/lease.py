@@ -123,6 +123,14 @@ def _gone_reason(lease: dict[str, Any], job_state: JobState | None) -> str | Non
 
 def _refusal(layout: RunLayout, lease: dict[str, Any]) -> str:
     command = shlex.join(str(a) for a in lease["command"])
+    here = lease["host"] == socket.gethostname()
+    if here and not pid_alive(lease["pid"]) and lease["jobs"]:
+        jobs = " ".join(f"{j.get('job_id')}" for j in lease["jobs"])
+        return _one_line(
+            f"run {layout.run_id} is owned by the jobs of the launch of {lease['started']} (command: {command}), "
+            f"which may still be queued or running: jobs {jobs}; wait for them (python -m pipeline.status "
+            f"{layout.run_dir}) or cancel them (scancel {jobs}), then launch again"
+        )
     return _one_line(
         f"run {layout.run_id} is owned by another launch: pid {lease['pid']} on {lease['host']} since "
         f"{lease['started']} (command: {command}); wait for it, stop it (kill {lease['pid']}), or if it is gone on "
@@ -244,6 +252,11 @@ class RunLease:
         with _locked(self.layout, self._lock_timeout_s):
             if self._lost() is None:  # someone else's lease (or none) is not ours to remove
                 clear_file(self.layout.lease)
+        self._released = True
+
+    def hand_over(self) -> None:
+        """Leave the lease in place for this launch's scheduler jobs, which outlive it: a later launch breaks it
+        only when the scheduler says every recorded job has finished."""
         self._released = True
 
     def __enter__(self) -> RunLease:

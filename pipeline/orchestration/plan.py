@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar, cast
 
 from pipeline.config.schema import STAGE_ALL, PipelineConfig
 from pipeline.errors import ConfigError, RunNotFoundError
@@ -18,6 +19,8 @@ from pipeline.orchestration.contract import Resources, StageContract
 from pipeline.stages import INSIDE, ORDER, get_stage
 from pipeline.storage.layout import RunLayout
 from pipeline.strategies.devices import check_backend
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,20 @@ class PlannedStage:
         """SLURM-style dependency kind on ``needs``: ``afterany`` runs even after an upstream failure."""
         return "afterany" if self.contract.after_any else "afterok"
 
+    def dependency_on(self, need: str) -> str:
+        """SLURM dependency kind on one stage it needs: ``after`` (starts once it has started) beside it."""
+        return "after" if self.contract.beside == need else self.dependency
+
+    def dependencies(self) -> str:
+        return ",".join(f"{self.dependency_on(n)}:{n}" for n in self.needs) or "-"
+
     def describe(self) -> str:
         if not self.runs:
             return f"skip {self.name}: {self.skip}"
         r = self.resources
         gpus = f" gpus/task={r.gpus_per_task}" if r.gpus_per_task else ""
-        deps = f"{self.dependency}:{','.join(self.needs)}" if self.needs else "-"
+        gpus += f" nodes={r.nodes}" if r.nodes > 1 else ""
+        deps = self.dependencies()
         return (
             f"run  {self.name} ({self.tasks} task{'s' if self.tasks != 1 else ''}; cpus/task={r.cpus_per_task} "
             f"mem/task={r.mem_gb:g}GB time={r.timeout_min}min{gpus}; after {deps})"
@@ -78,7 +89,46 @@ def selected_stages(cfg: PipelineConfig) -> list[str]:
         raise ConfigError(f"{cfg.stage} runs inside {host} on every rank: rerun stage={host} instead")
     if cfg.stage not in ORDER:
         raise RunNotFoundError(f"unknown stage {cfg.stage!r}: choose one of {', '.join(ORDER)} or all")
-    return [cfg.stage]
+    # A stage that runs beside the selected one (the committer beside train) is launched with it.
+    return [n for n in ORDER if n == cfg.stage or get_stage(n).CONTRACT.beside == cfg.stage]
+
+
+def resolve_resources(contract: StageContract, cfg: PipelineConfig) -> Resources:
+    """The stage contract's resources, with ``launcher.*`` defaults and ``launcher.stages.<stage>`` overrides."""
+    base = contract.resources_for(cfg)
+    over = getattr(cfg.launcher.stages, contract.name, None)
+    launcher = cfg.launcher
+    extra = {**getattr(launcher, "extra", {}), **(dict(over.extra) if over is not None else {})}
+
+    def pick(key: str, default: T) -> T:
+        value = getattr(over, key, None) if over is not None else None
+        return default if value is None else cast(T, value)
+
+    res = replace(
+        base,
+        timeout_min=pick("time_min", base.timeout_min),
+        cpus_per_task=pick("cpus_per_task", base.cpus_per_task),
+        mem_gb=pick("mem_gb", base.mem_gb),
+        gpus_per_task=pick("gpus_per_task", base.gpus_per_task),
+        nodes=pick("nodes", base.nodes),
+        gres=pick("gres", base.gres),
+        partition=pick("partition", cast(str | None, getattr(launcher, "partition", None))),
+        qos=pick("qos", cast(str | None, getattr(launcher, "qos", None))),
+        account=pick("account", cast(str | None, getattr(launcher, "account", None))),
+        constraint=pick("constraint", cast(str | None, getattr(launcher, "constraint", None))),
+        extra=tuple(sorted((str(k), str(v)) for k, v in extra.items())),
+    )
+    tasks = contract.num_tasks(cfg)
+    if res.nodes > 1 and (not contract.distributed or tasks % res.nodes):
+        raise ConfigError(
+            f"launcher.stages.{contract.name}.nodes={res.nodes}: "
+            + (
+                f"{contract.name} is one task; only train spans nodes"
+                if not contract.distributed
+                else f"strategy.world_size={tasks} tasks do not spread evenly over {res.nodes} nodes"
+            )
+        )
+    return res
 
 
 def make_plan(cfg: PipelineConfig, layout: RunLayout) -> Plan:
@@ -101,7 +151,7 @@ def make_plan(cfg: PipelineConfig, layout: RunLayout) -> Plan:
                 contract=contract,
                 launch_id=f"{name}-{uuid.uuid4().hex[:10]}",
                 tasks=contract.num_tasks(cfg),
-                resources=contract.resources_for(cfg),
+                resources=resolve_resources(contract, cfg),
                 needs=upstream,
                 skip=skip,
             )
@@ -116,8 +166,15 @@ def check_machine(plan: Plan) -> None:
     cfg = plan.cfg
     kind = cfg.launcher.kind
     to_run = [s for s in plan.stages if s.runs]
-    if kind == "slurm" and shutil.which("sbatch") is None:
+    if kind == "slurm" and shutil.which("sbatch") is None and not cfg.dry_run:
         raise ConfigError("launcher=slurm but sbatch is not on PATH: run on a SLURM login node, or use launcher=local")
+    if kind == "slurm" and cfg.run.overwrite and not getattr(cfg.launcher, "wait", True):
+        raise ConfigError(
+            "run.overwrite=true on SLURM needs launcher.wait=true (the launch records the run again once "
+            "prepare_dirs has started it over)"
+        )
+    if kind != "slurm" and any(s.resources.nodes > 1 for s in to_run):
+        raise ConfigError("launcher.stages.train.nodes > 1 needs launcher=slurm: a local launch is one machine")
     if kind == "inprocess":
         multi = [f"{s.name} ({s.tasks} task(s) in a process group)" for s in to_run if s.contract.distributed]
         if multi:

@@ -26,7 +26,8 @@ from pipeline.config.identity import RunRecord, differences, read_run_record, wr
 from pipeline.config.overrides import DEFAULT_ROOT, carried
 from pipeline.config.schema import STAGE_ALL, PipelineConfig
 from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, VerificationError
-from pipeline.orchestration.contract import Resources, StageContract
+from pipeline.orchestration.contract import JobRef, Resources, StageContract
+from pipeline.orchestration.jobs import job_alive
 from pipeline.orchestration.lease import RunLease, read_lease
 from pipeline.orchestration.plan import Plan, PlannedStage, make_plan
 from pipeline.orchestration.progress import StageProgress, commit_lines
@@ -36,7 +37,7 @@ from pipeline.storage.atomic import write_bytes_atomic
 from pipeline.storage.layout import RunLayout
 
 if TYPE_CHECKING:
-    from launchers.base import Launcher
+    from launchers.base import JobHandle, Launcher
 
 Say = Callable[[str], None]
 
@@ -52,11 +53,20 @@ class StageJob:
     attempt: str
     tasks: int = 1
     resources: Resources = field(default_factory=Resources)
+    beside: JobRef | None = None
+    """The job this one runs beside (the committer gets train's), decided by the runner at submission."""
 
     @staticmethod
-    def of(planned: PlannedStage, plan: Plan) -> StageJob:
+    def of(planned: PlannedStage, plan: Plan, beside: JobRef | None = None) -> StageJob:
         return StageJob(
-            planned.name, planned.contract, plan.cfg, plan.layout, planned.launch_id, planned.tasks, planned.resources
+            planned.name,
+            planned.contract,
+            plan.cfg,
+            plan.layout,
+            planned.launch_id,
+            planned.tasks,
+            planned.resources,
+            beside,
         )
 
 
@@ -144,7 +154,8 @@ def run(
     with interrupts_raise():
         layout.run_dir.mkdir(parents=True, exist_ok=True)
         layout.logs.mkdir(parents=True, exist_ok=True, mode=0o700)  # owner: this process; job folders hold pickles
-        with RunLease.acquire(layout, command=[sys.executable, "-m", "pipeline", *sys.argv[1:]], say=say) as lease:
+        command = [sys.executable, "-m", "pipeline", *sys.argv[1:]]
+        with RunLease.acquire(layout, command=command, say=say, job_state=job_alive) as lease:
             record = check_identity(cfg, layout)
             sweep_record_litter(layout)  # we hold the lease: no task of this run is alive to be writing
             plan = make_plan(cfg, layout)
@@ -161,8 +172,20 @@ def run(
 
             if not cfg.run.overwrite:
                 record_run()
-            _execute(plan, launcher, say, lease, after_create=record_run if cfg.run.overwrite else None, t0=t0)
+            try:
+                _execute(plan, launcher, say, lease, after_create=record_run if cfg.run.overwrite else None, t0=t0)
+            finally:
+                _hand_over_if_jobs_live(lease, say)
     return layout
+
+
+def _hand_over_if_jobs_live(lease: RunLease, say: Say) -> None:
+    """Jobs this launch submitted to a scheduler that are still queued or running own the run after it exits:
+    the lease stays (a later launch breaks it once the scheduler says every one has finished)."""
+    live = [j for j in lease.record["jobs"] if j["cluster"] == "slurm" and job_alive("slurm", j["job_id"]) is not False]
+    if live:
+        lease.hand_over()
+        say(f"the run stays owned by job(s) {' '.join(j['job_id'] for j in live)} until they end")
 
 
 def _write_hydra_file(layout: RunLayout, name: str, text: str) -> None:
@@ -189,77 +212,189 @@ class _Watch:
         self.progress.poll()
 
 
-def _launch(planned: PlannedStage, plan: Plan, launcher: Launcher, lease: RunLease, say: Say) -> float:
-    t0 = time.monotonic()
-    watch = _Watch(planned, plan, lease, say)
-    try:
-        launcher.run_stage(StageJob.of(planned, plan), watch)
-        watch.poll()
-    finally:
-        watch.progress.close()
-    return time.monotonic() - t0
+@dataclass
+class _Active:
+    planned: PlannedStage
+    handle: JobHandle
+    watch: _Watch
+    t0: float
+
+
+class _Execution:
+    """Drives the plan's jobs: submits each once its dependencies allow (all at once, with dependencies, on a
+    chaining launcher such as SLURM), polls them, reports each as it ends, and handles interrupts."""
+
+    def __init__(
+        self, plan: Plan, launcher: Launcher, lease: RunLease, say: Say, after_create: Callable[[], None] | None
+    ):
+        self.plan, self.launcher, self.lease, self.say, self.after_create = plan, launcher, lease, say, after_create
+        self.status: dict[str, str] = {}
+        self.handles: dict[str, JobHandle] = {}
+        self.times: dict[str, float] = {}
+        self.active: list[_Active] = []
+        self.failure: PipelineError | None = None
+
+    def _ready(self, planned: PlannedStage) -> str:
+        """``go``, ``wait`` (a dependency has not ended, or not started for ``beside``) or ``blocked``."""
+        for need in planned.needs:
+            if self.status.get(need) in ("failed", "not run"):
+                if not planned.contract.after_any:
+                    return "blocked"
+                continue
+            if need not in self.handles:
+                return "wait"
+            if self.launcher.chains or planned.contract.beside == need:
+                continue  # the scheduler holds it until its dependency allows; or it starts beside it
+            if self.status.get(need) != "succeeded" and not (planned.contract.after_any and need in self.status):
+                return "wait"
+        return "go"
+
+    def _submit(self, planned: PlannedStage) -> None:
+        beside = None
+        if planned.contract.beside in self.handles:
+            producer = next(s for s in self.plan.stages if s.name == planned.contract.beside)
+            handle = self.handles[producer.name]
+            beside = JobRef(producer.name, self.launcher.cluster, handle.job_id, producer.launch_id)
+        after = [(planned.dependency_on(n), self.handles[n]) for n in planned.needs if n in self.handles]
+        self.say(planned.describe())
+        watch = _Watch(planned, self.plan, self.lease, self.say)
+        t0 = time.monotonic()
+        try:
+            handle = self.launcher.submit(
+                StageJob.of(planned, self.plan, beside), after if self.launcher.chains else ()
+            )
+        except PipelineError as e:
+            watch.progress.close()
+            self._failed(planned, e)
+            return
+        self.handles[planned.name] = handle
+        watch.started(handle.job_id, self.launcher.cluster, handle.folder)
+        self.active.append(_Active(planned, handle, watch, t0))
+
+    def _failed(self, planned: PlannedStage, e: PipelineError) -> None:
+        self.status[planned.name] = "failed"
+        self.say(f"FAIL {planned.name}: {str(e).splitlines()[0]}")
+        self.failure = self.failure or e
+
+    def submit_ready(self, todo: list[PlannedStage]) -> None:
+        """Submit, in plan order, every stage whose dependencies allow it now."""
+        while todo:
+            verdict = self._ready(todo[0])
+            if verdict == "wait":
+                return
+            planned = todo.pop(0)
+            if verdict == "blocked":
+                blocked = [n for n in planned.needs if self.status.get(n) in ("failed", "not run")]
+                self.say(f"skip {planned.name}: {', '.join(blocked)} did not succeed")
+                self.status[planned.name] = "not run"
+                continue
+            self._submit(planned)
+
+    def poll(self) -> None:
+        for act in list(self.active):
+            try:
+                done = act.handle.poll()
+            except PipelineError as e:
+                act.handle.cancel()
+                self._end(act, e)
+                continue
+            act.watch.poll()
+            if done:
+                try:
+                    act.handle.outcome()
+                except PipelineError as e:
+                    self._end(act, e)
+                else:
+                    self._end(act, None)
+
+    def _end(self, act: _Active, error: PipelineError | None) -> None:
+        self.active.remove(act)
+        act.watch.progress.close()
+        name = act.planned.name
+        if error is not None:
+            self._failed(act.planned, error)
+            return
+        self.times[name] = time.monotonic() - act.t0
+        self.status[name] = "succeeded"
+        self.say(f"done {name} in {self.times[name]:.1f}s")
+        if act.planned.contract.creates_run and self.after_create is not None:
+            self.after_create()
+        summary = (read_record(self.plan.layout, name) or {}).get("summary")
+        if isinstance(summary, dict) and "committed" in summary:
+            for line in commit_lines(self.plan.layout, summary):
+                self.say(f"     {line}")
+
+    def interrupted(self, intr: Interrupted) -> None:
+        """Cancel every job but a committer that runs beside a cancelled job (it commits what was staged and ends
+        by itself once that job is gone); wait for it unless interrupted again; then report and re-raise."""
+        layout = self.plan.layout
+        running = {a.planned.name for a in self.active}
+        committers = [a for a in self.active if a.planned.contract.beside in running]
+        others = [a for a in self.active if a not in committers]
+        for act in others:
+            act.handle.cancel()
+            act.watch.progress.close()
+            self.active.remove(act)
+            if layout.stages.is_dir():
+                write_record(layout, act.planned.name, status="interrupted", signal=str(intr), ended=now_iso())
+        names = ", ".join(a.planned.name for a in others) or "nothing running"
+        self.say(f"INTERRUPTED {names} by {intr}: its job was cancelled and its processes are gone")
+        for act in committers:
+            self.say(f"     {act.planned.name} commits the steps staged before the interrupt; interrupt again to skip")
+        try:
+            while self.active:
+                self.poll()
+                time.sleep(self.plan.cfg.launcher.poll_interval_s)
+        except Interrupted:
+            for act in list(self.active):
+                act.handle.cancel()
+                act.watch.progress.close()
+                self.active.remove(act)
+                self.say(f"skip {act.planned.name}: interrupted again")
+        where = others[0].planned.name if others else "the launch"
+        self.say(f"interrupted in {where}; latest = {_latest_text(layout)}; resume: {resume_command(layout)}")
 
 
 def _execute(
     plan: Plan, launcher: Launcher, say: Say, lease: RunLease, *, after_create: Callable[[], None] | None, t0: float
 ) -> None:
-    layout = plan.layout
-    status: dict[str, str] = {}
-    times: dict[str, float] = {}
-    failure: PipelineError | None = None
+    ex = _Execution(plan, launcher, lease, say, after_create)
+    todo: list[PlannedStage] = []
     for planned in plan.stages:
-        name = planned.name
-        if not planned.runs:
+        if planned.runs:
+            todo.append(planned)
+        else:
             say(planned.describe())
-            status[name] = "skipped"
-            continue
-        blocked = [n for n in planned.needs if status.get(n) != "succeeded"]
-        if blocked and not planned.contract.after_any:
-            say(f"skip {name}: {', '.join(blocked)} did not succeed")
-            status[name] = "not run"
-            continue
-        say(planned.describe())
-        try:
-            times[name] = _launch(planned, plan, launcher, lease, say)
-        except Interrupted as intr:
-            _interrupted(plan, planned, launcher, lease, say, intr)
-            raise
-        except PipelineError as e:
-            status[name] = "failed"
-            say(f"FAIL {name}: {str(e).splitlines()[0]}")
-            failure = failure or e
-            continue
-        status[name] = "succeeded"
-        say(f"done {name} in {times[name]:.1f}s")
-        if planned.contract.creates_run and after_create is not None:
-            after_create()
-        summary = (read_record(layout, name) or {}).get("summary")
-        if isinstance(summary, dict) and "committed" in summary:
-            for line in commit_lines(layout, summary):
-                say(f"     {line}")
-    _summarize(plan, times, t0, say, failed=failure is not None)
-    if failure is not None:
-        raise failure
+            ex.status[planned.name] = "skipped"
+    wait = not launcher.chains or bool(getattr(plan.cfg.launcher, "wait", True))
+    try:
+        ex.submit_ready(todo)
+        if not wait:
+            _submitted(plan, ex, say)
+            return
+        while todo or ex.active:
+            ex.poll()
+            ex.submit_ready(todo)
+            if ex.active:
+                time.sleep(plan.cfg.launcher.poll_interval_s)
+    except Interrupted as intr:
+        ex.interrupted(intr)
+        raise
+    _summarize(plan, ex.times, t0, say, failed=ex.failure is not None)
+    if ex.failure is not None:
+        raise ex.failure
 
 
-def _interrupted(
-    plan: Plan, planned: PlannedStage, launcher: Launcher, lease: RunLease, say: Say, intr: Interrupted
-) -> None:
-    """The launcher has cancelled the job and waited for its processes; commit what can be, then report."""
-    layout = plan.layout
-    say(f"INTERRUPTED {planned.name} by {intr}: its job was cancelled and its processes are gone")
-    if layout.stages.is_dir():
-        write_record(layout, planned.name, status="interrupted", signal=str(intr), ended=now_iso())
-    for committer in plan.dependents_after_any(planned.name):
-        say(f"run  {committer.name} (commits the steps staged before the interrupt; interrupt again to skip)")
-        try:
-            _launch(committer, plan, launcher, lease, say)
-        except Interrupted:
-            say(f"skip {committer.name}: interrupted again")
-            break
-        except PipelineError as e:  # expected: the step being saved at the interrupt is incomplete
-            say(f"     {committer.name}: {str(e).splitlines()[0]}")
-    say(f"interrupted in {planned.name}; latest = {_latest_text(layout)}; resume: {resume_command(layout)}")
+def _submitted(plan: Plan, ex: _Execution, say: Say) -> None:
+    """``launcher.wait=false`` on SLURM: the chain is in the scheduler's hands; say how to follow it."""
+    ids = " ".join(h.job_id for h in ex.handles.values())
+    if not ex.handles:
+        say("nothing to submit: every stage is done" if ex.failure is None else "nothing was submitted")
+    else:
+        say(f"submitted {len(ex.handles)} job(s): {ids}")
+        say(f"status:  python -m pipeline.status {plan.layout.run_dir}   (or: squeue -j {ids.replace(' ', ',')})")
+    if ex.failure is not None:
+        raise ex.failure
 
 
 def _latest_text(layout: RunLayout) -> str:

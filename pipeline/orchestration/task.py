@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline.config.schema import PipelineConfig
-from pipeline.orchestration.contract import TaskContext
+from pipeline.orchestration.contract import JobRef, TaskContext
 from pipeline.orchestration.records import now_iso, write_record
 from pipeline.stages import get_stage
 from pipeline.storage.layout import RunLayout, restrict_umask
@@ -68,13 +68,14 @@ def execute_task(
     rank: int = 0,
     world_size: int = 1,
     job_id: str = INPROCESS,
+    beside: JobRef | None = None,
 ) -> dict[str, object]:
 
     restrict_umask()
     setup_logging(rank)
     layout = RunLayout(Path(run_dir))
     module = get_stage(stage)
-    ctx = TaskContext(cfg=cfg, layout=layout, attempt=attempt, rank=rank, world_size=world_size)
+    ctx = TaskContext(cfg=cfg, layout=layout, attempt=attempt, rank=rank, world_size=world_size, beside=beside)
     started = now_iso()
     t0 = time.monotonic()
     common = {"attempt": attempt, "job_id": job_id, "started": started, "world_size": world_size, "pid": os.getpid()}
@@ -96,5 +97,6 @@ def execute_task(
         with contextlib.suppress(OSError):  # the record on a full disk must not replace the task's own error
             record("failed", error=f"{type(e).__name__}: {e}")
         raise
-    record("succeeded", summary=summary)
+    # A train that saved on SLURM's USR2 is requeued: the same attempt runs again, so it has not ended.
+    record("requeued" if summary.get("requeue") else "succeeded", summary=summary)
     return summary

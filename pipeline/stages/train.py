@@ -24,14 +24,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_latest, step_markers, verify_committed
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import PipelineError, VerificationError
+from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.formats.dcp import load_into
+from pipeline.orchestration import preemption
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.orchestration.records import producer_attempt
+from pipeline.orchestration.records import producer_attempt, stage_alive
 from pipeline.stages import shard_save
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.layout import RunLayout
 from pipeline.storage.metrics import MetricsWriter
+from pipeline.storage.waiting import wait_until
 from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
 from pipeline.workload.data import DataPosition, SampleStream, load_tokenizer
 from pipeline.workload.model import build_model
@@ -52,6 +54,9 @@ CONTRACT = StageContract(
 )
 
 log = logging.getLogger(__name__)
+COMMITTER = "verify_manifest"
+"""The stage beside train that commits its staged steps."""
+_COMMITTER_START_S = 60.0
 
 
 def final_step(cfg: PipelineConfig) -> int:
@@ -94,9 +99,55 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     return None
 
 
-def _resume_step(layout: RunLayout) -> int | str:
+def _staged_uncommitted(cfg: PipelineConfig, layout: RunLayout) -> list[int]:
+    """Steps newer than ``latest`` staged with every rank's marker (one attempt) but not committed yet."""
+    try:
+        latest = read_latest(layout)
+    except (VerificationError, OSError, ValueError):
+        return []  # the committer repairs latest first; resuming then reports what it found
+    done = latest.step if latest else 0
+    pending = []
+    for step in range(done + 1, final_step(cfg) + 1):
+        staged = layout.staged_step(step)
+        if not is_real_dir(staged):
+            continue
+        try:
+            if complete_markers(step_markers(staged, step, cfg.strategy.world_size), None) is not None:
+                pending.append(step)
+        except VerificationError:
+            continue
+    return pending
+
+
+def _await_staged(cfg: PipelineConfig, layout: RunLayout) -> None:
+    """A step staged completely before a kill or a requeue is committed (by the committer beside this job)
+    before train decides where to resume: never lost, never trained again, never rewritten under the committer."""
+    if not _staged_uncommitted(cfg, layout):
+        return
+    start = time.monotonic()
+
+    def committer_alive() -> bool:  # its job starts beside ours: give its record a moment to appear
+        return stage_alive(layout, COMMITTER) or time.monotonic() - start < _COMMITTER_START_S
+
+    wait_until(
+        lambda: None if _staged_uncommitted(cfg, layout) else True,
+        deadline_s=cfg.checkpoint.marker_deadline_s,
+        what=lambda: (
+            f"step(s) {_staged_uncommitted(cfg, layout)} in {layout.staging} have every rank's marker but are not "
+            f"committed (is {COMMITTER} running beside train? run stage={COMMITTER} for run {layout.run_id})"
+        ),
+        alive=committer_alive,
+        interval_s=0.5,
+    )
+
+
+def _resume_step(cfg: PipelineConfig, layout: RunLayout) -> int | str:
     """Rank 0 only: the newest committed step, its files checked against the manifest; or why it cannot be
     resumed (a message every rank raises, so no rank waits for a broadcast that never comes)."""
+    try:
+        _await_staged(cfg, layout)
+    except DeadlineError as e:
+        return f"cannot resume: {e}"
     try:
         latest = read_latest(layout)
         if latest is None:
@@ -148,10 +199,18 @@ def _restore_rng(rng: dict[str, torch.Tensor], rank: int, device: torch.device) 
 
 
 def _resume(
-    layout: RunLayout, model: Any, opt: Any, sched: Any, stream: SampleStream, rank: int, device: torch.device, pg: Any
+    cfg: PipelineConfig,
+    layout: RunLayout,
+    model: Any,
+    opt: Any,
+    sched: Any,
+    stream: SampleStream,
+    rank: int,
+    device: torch.device,
+    pg: Any,
 ) -> int:
     """Load the committed step rank 0 chose (0: start fresh); every rank restores its own RNG and data position."""
-    decided = broadcast_from_rank0(_resume_step(layout) if rank == 0 else None)
+    decided = broadcast_from_rank0(_resume_step(cfg, layout) if rank == 0 else None)
     if isinstance(decided, str):
         raise VerificationError(decided)
     resume = int(decided)
@@ -221,7 +280,7 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     # Checkpoint collectives never share the training group, and wait no longer than it does.
     ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.strategy.pg_timeout_s))
 
-    resume = _resume(layout, model, opt, sched, stream, rank, device, ckpt_pg)
+    resume = _resume(cfg, layout, model, opt, sched, stream, rank, device, ckpt_pg)
 
     losses: dict[int, float] = {}
     saved: list[int] = []
@@ -244,12 +303,16 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
             log.info("step %d loss %.4f", step, losses[step])
         tokens = batch.numel() * world  # every rank trains on an equal batch
         _event(metrics, ctx, "step", step=step, loss=losses[step], lr=lr, tokens=tokens, step_s=time.monotonic() - t0)
-        if is_save_step(cfg, step):
+        stop = preemption.enabled() and _any_rank(preemption.requested(), ckpt_pg)
+        if is_save_step(cfg, step) or stop:
             result = shard_save.save(ctx, step, _state(model, opt, sched, stream, step, rank), ckpt_pg)
             (saved if _gather_save(ctx, step, result, ckpt_pg, metrics, save_errors) else failed).append(step)
+        if stop:
+            last = step
+            break
     dist.barrier()
     _event(metrics, ctx, "end", last_step=last)
-    return {
+    summary: dict[str, object] = {
         "resumed_from": resume,
         "last_step": last,
         "saved": saved,
@@ -257,3 +320,16 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         "save_errors": save_errors,
         "losses": losses,
     }
+    if last < final_step(cfg):  # stopped on SLURM's USR2: requeue, or stop for good past max_num_timeout
+        why = preemption.no_requeue_reason(cfg)
+        if why is not None:
+            raise PipelineError(f"{why}; step {last} is saved: continue with python -m pipeline run.id={layout.run_id}")
+        summary["requeue"] = True
+    return summary
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    """True on every rank if ``flag`` is true on any (all ranks stop at the same step)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())

@@ -8,6 +8,12 @@ Outputs: ``checkpoints/step_N/manifest.json`` and the step published by one dire
 Owner: this single task; no rank ever publishes or moves ``latest``.
 Done-marker: ``latest`` names a step whose manifest verifies, and no newer step is staged.
 
+Beside train (its job is handed in as ``ctx.beside``; SLURM starts this job once train's has started), every
+step is committed as soon as all its markers are there, so ``latest`` advances while train runs; once train's
+job has ended (the scheduler says so, or its record for this attempt has), a last pass commits whatever is
+complete. Steps a killed or requeued train left staged are committed first: train waits for them before it
+decides where to resume.
+
 Waiting: markers are polled until ``checkpoint.marker_deadline_s`` while the train job is alive; once it is
 not, a last look decides, and the error names the step and the missing ranks. Which markers count is one rule
 shared with train (:func:`~pipeline.checkpoint.manifest.complete_markers`).
@@ -43,6 +49,7 @@ from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.formats.dcp import FORMAT as DCP_FORMAT
 from pipeline.formats.dcp import stored_files
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.orchestration.jobs import job_alive
 from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
 from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, publish_dir, write_json_atomic
 from pipeline.storage.faults import inject
@@ -58,6 +65,13 @@ CONTRACT = StageContract(
     marker="checkpoints/latest + manifest.json",
     resources=Resources(cpus_per_task=1, mem_gb=2, timeout_min=30),
     after_any=True,
+    beside="train",
+    # Beside train it lives as long as train and its requeues, plus its own last pass.
+    sized_by=lambda cfg: Resources(
+        cpus_per_task=1,
+        mem_gb=2,
+        timeout_min=cfg.train.time_limit_min * (1 + getattr(cfg.launcher, "max_num_timeout", 0)) + 30,
+    ),
 )
 STORED_FILES: dict[str, Callable[[Path], set[str]]] = {DCP_FORMAT: stored_files}
 """Per checkpoint format: the files a step's own metadata says hold its data (every one must be in a marker)."""
@@ -287,14 +301,59 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
     return manifest_hash
 
 
+def _producer_alive(ctx: TaskContext) -> bool:
+    """Beside train: its job is queued, running or requeued (the scheduler says so; unknown counts as alive),
+    and its record for this attempt has not ended."""
+    ref = ctx.beside
+    if ref is None:
+        return stage_alive(ctx.layout, PRODUCER)
+    rec = read_record(ctx.layout, ref.stage) or {}
+    if rec.get("attempt") == ref.attempt and rec.get("status") in ("succeeded", "failed", "interrupted"):
+        return False
+    return job_alive(ref.cluster, ref.job_id) is not False
+
+
+def _commit_while_running(ctx: TaskContext, committed: list[int], quarantined: list[str]) -> None:
+    """Beside train: commit each staged step as soon as every rank's marker is there and its files verify, so
+    ``latest`` advances while train runs. Returns once train's job has ended (after one more look)."""
+    cfg, layout = ctx.cfg, ctx.layout
+    while True:
+        alive = _producer_alive(ctx)
+        for step in _candidates(layout, _latest_step(layout)):
+            if lstat_kind(layout.committed_step(step)) is not None or not is_real_dir(layout.staged_step(step)):
+                continue
+            try:
+                markers = complete_markers(step_markers(layout.staged_step(step), step, cfg.strategy.world_size), None)
+            except VerificationError:
+                continue  # damaged markers: the last pass, once train has ended, quarantines the step
+            if markers is None:
+                continue
+            try:
+                _commit(ctx, step, markers)
+                committed.append(step)
+            except VerificationError as e:
+                where = _quarantine(layout, layout.staged_step(step), str(e), step)
+                quarantined.append(f"step {step}: {e} (moved to {where})")
+            _retain(ctx)
+        if not alive:
+            return
+        time.sleep(cfg.launcher.poll_interval_s)
+
+
+def _retain(ctx: TaskContext) -> None:
+    """Retention (``checkpoint.keep_last``/``keep_every``) after a commit: this task owns ``checkpoints/``."""
+
+
 def run(ctx: TaskContext) -> dict[str, object]:
     cfg, layout = ctx.cfg, ctx.layout
-    attempt = producer_attempt(layout, PRODUCER)
     committed: list[int] = []
     incomplete: list[tuple[int, str]] = []
     _sweep_temp_files(layout)
     quarantined: list[str] = _recheck_latest(layout, cfg.strategy.world_size)
     committed += _finish_interrupted_commits(layout, _latest_step(layout), cfg.strategy.world_size)
+    if ctx.beside is not None:
+        _commit_while_running(ctx, committed, quarantined)
+    attempt = producer_attempt(layout, PRODUCER)
     latest = _latest_step(layout)
     for step in _candidates(layout, latest):
         if lstat_kind(layout.committed_step(step)) is not None:
@@ -304,6 +363,7 @@ def run(ctx: TaskContext) -> dict[str, object]:
             markers = _wait_for_markers(cfg, layout, step, attempt)
             _commit(ctx, step, markers)
             committed.append(step)
+            _retain(ctx)
         except DeadlineError as e:
             incomplete.append((step, str(e)))
         except VerificationError as e:

@@ -1,0 +1,169 @@
+"""The project's single-node SLURM cluster for tests (``scripts/slurm/start.sh``), as a session fixture.
+
+A cluster that is already up and usable (``scontrol ping`` says UP, the node is idle/mix/alloc) is used as it
+is and never stopped: starting the script with another ``SLURM_ROOT`` would generate another config and so
+restart, or refuse to touch, a cluster other people may be using. Otherwise the fixture starts one with
+``SLURM_ROOT=/tmp/pipeline-slurm`` (or ``$SLURM_ROOT``) and stops it at the end of the session.
+
+Needs root. Skipped when not root or when the packages cannot be installed; any other failure to start is an
+error under CI (``$CI`` set) and a skip elsewhere. Every test under ``tests/slurm`` is marked ``slurm``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+from pipeline.orchestration.jobs import ACTIVE_STATES, slurm_states
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+START_SCRIPT = ROOT / "scripts" / "slurm" / "start.sh"
+STOP_SCRIPT = ROOT / "scripts" / "slurm" / "stop.sh"
+DEFAULT_SLURM_ROOT = Path("/tmp/pipeline-slurm")
+START_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 120
+INSTALL_FAILED = 3
+"""start.sh's exit status when packages are missing and cannot be installed."""
+USABLE_NODE_STATES = frozenset({"idle", "mix", "alloc"})
+OUTPUT_TAIL_LINES = 15
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    partition: str
+    """Partition to submit to (the default one)."""
+    root: Path
+    """The cluster's SLURM_ROOT (state, logs, spool, pid files)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(HERE):
+            item.add_marker(pytest.mark.slurm)
+
+
+def _output(cmd: list[str]) -> str | None:
+    """stdout of ``cmd``, or None when it is missing, fails or hangs."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def running_cluster() -> SlurmCluster | None:
+    """The cluster that answers on this machine, if its controller is up and its node can run jobs."""
+    if "is UP" not in (_output(["scontrol", "ping"]) or ""):
+        return None
+    node_states = (_output(["sinfo", "-h", "-o", "%t"]) or "").split()
+    if not USABLE_NODE_STATES.intersection(node_states):
+        return None
+    partitions = (_output(["sinfo", "-h", "-o", "%P"]) or "").split()
+    if not partitions:
+        return None
+    partition = next((p for p in partitions if p.endswith("*")), partitions[0]).rstrip("*")
+    state_dir = ""
+    for line in (_output(["scontrol", "show", "config"]) or "").splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "StateSaveLocation":
+            state_dir = value.strip()
+    return SlurmCluster(partition=partition, root=Path(state_dir).parent if state_dir else Path("?"))
+
+
+def _cannot_start(reason: str, output: str, *, skip: bool) -> NoReturn:
+    tail = "\n".join(output.rstrip().splitlines()[-OUTPUT_TAIL_LINES:])
+    message = f"{reason}\n--- last lines of {START_SCRIPT.relative_to(ROOT)} ---\n{tail}"
+    if skip or not os.environ.get("CI"):
+        pytest.skip(message)
+    pytest.fail(message, pytrace=False)
+
+
+def _run_script(script: Path, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: run `sudo bash {START_SCRIPT.relative_to(ROOT)}`, then the tests as root")
+    cluster = running_cluster()
+    if cluster is not None:
+        yield cluster  # not started here, so not stopped here
+        return
+
+    slurm_root = Path(os.environ.get("SLURM_ROOT") or DEFAULT_SLURM_ROOT)
+    env = {**os.environ, "SLURM_ROOT": str(slurm_root)}
+    started = time.monotonic()
+    try:
+        result = _run_script(START_SCRIPT, env, START_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output or ""
+        _cannot_start(f"start.sh did not finish within {START_TIMEOUT_S} s", partial, skip=False)
+    if result.returncode == INSTALL_FAILED:
+        _cannot_start("the SLURM packages cannot be installed here", result.stdout, skip=True)
+    if result.returncode != 0:
+        # no stop.sh after a failed start: start.sh may have refused a cluster of another SLURM_ROOT, whose
+        # jobs and shared daemons (munged, mariadbd) stop.sh would take down; start.sh cleans up half-up ones
+        _cannot_start(f"start.sh failed (exit status {result.returncode})", result.stdout, skip=False)
+    try:
+        cluster = running_cluster()
+        if cluster is None:
+            _cannot_start("start.sh succeeded but the cluster does not answer", result.stdout, skip=False)
+        print(f"\nslurm: started in {time.monotonic() - started:.1f}s (SLURM_ROOT={slurm_root})")
+        yield cluster
+    finally:
+        stopped = _run_script(STOP_SCRIPT, env, STOP_TIMEOUT_S)
+        if stopped.returncode != 0:
+            warnings.warn(f"stop.sh failed (exit status {stopped.returncode}):\n{stopped.stdout}", stacklevel=1)
+
+
+def wait_for_jobs(job_ids: Iterable[str], timeout_s: float) -> None:
+    """Wait until none of ``job_ids`` is queued or running; AssertionError naming those still there after
+    ``timeout_s``."""
+    ids = sorted({str(j) for j in job_ids})
+    if not ids:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+        if out.returncode == 0:
+            still = {i: s for i, s in (line.split() for line in out.stdout.splitlines()) if s in ACTIVE_STATES}
+        elif "Invalid job id" in out.stderr:  # every one of them finished long ago
+            still = {}
+        else:
+            still = dict.fromkeys(ids, f"unknown (squeue: {out.stderr.strip()})")
+        if not still:
+            return
+        if time.monotonic() >= deadline:
+            listed = ", ".join(f"{i} {s}" for i, s in sorted(still.items()))
+            raise AssertionError(f"SLURM jobs still queued or running after {timeout_s:g} s: {listed}")
+        time.sleep(0.2)
+
+
+def sacct_states(job_ids: Iterable[str]) -> dict[str, str]:
+    """Each job's SLURM state (``COMPLETED``, ``FAILED``, ``CANCELLED``, ...); jobs SLURM does not know are
+    missing."""
+    return slurm_states(job_ids)

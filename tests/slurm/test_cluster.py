@@ -1,0 +1,76 @@
+"""The cluster does what the pipeline relies on: submitit runs functions and multi-task gloo jobs on it, and
+``job_alive`` tells a running job from a cancelled one."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import submitit
+import torch
+import torch.distributed as dist
+
+from pipeline.orchestration.jobs import job_alive
+from tests.slurm.conftest import SlurmCluster, sacct_states, wait_for_jobs
+
+JOB_TIMEOUT_S = 60
+
+
+def _executor(cluster: SlurmCluster, folder: Path, **params: int) -> submitit.AutoExecutor:
+    executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm")
+    executor.update_parameters(slurm_partition=cluster.partition, timeout_min=2, **params)
+    return executor
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def _all_reduce_rank() -> tuple[int, int, float]:
+    env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    try:
+        value = torch.tensor([float(env.rank + 1)])
+        dist.all_reduce(value)
+        return env.rank, env.world_size, value.item()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_submitit_runs_a_function(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    job = _executor(slurm_cluster, tmp_path).submit(_square, 7)
+    wait_for_jobs([job.job_id], JOB_TIMEOUT_S)
+    assert job.result() == 49
+    assert sacct_states([job.job_id]) == {job.job_id: "COMPLETED"}
+
+
+def test_two_tasks_join_a_gloo_group(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    job = _executor(slurm_cluster, tmp_path, nodes=1, tasks_per_node=2, cpus_per_task=1).submit(_all_reduce_rank)
+    wait_for_jobs([job.job_id], JOB_TIMEOUT_S)
+    assert sorted(job.results()) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_job_alive_follows_a_cancelled_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", "-p", slurm_cluster.partition, "-t", "2", "-J", "job-alive-test"]
+        + ["-o", str(tmp_path / "%j.out"), "--wrap", "sleep 30"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.strip()
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while sacct_states([job_id]).get(job_id) != "RUNNING":
+            assert time.monotonic() < deadline, f"job {job_id} not running: {sacct_states([job_id])}"
+            time.sleep(0.2)
+        assert job_alive("slurm", job_id) is True
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=True)
+    deadline = time.monotonic() + 30
+    while job_alive("slurm", job_id) is not False:
+        assert time.monotonic() < deadline, f"job {job_id} still alive 30 s after scancel: {sacct_states([job_id])}"
+        time.sleep(0.2)
+    assert sacct_states([job_id]) == {job_id: "CANCELLED"}
