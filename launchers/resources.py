@@ -6,6 +6,7 @@ from typing import Any
 
 from pipeline.config.schema import LauncherConfig, SlurmLauncherConfig
 from pipeline.orchestration.contract import Resources, StageContract
+from pipeline.orchestration.plan import Plan, PlannedStage
 
 
 def submitit_parameters(
@@ -50,3 +51,18 @@ def submitit_parameters(
         if extra:
             params["slurm_additional_parameters"] = extra
     return params
+
+
+def sbatch_lines(planned: PlannedStage, plan: Plan) -> list[str]:
+    """The ``#SBATCH`` lines submitit would write for ``planned`` (dependencies by stage name: no job ids yet)."""
+    import submitit  # noqa: PLC0415 - only for dry runs on SLURM
+
+    dependency = ",".join(f"{planned.dependency_on(n)}:<{n} job>" for n in planned.needs)
+    params = submitit_parameters(
+        planned.contract, planned.tasks, planned.resources, plan.cfg.launcher, plan.layout.run_id, dependency
+    )
+    executor = submitit.AutoExecutor(folder=plan.layout.logs / planned.name / "%j", cluster="slurm")
+    executor.update_parameters(**params)
+    slurm: Any = executor._executor  # noqa: SLF001 - submitit's own script text, exactly as sbatch gets it
+    text = slurm._make_submission_file_text("<task>", "<uid>")  # noqa: SLF001
+    return [line for line in text.splitlines() if line.startswith("#SBATCH")]

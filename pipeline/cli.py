@@ -19,12 +19,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from launchers.resources import sbatch_lines
 from pipeline.config.compose import conf_dir, load_config, to_typed, to_yaml
 from pipeline.config.docs import hydra_template, render_help
 from pipeline.config.overrides import check_hydra_overrides, find_run, merge, parse, value_of
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, register_configs
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.orchestration.estimate import bytes_written
 from pipeline.orchestration.plan import Plan, make_plan
+from pipeline.orchestration.progress import format_bytes
 from pipeline.orchestration.runner import Interrupted, check_identity, new_run_id, status_lines
 from pipeline.stages import ORDER, get_stage
 from pipeline.storage.layout import RunLayout, restrict_umask
@@ -150,8 +153,16 @@ def _sweep_points(overrides: list[str]) -> list[list[str]]:
 def _print_plan(p: Prepared) -> None:
     print(to_yaml(p.cfg))
     print(f"plan for run {p.plan.layout.run_id} ({p.plan.layout.run_dir}):")
-    for line in p.plan.describe():
-        print(f"  {line}")
+    for planned in p.plan.stages:
+        print(f"  {planned.describe()}")
+        if not planned.runs:
+            continue
+        c = planned.contract
+        print(f"       reads:  {c.reads}")
+        print(f"       writes: {c.produces} (about {format_bytes(bytes_written(planned.name, p.cfg))})")
+        if p.cfg.launcher.kind == "slurm":
+            for line in sbatch_lines(planned, p.plan):
+                print(f"       {line}")
 
 
 def entry() -> None:

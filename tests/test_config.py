@@ -73,7 +73,7 @@ def test_dry_run_prints_plan_and_writes_nothing(tmp_path) -> None:
     for stage in ("prepare_dirs", "train", "verify_manifest", "consolidate", "export"):
         assert f"  run  {stage} (" in proc.stdout
     assert "run  train (2 tasks; cpus/task=1" in proc.stdout and "after afterok:prepare_dirs" in proc.stdout
-    assert "run  verify_manifest (1 task;" in proc.stdout and "after afterany:train" in proc.stdout
+    assert "run  verify_manifest (1 task;" in proc.stdout and "after after:train" in proc.stdout
     assert not any(tmp_path.iterdir())
 
 

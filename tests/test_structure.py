@@ -37,11 +37,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeline.formats",),
     ("pipeline.checkpoint",),
     ("pipeline.workload", "pipeline.strategies"),
-    ("pipeline.orchestration.contract", "pipeline.orchestration.records"),
+    (
+        "pipeline.orchestration.contract",
+        "pipeline.orchestration.records",
+        "pipeline.orchestration.jobs",
+        "pipeline.orchestration.preemption",
+    ),
     ("pipeline.stages",),
     ("pipeline.orchestration",),
     ("launchers",),
-    ("pipeline.cli", "pipeline.__main__"),
+    ("pipeline.cli", "pipeline.__main__", "pipeline.status"),
 ]
 
 
@@ -72,7 +77,7 @@ def test_layers_only_import_downwards() -> None:
 
 def test_pipeline_top_level_is_only_the_entry_point() -> None:
     loose = sorted(p.name for p in (ROOT / "pipeline").glob("*.py"))
-    assert loose == ["__init__.py", "__main__.py", "cli.py", "errors.py"], loose
+    assert loose == ["__init__.py", "__main__.py", "cli.py", "errors.py", "status.py"], loose
 
 
 def test_stages_do_not_import_each_other() -> None:

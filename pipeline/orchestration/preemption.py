@@ -38,12 +38,12 @@ def install() -> None:
     _installed.set()
 
 
-def enabled() -> bool:
+def preemptible() -> bool:
     """True in a task that may be preempted (train on SLURM): then train checks the flag after each step."""
     return _installed.is_set()
 
 
-def requested() -> bool:
+def preemption_requested() -> bool:
     return _requested.is_set()
 
 

@@ -27,7 +27,7 @@ from pipeline.config.overrides import DEFAULT_ROOT, carried
 from pipeline.config.schema import STAGE_ALL, PipelineConfig
 from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, VerificationError
 from pipeline.orchestration.contract import JobRef, Resources, StageContract
-from pipeline.orchestration.jobs import job_alive
+from pipeline.orchestration.jobs import ACTIVE_STATES, job_alive, slurm_states
 from pipeline.orchestration.lease import RunLease, read_lease
 from pipeline.orchestration.plan import Plan, PlannedStage, make_plan
 from pipeline.orchestration.progress import StageProgress, commit_lines
@@ -182,10 +182,17 @@ def run(
 def _hand_over_if_jobs_live(lease: RunLease, say: Say) -> None:
     """Jobs this launch submitted to a scheduler that are still queued or running own the run after it exits:
     the lease stays (a later launch breaks it once the scheduler says every one has finished)."""
-    live = [j for j in lease.record["jobs"] if j["cluster"] == "slurm" and job_alive("slurm", j["job_id"]) is not False]
+    deadline = time.monotonic() + 15  # a job that just ended shows COMPLETING for a moment
+    while True:
+        ids = [j["job_id"] for j in lease.record["jobs"] if j["cluster"] == "slurm"]
+        states = slurm_states(ids)
+        live = [j for j in ids if states.get(j) is None or states[j] in ACTIVE_STATES]
+        if not live or any(states.get(j) != "COMPLETING" for j in live) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     if live:
         lease.hand_over()
-        say(f"the run stays owned by job(s) {' '.join(j['job_id'] for j in live)} until they end")
+        say(f"the run stays owned by job(s) {' '.join(live)} until they end")
 
 
 def _write_hydra_file(layout: RunLayout, name: str, text: str) -> None:
@@ -315,6 +322,9 @@ class _Execution:
             self._failed(act.planned, error)
             return
         self.times[name] = time.monotonic() - act.t0
+        seconds = (read_record(self.plan.layout, name) or {}).get("seconds")
+        if self.launcher.chains and isinstance(seconds, (int, float)):  # queued together: time from its record
+            self.times[name] = float(seconds)
         self.status[name] = "succeeded"
         self.say(f"done {name} in {self.times[name]:.1f}s")
         if act.planned.contract.creates_run and self.after_create is not None:

@@ -26,8 +26,8 @@ from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_latest
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.formats.dcp import load_into
-from pipeline.orchestration import preemption
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.orchestration.preemption import no_requeue_reason, preemptible, preemption_requested
 from pipeline.orchestration.records import producer_attempt, stage_alive
 from pipeline.stages import shard_save
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
@@ -303,7 +303,7 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
             log.info("step %d loss %.4f", step, losses[step])
         tokens = batch.numel() * world  # every rank trains on an equal batch
         _event(metrics, ctx, "step", step=step, loss=losses[step], lr=lr, tokens=tokens, step_s=time.monotonic() - t0)
-        stop = preemption.enabled() and _any_rank(preemption.requested(), ckpt_pg)
+        stop = preemptible() and _any_rank(preemption_requested(), ckpt_pg)
         if is_save_step(cfg, step) or stop:
             result = shard_save.save(ctx, step, _state(model, opt, sched, stream, step, rank), ckpt_pg)
             (saved if _gather_save(ctx, step, result, ckpt_pg, metrics, save_errors) else failed).append(step)
@@ -321,7 +321,7 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         "losses": losses,
     }
     if last < final_step(cfg):  # stopped on SLURM's USR2: requeue, or stop for good past max_num_timeout
-        why = preemption.no_requeue_reason(cfg)
+        why = no_requeue_reason(cfg)
         if why is not None:
             raise PipelineError(f"{why}; step {last} is saved: continue with python -m pipeline run.id={layout.run_id}")
         summary["requeue"] = True

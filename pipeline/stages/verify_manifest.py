@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.checkpoint import retention
 from pipeline.checkpoint.manifest import (
     MANIFEST,
     Manifest,
@@ -341,7 +342,9 @@ def _commit_while_running(ctx: TaskContext, committed: list[int], quarantined: l
 
 
 def _retain(ctx: TaskContext) -> None:
-    """Retention (``checkpoint.keep_last``/``keep_every``) after a commit: this task owns ``checkpoints/``."""
+    """Retention (``checkpoint.keep_last``/``keep_every``/``keep_outputs_last``) after a commit: this task owns
+    ``checkpoints/``; it never touches ``latest``'s step, a newer one, or anything staged or quarantined."""
+    retention.apply(ctx.layout, ctx.cfg.checkpoint, latest_step=_latest_step(ctx.layout) or None)
 
 
 def run(ctx: TaskContext) -> dict[str, object]:

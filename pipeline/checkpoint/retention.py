@@ -1,0 +1,221 @@
+"""Checkpoint retention: which committed steps (and which consolidated/export outputs) to keep, and removing the rest.
+
+Done by the committer (verify-manifest, the single task that owns ``checkpoints/``) after each commit, so no
+rank and no other stage ever deletes a step. Two parts:
+
+* :func:`decide` is pure: from the committed steps, the step ``latest`` names and the policy
+  (``checkpoint.keep_last``, ``checkpoint.keep_every``) it says which steps stay, each with its reasons, and which
+  go. It never removes ``latest``'s step, never a step newer than ``latest`` (one being committed, or one the
+  committer has not vouched for yet), and nothing at all without a policy or without a ``latest``.
+* :func:`apply` carries a decision out in one area at a time. A step leaves in one ``rename`` into the area's
+  trash dir (:data:`TRASH`, ``<area>/.deleting/``) and is deleted there; every call first empties the trash of
+  what a crashed call left. So a crash at any point leaves every kept step intact and, at most, a half-deleted
+  directory inside the trash that the next call finishes. The decision is recorded in
+  ``checkpoints/retention.json`` (:data:`RECORD`) for ``status``.
+
+``consolidated/`` and ``export/`` follow ``checkpoint.keep_outputs_last`` the same way, counting only complete
+outputs (their done-marker is a file): an output goes only when a newer complete output of the same kind exists,
+and latest's output always stays. The trash is not ``<area>/.retired/``: that is where consolidate and export
+keep outputs replaced by a forced redo, which are never deleted.
+
+Listings only nominate: a ``step_N`` counts when it is a real directory (``lstat``, never followed) holding its
+marker as a regular file; symlinks, files, staging and quarantine are left alone (the committer quarantines
+planted links). Every mutation goes through :mod:`pipeline.storage.atomic`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint.manifest import MANIFEST
+from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER
+from pipeline.config.schema import CheckpointConfig
+from pipeline.errors import VerificationError
+from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, remove_tree, write_json_atomic
+from pipeline.storage.integrity import is_real_dir, lstat_kind, read_record_json
+from pipeline.storage.layout import RunLayout, parse_step, step_name
+
+log = logging.getLogger(__name__)
+
+TRASH = ".deleting"
+"""Per area: steps and outputs on their way out (moved here in one rename, then deleted; emptied every call)."""
+RECORD = "retention.json"
+"""``checkpoints/retention.json``: the last decision that changed something (time, policy, kept, removed)."""
+EXPORT_MARKER = "provenance.json"
+"""Done-marker of ``export/step_N/`` (``pipeline.stages.export.MARKER``; a stage cannot be imported from here)."""
+
+NO_POLICY = "no retention policy"
+NO_LATEST = "no latest"
+LATEST = "latest"
+NEWER_THAN_LATEST = "newer than latest"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which steps of one area stay (with why) and which go."""
+
+    kept: Mapping[int, tuple[str, ...]]
+    """Step -> the reasons it stays (``latest``, ``newest 2``, ``multiple of 100``...), oldest step first."""
+    removed: tuple[int, ...]
+    """Steps to delete (or, from :func:`apply`, deleted), oldest first."""
+
+    def to_json(self) -> dict[str, Any]:
+        kept = [{"step": s, "reasons": list(r)} for s, r in self.kept.items()]
+        return {"kept": kept, "removed": list(self.removed)}
+
+
+def decide(committed: list[int], latest: int | None, keep_last: int | None, keep_every: int | None) -> Decision:
+    """Split ``committed`` into kept (with reasons) and removed steps. Pure.
+
+    ``keep_last`` counts the newest steps up to ``latest`` (after a fallback, steps above ``latest`` are not the
+    history it vouches for); ``keep_every`` keeps multiples of it forever. ``latest`` and anything newer always
+    stay; with neither key set, or no ``latest``, nothing goes.
+    """
+    for key, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+        if value is not None and value < 1:
+            raise ValueError(f"{key}={value} must be >= 1 or None")
+    steps = sorted(set(committed))
+    if keep_last is None and keep_every is None:
+        return Decision(kept={s: (NO_POLICY,) for s in steps}, removed=())
+    if latest is None:
+        return Decision(kept={s: (NO_LATEST,) for s in steps}, removed=())
+    newest = set(sorted((s for s in steps if s <= latest), reverse=True)[:keep_last]) if keep_last else set()
+    kept: dict[int, tuple[str, ...]] = {}
+    removed = []
+    for s in steps:
+        reasons = []
+        if s == latest:
+            reasons.append(LATEST)
+        elif s > latest:
+            reasons.append(NEWER_THAN_LATEST)
+        if s in newest:
+            reasons.append(f"newest {keep_last}")
+        if keep_every is not None and s % keep_every == 0:
+            reasons.append(f"multiple of {keep_every}")
+        if reasons:
+            kept[s] = tuple(reasons)
+        else:
+            removed.append(s)
+    return Decision(kept=kept, removed=tuple(removed))
+
+
+def complete_steps(area: Path, marker: str) -> list[int]:
+    """``step_N`` entries of ``area`` that are real directories holding ``marker`` as a regular file (lstat only)."""
+    if not is_real_dir(area):
+        return []
+    out = []
+    for p in area.iterdir():
+        step = parse_step(p.name)
+        if step is not None and is_real_dir(p) and lstat_kind(p / marker) == "file":
+            out.append(step)
+    return sorted(out)
+
+
+def empty_trash(area: Path) -> None:
+    """Delete whatever ``area``'s trash holds (a crashed call's leftovers, or this call's moved steps).
+
+    ``area`` must be a real directory. A link or file planted where the trash dir goes is unlinked, never
+    followed: the trash is this owner's own.
+    """
+    trash = area / TRASH
+    kind = lstat_kind(trash)
+    if kind is None:
+        return
+    if kind != "dir":
+        clear_file(trash)
+        return
+    for entry in sorted(trash.iterdir()):
+        if is_real_dir(entry):
+            remove_tree(entry)  # renames it to a hidden sibling inside the trash first: a crash leaves it there
+        else:
+            clear_file(entry)
+
+
+def _retire(area: Path, steps: tuple[int, ...]) -> None:
+    """Move each step out of ``area`` in one rename, then delete them all inside the trash."""
+    for step in steps:
+        move_aside(area / step_name(step), area / TRASH, step_name(step))
+    empty_trash(area)
+
+
+def _apply_area(
+    area: Path, marker: str, latest_step: int | None, keep_last: int | None, keep_every: int | None
+) -> Decision:
+    if not is_real_dir(area):  # missing, or a link planted for a managed area: nothing under it is touched
+        return decide([], latest_step, keep_last, keep_every)
+    empty_trash(area)
+    decision = decide(complete_steps(area, marker), latest_step, keep_last, keep_every)
+    if decision.removed:
+        log.info("retention: removing %s from %s (kept: %s)", decision.removed, area, sorted(decision.kept))
+        _retire(area, decision.removed)
+    return decision
+
+
+def output_areas(layout: RunLayout) -> dict[str, tuple[Path, str]]:
+    """Output kind -> (area, done-marker) that ``checkpoint.keep_outputs_last`` governs."""
+    return {
+        "consolidated": (layout.consolidated, CONSOLIDATED_MARKER),
+        "export": (layout.export, EXPORT_MARKER),
+    }
+
+
+def record_path(layout: RunLayout) -> Path:
+    return layout.checkpoints / RECORD
+
+
+def _sweep_record_temps(layout: RunLayout) -> None:
+    """Temp files of a record write that a crash interrupted: never content."""
+    if not is_real_dir(layout.checkpoints):
+        return
+    for p in layout.checkpoints.iterdir():
+        if p.name.startswith(f"{RECORD}.") and is_temp_name(p.name) and lstat_kind(p) == "file":
+            clear_file(p)
+
+
+def read_record(layout: RunLayout) -> dict[str, Any] | None:
+    """The recorded decision (for ``status``), or None if there is none or it cannot be read."""
+    try:
+        obj = read_record_json(record_path(layout), "retention record")
+    except (FileNotFoundError, VerificationError, OSError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def apply(layout: RunLayout, cfg: CheckpointConfig, *, latest_step: int | None) -> Decision:
+    """Carry out retention for ``checkpoints/`` (``keep_last``, ``keep_every``) and the output areas
+    (``keep_outputs_last``); return the decision for ``checkpoints/``.
+
+    ``latest_step`` is the step ``latest`` names now (None: no step is removed anywhere). Only the committer may
+    call this. ``checkpoints/retention.json`` is rewritten when something was removed or the kept steps or
+    policy changed, so a call with nothing to do writes nothing (nor does a run that never set a policy).
+    """
+    _sweep_record_temps(layout)
+    checkpoints = _apply_area(layout.checkpoints, MANIFEST, latest_step, cfg.keep_last, cfg.keep_every)
+    outputs = {
+        kind: _apply_area(area, marker, latest_step, cfg.keep_outputs_last, None)
+        for kind, (area, marker) in output_areas(layout).items()
+    }
+    policy = {"keep_last": cfg.keep_last, "keep_every": cfg.keep_every, "keep_outputs_last": cfg.keep_outputs_last}
+    areas = {"checkpoints": checkpoints.to_json(), **{k: d.to_json() for k, d in outputs.items()}}
+    removed_any = any(d.removed for d in (checkpoints, *outputs.values()))
+    recorded = read_record(layout)
+    stale = _recorded_state(recorded) != _recorded_state({"policy": policy, "areas": areas})
+    has_policy = any(v is not None for v in policy.values())
+    if is_real_dir(layout.checkpoints) and (removed_any or (stale and (has_policy or recorded is not None))):
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        write_json_atomic(record_path(layout), {"time": stamp, "latest": latest_step, "policy": policy, "areas": areas})
+    return checkpoints
+
+
+def _recorded_state(record: dict[str, Any] | None) -> Any:
+    """What decides whether the record is stale: the policy and each area's kept steps (not time, not removed)."""
+    if record is None:
+        return None
+    areas = record.get("areas")
+    kept = {k: v.get("kept") for k, v in areas.items() if isinstance(v, dict)} if isinstance(areas, dict) else None
+    return record.get("policy"), kept

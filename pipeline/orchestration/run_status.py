@@ -1,0 +1,431 @@
+"""What ``python -m pipeline.status`` shows about a run, gathered read-only from its files and the scheduler.
+
+:func:`collect` reads the run's record, lease, stage records, checkpoints and outputs into one JSON-able dict
+(what ``--json`` prints); :func:`render` turns that dict into aligned lines for a terminal. Nothing here writes,
+locks or repairs anything: a damaged file becomes a line (or an ``error`` field) saying so, never a traceback.
+Listings only nominate: a committed step's size comes from its manifest, never from walking its files.
+"""
+
+from __future__ import annotations
+
+import calendar
+import re
+import shlex
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint.manifest import read_latest, read_manifest
+from pipeline.checkpoint.retention import output_areas, record_path
+from pipeline.config.identity import read_run_record
+from pipeline.config.overrides import DEFAULT_ROOT
+from pipeline.errors import PipelineError
+from pipeline.orchestration import jobs
+from pipeline.orchestration.lease import read_lease
+from pipeline.orchestration.progress import format_bytes, format_duration
+from pipeline.orchestration.records import pid_alive, stage_alive
+from pipeline.stages import ORDER
+from pipeline.storage.integrity import lstat_kind, read_record_json
+from pipeline.storage.layout import RunLayout, parse_step
+
+Status = dict[str, Any]
+
+_MARKER_RE = re.compile(r"^rank_\d+\.done\.json$")
+_NOTE = ".quarantine.json"  # beside a quarantined entry that is not a directory (verify_manifest._quarantine)
+
+
+def _why(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _read_json(path: Path, what: str) -> tuple[Any, str | None]:
+    """(content, None), (None, None) when absent, or (None, why it cannot be read)."""
+    try:
+        return read_record_json(path, what), None
+    except FileNotFoundError:
+        return None, None
+    except (PipelineError, OSError) as e:
+        return None, _why(e)
+
+
+def resume_command(layout: RunLayout) -> str:
+    """``runner.resume_command`` (the runner imports torch through the plan; status stays light)."""
+    cmd = f"python -m pipeline run.id={layout.run_id}"
+    root = layout.run_dir.parent.parent
+    if root != Path(DEFAULT_ROOT).resolve():
+        cmd += f" run.root={shlex.quote(str(root))}"
+    return cmd
+
+
+def _config(layout: RunLayout) -> tuple[dict[str, Any], str | None]:
+    try:
+        return read_run_record(layout.run_yaml).config, None
+    except PipelineError as e:
+        return {}, _why(e)
+
+
+def _owner(layout: RunLayout) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        lease = read_lease(layout)
+    except (PipelineError, OSError) as e:
+        return None, _why(e)
+    if lease is None:
+        return None, None
+    here = lease["host"] == socket.gethostname()
+    owner = {k: lease[k] for k in ("pid", "host", "started", "command")}
+    owner["alive"] = pid_alive(lease["pid"]) if here else None
+    owner["jobs"] = [
+        {k: str(j.get(k)) for k in ("stage", "job_id", "cluster", "host") if j.get(k) is not None}
+        for j in lease["jobs"]
+    ]
+    return owner, None
+
+
+def _elapsed(started: Any) -> float | None:
+    try:
+        return max(0.0, time.time() - calendar.timegm(time.strptime(str(started), "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
+
+
+def _logs(layout: RunLayout, stage: str, job_id: str | None) -> tuple[str | None, list[str]]:
+    """``logs/<stage>/<job_id>/`` (submitit's folder) and its ``*_log.err`` files."""
+    if not job_id or job_id == "inprocess" or not re.fullmatch(r"[0-9A-Za-z_.-]+", job_id) or job_id in {".", ".."}:
+        return None, []
+    folder = layout.logs / stage / job_id
+    try:
+        errs = sorted(p.name for p in folder.glob("*_log.err")) if lstat_kind(folder) == "dir" else []
+    except OSError:
+        errs = []
+    return str(folder), errs
+
+
+def _stage(layout: RunLayout, stage: str, clusters: dict[tuple[str, str], str], default_cluster: str) -> Status:
+    rec, problem = _read_json(layout.stage_record(stage), "stage record")
+    if problem is not None or (rec is not None and not isinstance(rec, dict)):
+        return {"stage": stage, "state": "unreadable", "error": problem or "stage record is not a JSON object"}
+    if rec is None:
+        return {"stage": stage, "state": "never ran"}
+    job_id = str(rec["job_id"]) if rec.get("job_id") is not None else None
+    cluster = "inprocess" if job_id == "inprocess" else clusters.get((stage, job_id or ""))
+    out: Status = {"stage": stage, "state": str(rec.get("status") or "unknown")}
+    for key in ("attempt", "host", "pid", "started", "ended", "seconds", "signal"):
+        if rec.get(key) is not None:
+            out[key] = rec[key]
+    out["job_id"], out["cluster"] = job_id, cluster or rec.get("cluster") or default_cluster
+    if isinstance(rec.get("error"), str):
+        out["error"] = rec["error"].strip().splitlines()[0] if rec["error"].strip() else ""
+    out["log_dir"], out["log_files"] = _logs(layout, stage, job_id)
+    return out
+
+
+def _judge_running(layout: RunLayout, st: Status, slurm: dict[str, str]) -> None:
+    """Whether a stage its record calls running still runs: the scheduler (SLURM) or the pid (local) says."""
+    if st["cluster"] == "slurm":
+        state = slurm.get(st.get("job_id") or "")
+        st["slurm_state"] = state
+        if st["state"] == "running" and state is not None and state not in jobs.ACTIVE_STATES:
+            st["state"] = "died"
+        return
+    if st["state"] != "running":
+        return
+    if st.get("host") not in (None, socket.gethostname()):
+        st["note"] = f"on host {st['host']}: not checked from here"
+        return
+    try:
+        alive = stage_alive(layout, st["stage"])
+    except (PipelineError, OSError, ValueError, TypeError):
+        alive = False
+    if not alive:
+        st["state"] = "died"
+
+
+def _committed(layout: RunLayout, latest_step: int | None) -> list[Status]:
+    out = []
+    for name, step in _step_entries(layout.checkpoints):
+        entry: Status = {"step": step, "latest": step == latest_step}
+        try:
+            manifest = read_manifest(layout.checkpoints / name)
+        except (PipelineError, OSError) as e:
+            entry["error"] = _why(e)
+        else:
+            entry["files"] = len(manifest.files)
+            entry["bytes"] = sum(f.size for f in manifest.files)
+        out.append(entry)
+    return out
+
+
+def _step_entries(area: Path) -> list[tuple[str, int]]:
+    try:
+        names = [p.name for p in area.iterdir()] if lstat_kind(area) == "dir" else []
+    except OSError:
+        names = []
+    return sorted(((n, s) for n in names if (s := parse_step(n)) is not None), key=lambda e: e[1])
+
+
+def _staged(layout: RunLayout, world_size: int | None) -> list[Status]:
+    out = []
+    for name, step in _step_entries(layout.staging):
+        path = layout.staging / name
+        entry: Status = {"step": step, "world_size": world_size}
+        try:
+            if lstat_kind(path) != "dir":
+                raise OSError(f"{path} is a {lstat_kind(path)}, not a directory")
+            entry["markers"] = sum(1 for p in path.iterdir() if _MARKER_RE.match(p.name))
+        except OSError as e:
+            entry["error"] = _why(e)
+        out.append(entry)
+    return out
+
+
+def _quarantined(layout: RunLayout) -> list[Status]:
+    try:
+        names = sorted(p.name for p in layout.quarantine.iterdir()) if lstat_kind(layout.quarantine) == "dir" else []
+    except OSError:
+        names = []
+    out = []
+    for name in (n for n in names if not n.endswith(_NOTE)):
+        path = layout.quarantine / name
+        note = path / "quarantine.json" if lstat_kind(path) == "dir" else path.with_name(name + _NOTE)
+        rec, problem = _read_json(note, "quarantine note")
+        entry: Status = {"name": name, "path": str(path)}
+        stamp = name.rsplit(".", 1)[-1]
+        if stamp.isdigit():
+            entry["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(stamp)))
+        if isinstance(rec, dict):
+            entry.update(step=rec.get("step"), reason=str(rec.get("reason")), source=rec.get("path"))
+        else:
+            entry["error"] = problem or ("no quarantine note" if rec is None else "quarantine note is not an object")
+        out.append(entry)
+    return out
+
+
+def _outputs(area: Path, marker: str) -> list[Status]:
+    return [
+        {"step": step, "complete": lstat_kind(area / name / marker) == "file"}
+        for name, step in _step_entries(area)
+        if lstat_kind(area / name) == "dir"
+    ]
+
+
+def _checkpoints(layout: RunLayout, world_size: int | None) -> Status:
+    latest: Status | None = None
+    latest_error = None
+    if lstat_kind(layout.latest) is not None:
+        try:
+            found = read_latest(layout)
+            latest = {"step": found.step, "manifest_hash": found.manifest_hash} if found else None
+        except (PipelineError, OSError) as e:
+            latest_error = _why(e)
+    retention, retention_error = _read_json(record_path(layout), "retention record")
+    return {
+        "latest": latest,
+        "latest_error": latest_error,
+        "committed": _committed(layout, latest["step"] if latest else None),
+        "staged": _staged(layout, world_size),
+        "quarantined": _quarantined(layout),
+        "retention": retention,
+        "retention_error": retention_error,
+    }
+
+
+def collect(layout: RunLayout) -> Status:
+    """Everything the status view shows, as one JSON-able dict."""
+    config, config_error = _config(layout)
+    owner, owner_error = _owner(layout)
+    lease_jobs = owner["jobs"] if owner else []
+    clusters = {(j.get("stage", ""), j.get("job_id", "")): j.get("cluster", "") for j in lease_jobs}
+    launcher, strategy = config.get("launcher"), config.get("strategy")
+    default_cluster = str(launcher.get("kind", "local")) if isinstance(launcher, dict) else "local"
+    world_size = strategy.get("world_size") if isinstance(strategy, dict) else None
+    stages = [_stage(layout, s, clusters, default_cluster) for s in ORDER]
+    slurm_ids = [j["job_id"] for j in lease_jobs if j.get("cluster") == "slurm"]
+    slurm_ids += [str(s["job_id"]) for s in stages if s.get("cluster") == "slurm" and s.get("job_id")]
+    slurm = jobs.slurm_states(slurm_ids) if slurm_ids else {}
+    for st in stages:
+        if "cluster" in st:
+            _judge_running(layout, st, slurm)
+        if st["state"] == "running":
+            st["running_for_s"] = _elapsed(st.get("started"))
+    for job in lease_jobs:
+        job["state"] = _job_state(job, slurm)
+    return {
+        "run_id": layout.run_id,
+        "run_dir": str(layout.run_dir),
+        "experiment": layout.run_dir.parent.name,
+        "run_yaml_error": config_error,
+        "owner": owner,
+        "owner_error": owner_error,
+        "stages": stages,
+        "checkpoints": _checkpoints(layout, world_size if type(world_size) is int else None),
+        "consolidated": _outputs(*output_areas(layout)["consolidated"]),
+        "exported": _outputs(*output_areas(layout)["export"]),
+        "resume": resume_command(layout),
+    }
+
+
+def _job_state(job: dict[str, str], slurm: dict[str, str]) -> str:
+    if job.get("cluster") == "slurm":
+        return slurm.get(job.get("job_id", ""), "unknown")
+    if job.get("host") != socket.gethostname():
+        return "unknown"
+    alive = jobs.job_alive(job.get("cluster", ""), job.get("job_id", ""))
+    return {True: "running", False: "ended", None: "unknown"}[alive]
+
+
+# --- text view ---------------------------------------------------------------------------------------------------
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))).rstrip() for r in rows]
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
+
+
+def _state_text(st: Status) -> str:
+    text = str(st["state"])
+    if st.get("slurm_state") is not None or st.get("cluster") == "slurm":
+        text += f" (SLURM: {st.get('slurm_state') or 'unknown'})"
+    elif st["state"] == "died" and st.get("pid") is not None:
+        text += f" (pid {st['pid']} gone)"
+    if st.get("signal"):
+        text += f" by {st['signal']}"
+    return text + (f" ({st['note']})" if st.get("note") else "")
+
+
+def _stage_lines(stages: list[Status]) -> list[str]:
+    rows = [["stage", "state", "attempt", "job", "started", "ended", "time"]]
+    for st in stages:
+        secs, so_far = st.get("seconds"), st.get("running_for_s")
+        rows.append(
+            [
+                st["stage"],
+                _state_text(st),
+                str(st.get("attempt", "")),
+                str(st.get("job_id") or ""),
+                str(st.get("started", "")),
+                str(st.get("ended", "")),
+                _duration(secs) if isinstance(secs, int | float) else f"{_duration(so_far)} so far" if so_far else "",
+            ]
+        )
+    lines = ["stages:", *_table(rows)]
+    troubles = [st for st in stages if st["state"] in ("failed", "died", "interrupted", "unreadable")]
+    if troubles:
+        lines.append("errors:")
+    for st in troubles:
+        lines.append(f"  {st['stage']}: {_state_text(st)}: {st.get('error') or '(no error recorded)'}")
+        if st.get("log_dir"):
+            files = f" ({', '.join(st['log_files'])})" if st.get("log_files") else " (no *_log.err files)"
+            lines.append(f"    logs: {st['log_dir']}/{files}")
+    return lines
+
+
+def _checkpoint_lines(ck: Status) -> list[str]:
+    lines = ["checkpoints:"]
+    latest = ck["latest"]
+    lines.append(f"  latest: step {latest['step']}" if latest else f"  latest: {ck['latest_error'] or 'none'}")
+    rows = [["committed", "files", "size", ""]]
+    for c in ck["committed"]:
+        if "error" in c:
+            rows.append([f"step {c['step']}", "", "", f"damaged: {c['error']}"])
+        else:
+            rows.append(
+                [f"step {c['step']}", str(c["files"]), format_bytes(c["bytes"]), "latest" if c["latest"] else ""]
+            )
+    lines += _table(rows) if len(rows) > 1 else ["  committed: none"]
+    for s in ck["staged"]:
+        of = f" of {s['world_size']}" if s.get("world_size") else ""
+        text = s["error"] if "error" in s else f"{s['markers']}{of} rank markers"
+        lines.append(f"  staged: step {s['step']}: {text}")
+    for q in ck["quarantined"]:
+        what = f"step {q['step']}" if q.get("step") is not None else "not a step"
+        when = f", {q['time']}" if q.get("time") else ""
+        lines.append(f"  quarantined: {q['name']} ({what}{when}): {q.get('reason') or q.get('error')}")
+    lines += _retention_lines(ck["retention"], ck["retention_error"])
+    return lines
+
+
+def _reasons(why: Any) -> str:
+    return ", ".join(map(str, why)) if isinstance(why, list | tuple) else str(why)
+
+
+def _kept_text(kept: Any) -> str:
+    """``{step: reason(s)}`` or ``[{"step": N, "reasons": [...]}]``, whichever the record holds."""
+    if isinstance(kept, dict):
+        items = [(k, v) for k, v in kept.items()]
+    elif isinstance(kept, list):
+        items = [(k["step"], k.get("reasons", "")) if isinstance(k, dict) and "step" in k else (k, "") for k in kept]
+    else:
+        return str(kept)[:200]
+    return ", ".join(f"step {s}" + (f" ({_reasons(why)})" if why else "") for s, why in items) or "none"
+
+
+def _retention_lines(rec: Any, error: str | None) -> list[str]:
+    """Whatever ``checkpoints/retention.json`` holds: per-area decisions (``areas``) or one flat decision."""
+    if error is not None:
+        return [f"  retention: unreadable: {error}"]
+    if rec is None:
+        return []
+    if not isinstance(rec, dict):
+        return [f"  retention: not a JSON object: {str(rec)[:120]}"]
+    at = f" at {rec['time']}" if "time" in rec else ""
+    of = f" (latest step {rec['latest']})" if rec.get("latest") is not None else ""
+    lines = [f"  retention{at}{of}:"]
+    policy = rec.get("policy")
+    if isinstance(policy, dict):
+        lines.append("    policy: " + (", ".join(f"{k}={v}" for k, v in policy.items() if v is not None) or "none"))
+    areas = rec["areas"] if isinstance(rec.get("areas"), dict) else {"": rec}
+    for name, area in areas.items():
+        head = f"    {name}: " if name else "    "
+        if not isinstance(area, dict):
+            lines.append(f"{head}{str(area)[:200]}")
+            continue
+        parts = [f"kept {_kept_text(area['kept'])}"] if "kept" in area else []
+        removed = area.get("removed")
+        if removed is not None:
+            steps = ", ".join(f"step {s}" for s in removed) if isinstance(removed, list) else str(removed)[:200]
+            parts.append(f"removed {steps or 'none'}")
+        lines.append(head + "; ".join(parts))
+    shown = {"time", "latest", "policy", "areas", "kept", "removed"}
+    lines += [f"    {k}: {str(v)[:200]}" for k, v in rec.items() if k not in shown]
+    return lines
+
+
+def _owner_lines(status: Status) -> list[str]:
+    owner = status["owner"]
+    if owner is None:
+        return [f"owner:      {status['owner_error'] or 'none (no launch is running)'}"]
+    alive = {True: "alive", False: "not running: a stale lease", None: "other host"}[owner["alive"]]
+    jobs_text = ", ".join(
+        f"{j.get('stage')} {j.get('job_id')} ({j.get('cluster')}: {j.get('state')})" for j in owner["jobs"]
+    )
+    return [
+        f"owner:      pid {owner['pid']} on {owner['host']} since {owner['started']} ({alive})",
+        f"jobs:       {jobs_text or 'none yet'}",
+    ]
+
+
+def _outputs_text(items: list[Status]) -> str:
+    return ", ".join(f"step {o['step']}" + ("" if o["complete"] else " (no done-marker)") for o in items) or "none"
+
+
+def render(status: Status) -> list[str]:
+    """The terminal view of :func:`collect`'s dict."""
+    lines = [
+        f"run:        {status['run_id']}",
+        f"dir:        {status['run_dir']}",
+        f"experiment: {status['experiment']}",
+    ]
+    if status["run_yaml_error"]:
+        lines.append(f"run.yaml:   {status['run_yaml_error']}")
+    lines += _owner_lines(status)
+    lines += _stage_lines(status["stages"])
+    lines += _checkpoint_lines(status["checkpoints"])
+    lines.append(f"consolidated: {_outputs_text(status['consolidated'])}")
+    lines.append(f"exported:     {_outputs_text(status['exported'])}")
+    lines.append(f"resume:       {status['resume']}")
+    return lines

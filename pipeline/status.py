@@ -1,0 +1,74 @@
+"""``python -m pipeline.status <run dir | run id | last> [--root DIR] [--experiment NAME] [--json]``
+
+A read-only view of one run: who owns it, each stage's last record (with the scheduler's word on its job), the
+errors and their logs, committed / staged / quarantined steps, retention, outputs, and the resume command.
+Exit 0 when the status could be shown (a failed run included), 2 for bad arguments (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from pipeline.config.overrides import DEFAULT_ROOT, LAST, RUN_YAML, newest_runs
+from pipeline.errors import PipelineError, RunNotFoundError
+from pipeline.orchestration.run_status import collect, render
+from pipeline.storage.layout import RunLayout
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.status",
+        description="Show a run's state (read-only): owner, stages, errors and logs, checkpoints, outputs.",
+    )
+    p.add_argument("run", help="a run dir (holding run.yaml), a run id, or 'last' for the newest run")
+    p.add_argument("--root", default=DEFAULT_ROOT, help="where runs live, as run.root (default: %(default)s)")
+    p.add_argument("--experiment", help="look the id up under this experiment only (default: every experiment)")
+    p.add_argument("--json", action="store_true", help="print the same data as one JSON object")
+    return p
+
+
+def resolve_run(arg: str, root: str, experiment: str | None) -> RunLayout:
+    """A run dir as given, or the run ``<root>/<experiment>/<arg>`` (``last``: the newest); else RunNotFoundError."""
+    path = Path(arg)
+    if (path / RUN_YAML).is_file():
+        return RunLayout(path.resolve())
+    if "/" in arg or arg in (".", ".."):
+        raise RunNotFoundError(f"{arg} is not a run dir: it holds no {RUN_YAML}")
+    base = Path(root).resolve()
+    where = base / experiment if experiment else base
+    runs = newest_runs(base, experiment, sys.maxsize)
+    matches = runs[:1] if arg == LAST else [d for d in runs if d.name == arg]
+    if len(matches) > 1:
+        exps = ", ".join(sorted(d.parent.name for d in matches))
+        raise RunNotFoundError(f"run id {arg!r} exists in several experiments ({exps}): add --experiment NAME")
+    if not matches:
+        newest = ", ".join(d.name for d in runs[:5]) or "none"
+        raise RunNotFoundError(f"no run {arg!r} under {where} (newest: {newest}); check the id, --root, --experiment")
+    return RunLayout(matches[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or argparse's usage error (2)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        layout = resolve_run(args.run, args.root, args.experiment)
+    except (PipelineError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    status = collect(layout)
+    text = json.dumps(status, indent=2, default=str) if args.json else "\n".join(render(status))
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # piped into head & co.: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail again
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
