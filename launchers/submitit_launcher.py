@@ -6,6 +6,7 @@ import contextlib
 import faulthandler
 import os
 import shlex
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,6 +64,8 @@ def task_entry(
     """
     faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT, ...) leaves its name and a traceback in stderr
     env = submitit.JobEnvironment()
+    if env.cluster == "local":  # submitit ignores SIGTERM (a SLURM habit); a local cancel must stop the task now
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for key in _INHERITED_RENDEZVOUS:
         os.environ.pop(key, None)
     distributed = get_stage(stage).CONTRACT.distributed

@@ -60,7 +60,9 @@ def test_info_and_shell_completion(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path: Path, args: list[str], message: str) -> None:
-    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", *args)
+    # sbatch may be installed here (the SLURM tests' cluster): a PATH of the venv alone has none
+    env = {"PATH": str(Path(sys.executable).parent)} if args == ["launcher=slurm"] else None
+    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", *args, env=env)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert message in lines[0], lines[0]

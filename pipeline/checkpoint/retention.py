@@ -37,6 +37,7 @@ from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER
 from pipeline.config.schema import CheckpointConfig
 from pipeline.errors import VerificationError
 from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, remove_tree, write_json_atomic
+from pipeline.storage.faults import inject
 from pipeline.storage.integrity import is_real_dir, lstat_kind, read_record_json
 from pipeline.storage.layout import RunLayout, parse_step, step_name
 
@@ -140,6 +141,7 @@ def _retire(area: Path, steps: tuple[int, ...]) -> None:
     """Move each step out of ``area`` in one rename, then delete them all inside the trash."""
     for step in steps:
         move_aside(area / step_name(step), area / TRASH, step_name(step))
+    inject("retention.before_delete", area=area.name, steps=",".join(map(str, steps)))
     empty_trash(area)
 
 

@@ -382,6 +382,12 @@ class RecordingWriter(FileSystemWriter):
         self.fs = self._hashing_fs
         self.written: list[FileEntry] = []
 
+    def storage_meta(self) -> dcp_meta.StorageMeta | None:
+        """None: DCP would record the staging path and a random save id, so equal training states would give
+        different ``.metadata`` bytes; without them a step's files depend on the training state alone (a run
+        on SLURM and one on this machine with the same seed commit identical hashes)."""
+        return None
+
     def write_data(self, plan: Any, planner: Any) -> Any:
         fut = super().write_data(plan, planner)
         names = sorted({r.storage_data.relative_path for r in fut.wait()})

@@ -80,6 +80,8 @@ PRODUCER = CONTRACT.needs[0]
 """The stage whose staged steps this one commits (train): its record gives the attempt and liveness."""
 
 log = logging.getLogger(__name__)
+_COMMITTED_AT: dict[int, float] = {}
+"""Unix time each step of this task was committed (the record shows how far ``latest`` trailed train)."""
 
 
 def _latest_step(layout: RunLayout) -> int:
@@ -299,6 +301,7 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
     inject("verify.before_latest", step=step)
     write_latest(layout, step, manifest_hash)
     log.info("committed step %d (%d files) -> %s", step, len(files), layout.committed_step(step))
+    _COMMITTED_AT[step] = time.time()
     return manifest_hash
 
 
@@ -311,7 +314,10 @@ def _producer_alive(ctx: TaskContext) -> bool:
     rec = read_record(ctx.layout, ref.stage) or {}
     if rec.get("attempt") == ref.attempt and rec.get("status") in ("succeeded", "failed", "interrupted"):
         return False
-    return job_alive(ref.cluster, ref.job_id) is not False
+    # A local job's controller may be gone while its ranks still finish (a cancel): rank 0's record counts too.
+    return job_alive(ref.cluster, ref.job_id) is not False or (
+        rec.get("attempt") == ref.attempt and stage_alive(ctx.layout, ref.stage)
+    )
 
 
 def _commit_while_running(ctx: TaskContext, committed: list[int], quarantined: list[str]) -> None:
@@ -381,4 +387,4 @@ def run(ctx: TaskContext) -> dict[str, object]:
         raise VerificationError("; ".join(quarantined + pending) + f" (latest stays at step {newest})")
     for step, msg in incomplete:
         log.warning("incomplete step %d is superseded by committed step %d; left in staging: %s", step, newest, msg)
-    return {"committed": committed, "latest": newest}
+    return {"committed": committed, "latest": newest, "committed_at": {str(k): v for k, v in _COMMITTED_AT.items()}}

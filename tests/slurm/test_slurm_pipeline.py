@@ -1,0 +1,232 @@
+"""The pipeline on the real single-node SLURM cluster (``scripts/slurm/start.sh``), submitted through submitit.
+
+Each test launches ``python -m pipeline ... launcher=slurm`` as a user would and reads the run dir and
+``sacct`` afterwards. Sized for 2 cores: the tiny model, a few minutes in all (the requeue test is the long one).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.checkpoint.manifest import read_latest, read_manifest
+from pipeline.storage.layout import RunLayout
+from tests.conftest import run_cli
+from tests.slurm.conftest import SlurmCluster, sacct_states, wait_for_jobs
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+FAST = ("launcher.poll_interval_s=0.3",)
+
+
+def _launch(
+    root: Path, run_id: str, *extra: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    return run_cli(
+        "+experiment=tiny",
+        f"run.root={root}",
+        f"run.id={run_id}",
+        "run.create=true",
+        "launcher=slurm",
+        *FAST,
+        *extra,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def _job_ids(out: str) -> list[str]:
+    m = re.search(r"submitted \d+ job\(s\): ([\d ]+)", out)
+    assert m, out
+    return m.group(1).split()
+
+
+def _record(layout: RunLayout, stage: str) -> dict:
+    return json.loads(layout.stage_record(stage).read_text())
+
+
+def _manifest_hashes(layout: RunLayout, step: int) -> dict[str, str]:
+    return {f.path: f.hash for f in read_manifest(layout.committed_step(step)).files}
+
+
+def _steps_trained(layout: RunLayout) -> list[int]:
+    lines = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line.strip()]
+    return [e["step"] for e in lines if e.get("event") == "step"]
+
+
+def test_chain_submits_and_matches_a_local_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The whole chain is submitted at once (job ids printed, exit 0); every job completes; the committed steps
+    equal a local run's with the same seed, file by file; a second launch submits nothing."""
+    proc = _launch(tmp_path, "s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "status:  python -m pipeline.status" in proc.stdout
+    ids = _job_ids(proc.stdout)
+    assert len(ids) == 5, proc.stdout
+    wait_for_jobs(ids, timeout_s=300)
+    assert set(sacct_states(ids).values()) == {"COMPLETED"}, sacct_states(ids)
+    slurm = RunLayout.for_run(tmp_path, "tiny", "s")
+    assert read_latest(slurm).step == 8  # type: ignore[union-attr]
+    assert (slurm.export_step(8) / "config.json").is_file()
+    assert _record(slurm, "train")["world_size"] == 2
+
+    local = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=l", "run.create=true", *FAST)
+    assert local.returncode == 0, local.stdout + local.stderr
+    local_layout = RunLayout.for_run(tmp_path, "tiny", "l")
+    for step in (4, 8):
+        assert _manifest_hashes(slurm, step) == _manifest_hashes(local_layout, step)
+
+    again = _launch(tmp_path, "s")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "nothing to submit: every stage is done" in again.stdout
+    assert "broke stale lease" in again.stdout  # the finished chain's hold on the run ended with its jobs
+
+    status = subprocess.run(
+        [*_python(), "-m", "pipeline.status", str(slurm.run_dir), "--json"], capture_output=True, text=True, check=False
+    )
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)  # the status of a finished SLURM run parses
+
+
+def _python() -> list[str]:
+    import sys  # noqa: PLC0415
+
+    return [sys.executable]
+
+
+def test_latest_advances_while_train_runs(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The committer runs beside train: steps are committed before train's job has ended."""
+    proc = _launch(
+        tmp_path, "adv", "train.steps=400", "checkpoint.every=50", "launcher.wait=true", "checkpoint.keep_last=3"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    layout = RunLayout.for_run(tmp_path, "tiny", "adv")
+    committed_at = {int(k): v for k, v in _record(layout, "verify_manifest")["summary"]["committed_at"].items()}
+    train_end = _iso_time(_record(layout, "train")["ended"])
+    early = [s for s, t in committed_at.items() if t < train_end]
+    assert early and min(early) == 50, (committed_at, train_end)
+    # retention kept the newest 3; latest is the last step
+    assert sorted(int(p.name[5:]) for p in layout.checkpoints.glob("step_*")) == [300, 350, 400]
+
+
+def _iso_time(text: str) -> float:
+    return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone + 1  # the second's end
+
+
+def test_double_submission_has_one_owner(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """While a submitted chain's jobs are queued or running, another launch of that run is refused in one line."""
+    first = _launch(tmp_path, "d", "train.steps=200")
+    assert first.returncode == 0, first.stdout + first.stderr
+    ids = _job_ids(first.stdout)
+    second = _launch(tmp_path, "d", "train.steps=200")
+    assert second.returncode != 0
+    assert second.stderr.count("\n") == 1 and "owned by the jobs of the launch" in second.stderr, second.stderr
+    assert all(i in second.stderr for i in ids)
+    wait_for_jobs(ids, timeout_s=300)
+    assert set(sacct_states(ids).values()) == {"COMPLETED"}
+
+
+def test_dry_run_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    proc = _launch(tmp_path, "dry", "dry_run=true", "launcher.stages.train.mem_gb=3")
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --dependency='afterok:<prepare_dirs job>'" in proc.stdout
+    assert "#SBATCH --dependency='after:<train job>'" in proc.stdout
+    assert "#SBATCH --mem=6GB" in proc.stdout  # 3 GB per task, 2 tasks on the node
+    assert "writes: checkpoints/staging/step_N/" in proc.stdout and "(about " in proc.stdout
+    assert subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout == before
+    assert not (tmp_path / "tiny" / "dry").exists()
+
+    refused = _launch(tmp_path, "bad", "launcher.partition=nosuchpartition", "launcher.wait=true")
+    assert refused.returncode == 1 and "sbatch refused stage prepare_dirs" in refused.stdout, refused.stdout
+    assert "Traceback" not in refused.stdout + refused.stderr
+
+
+def test_failed_stage_cancels_dependents_and_a_rerun_finishes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The committer dies before publishing step 8: SLURM cancels consolidate and export at once (they never
+    pend); a plain rerun commits the staged step 8 without training again, then consolidates and exports."""
+    proc = _launch(tmp_path, "f", env={"PIPELINE_FAULTS": "verify.before_publish@step=8@action=exit"})
+    ids = _job_ids(proc.stdout)
+    wait_for_jobs(ids, timeout_s=300)
+    states = sacct_states(ids)
+    assert [states[i] for i in ids] == ["COMPLETED", "COMPLETED", "FAILED", "CANCELLED", "CANCELLED"], states
+    layout = RunLayout.for_run(tmp_path, "tiny", "f")
+    assert read_latest(layout).step == 4  # type: ignore[union-attr]
+    status = subprocess.run(
+        [*_python(), "-m", "pipeline.status", str(layout.run_dir)], capture_output=True, text=True, check=False
+    )
+    assert "CANCELLED" in status.stdout and "FAILED" in status.stdout, status.stdout
+
+    rerun = _launch(tmp_path, "f", "launcher.wait=true")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "skip train: step 8 is staged with every rank's marker" in rerun.stdout
+    assert read_latest(layout).step == 8  # type: ignore[union-attr]
+    assert _steps_trained(layout) == list(range(1, 9))  # nothing trained twice
+
+    one = _launch(tmp_path, "f", "stage=consolidate", "force=true", "launcher.wait=true")
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert "run  consolidate" in one.stdout and "run  export" not in one.stdout and "run  train" not in one.stdout
+
+
+def test_time_limit_requeues_and_resumes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A 2-minute train job that cannot finish: on SLURM's USR2 every rank saves the same step and the job
+    requeues itself; after the requeue train resumes from exactly that step (committed meanwhile by the
+    committer beside it); the second signal finds no requeue left (max_num_timeout=1): train saves and stops
+    with a one-line reason. No step is lost or trained twice."""
+    proc = _launch(
+        tmp_path,
+        "rq",
+        "train.steps=1000000",
+        "checkpoint.every=1000",
+        "train.time_limit_min=2",
+        "launcher.max_num_timeout=1",
+        "launcher.signal_delay_s=60",
+        "launcher.wait=true",
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "allows no more" in out, out
+    layout = RunLayout.for_run(tmp_path, "tiny", "rq")
+    events = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line.strip()]
+    starts = [e for e in events if e["event"] == "start"]
+    ends = [e for e in events if e["event"] == "end"]
+    assert len(starts) == 2 and len(ends) == 2, starts
+    first_stop = ends[0]["last_step"]
+    assert starts[1]["resume_from"] == first_stop > 0  # resumed from the step saved on the signal
+    trained = _steps_trained(layout)
+    assert trained == list(range(1, ends[1]["last_step"] + 1)), "every step once, in order"
+    assert read_latest(layout).step == ends[1]["last_step"]  # type: ignore[union-attr]
+    train_job = _record(layout, "train")["job_id"]
+    assert sacct_states([train_job])[train_job] == "FAILED"
+
+
+def test_scancel_of_train_then_rerun_resumes_from_latest(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """scancel train mid-run: the committer commits what was complete and ends; a rerun resumes from the
+    newest committed step."""
+    proc = _launch(tmp_path, "sc", "train.steps=1000000", "checkpoint.every=200")
+    ids = _job_ids(proc.stdout)
+    layout = RunLayout.for_run(tmp_path, "tiny", "sc")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        latest = read_latest(layout) if layout.latest.exists() else None
+        if latest is not None and latest.step >= 400:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("latest never reached step 400 while train ran")
+    subprocess.run(["scancel", ids[1]], check=True)
+    wait_for_jobs(ids, timeout_s=120)
+    states = sacct_states(ids)
+    assert states[ids[1]] == "CANCELLED" and states[ids[2]] in ("COMPLETED", "FAILED"), states
+    committed = read_latest(layout).step  # type: ignore[union-attr]
+    assert committed >= 400
+
+    rerun = _launch(tmp_path, "sc", f"train.stop_after_step={committed + 200}", "launcher.wait=true")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert _record(layout, "train")["summary"]["resumed_from"] == committed
+    assert read_latest(layout).step == committed + 200  # type: ignore[union-attr]

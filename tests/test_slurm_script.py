@@ -1,0 +1,98 @@
+"""What the SLURM launcher would submit, read from the generated sbatch text (no cluster needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import submitit
+
+from launchers.resources import sbatch_lines
+from pipeline.config.compose import load_config
+from pipeline.errors import ConfigError
+from pipeline.orchestration.plan import make_plan
+from pipeline.storage.layout import RunLayout
+
+
+def _plan(tmp_path: Path, *overrides: str):  # noqa: ANN202
+    cfg = load_config(
+        ["+experiment=tiny", f"run.root={tmp_path}", "run.id=r", "launcher=slurm", "dry_run=true", *overrides]
+    )
+    return make_plan(cfg, RunLayout.for_run(tmp_path, "tiny", "r"))
+
+
+def _lines(tmp_path: Path, stage: str, *overrides: str) -> list[str]:
+    plan = _plan(tmp_path, *overrides)
+    return sbatch_lines(next(s for s in plan.stages if s.name == stage), plan)
+
+
+def test_multi_node_train_spreads_tasks_evenly(tmp_path: Path) -> None:
+    lines = _lines(tmp_path, "train", "strategy.world_size=8", "launcher.stages.train.nodes=2", "strategy.backend=nccl")
+    assert "#SBATCH --nodes=2" in lines and "#SBATCH --ntasks-per-node=4" in lines
+    assert "#SBATCH --gpus-per-node=4" in lines  # one GPU per rank, asked per node; LOCAL_RANK picks it
+    assert "#SBATCH --mem=16GB" in lines  # 4 GB per task, 4 tasks per node
+    assert any(line.startswith("#SBATCH --signal=USR2@") for line in lines)
+
+
+def test_resources_per_stage_and_defaults(tmp_path: Path) -> None:
+    lines = _lines(
+        tmp_path,
+        "consolidate",
+        "launcher.partition=big",
+        "launcher.account=proj",
+        "launcher.qos=high",
+        "launcher.stages.consolidate.time_min=7",
+        "launcher.stages.consolidate.cpus_per_task=3",
+        "launcher.stages.consolidate.constraint=ssd",
+        "+launcher.stages.consolidate.extra.exclusive=user",
+    )
+    for want in (
+        "--partition=big",
+        "--account=proj",
+        "--qos=high",
+        "--time=7",
+        "--cpus-per-task=3",
+        "--constraint=ssd",
+    ):
+        assert f"#SBATCH {want}" in lines, lines
+    assert "#SBATCH --exclusive=user" in lines
+    assert "#SBATCH --kill-on-invalid-dep=yes" in lines  # a failed upstream job cancels it, never pends forever
+    train = _lines(tmp_path, "train", "train.time_limit_min=90")
+    assert "#SBATCH --time=90" in train and "#SBATCH --ntasks-per-node=2" in train
+
+
+def test_uneven_nodes_and_local_multi_node_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="do not spread evenly over 3 nodes"):
+        _plan(tmp_path, "launcher.stages.train.nodes=3")
+    with pytest.raises(ConfigError, match="only train spans nodes"):
+        _plan(tmp_path, "launcher.stages.export.nodes=2")
+    cfg = load_config(["+experiment=tiny", f"run.root={tmp_path}", "launcher.stages.train.nodes=2"])
+    with pytest.raises(ConfigError, match="needs launcher=slurm"):
+        make_plan(cfg, RunLayout.for_run(tmp_path, "tiny", "r"))
+
+
+def test_rendezvous_comes_from_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a 2-node job the master is the job's first node and the port a function of the job id, the same for
+    every task (what train's process group is built from)."""
+    env = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "8",
+        "SLURM_NTASKS_PER_NODE": "4",
+    }
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    assert os.environ["MASTER_ADDR"] == "gpu07"
+    assert os.environ["RANK"] == "5" and os.environ["WORLD_SIZE"] == "8" and os.environ["LOCAL_RANK"] == "1"
+    port = os.environ["MASTER_PORT"]
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    assert os.environ["MASTER_PORT"] == port  # derived from the job id, not drawn per task
