@@ -155,6 +155,9 @@ def wait_for_jobs(job_ids: Iterable[str], timeout_s: float) -> None:
             still = {}
         else:
             still = dict.fromkeys(ids, f"unknown (squeue: {out.stderr.strip()})")
+        if not still:  # accounting can lag squeue by a moment: wait until sacct has every job's end state too
+            states = slurm_states(ids)
+            still = {i: states.get(i, "unknown to sacct") for i in ids if states.get(i, "PENDING") in ACTIVE_STATES}
         if not still:
             return
         if time.monotonic() >= deadline:

@@ -230,3 +230,25 @@ def test_scancel_of_train_then_rerun_resumes_from_latest(slurm_cluster: SlurmClu
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert _record(layout, "train")["summary"]["resumed_from"] == committed
     assert read_latest(layout).step == committed + 200  # type: ignore[union-attr]
+
+
+def test_retention_survives_a_crash_midway(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The committer dies between moving a step aside and deleting it: every kept step is intact, consolidate
+    and export are cancelled; the rerun finishes the deletion and the chain."""
+    keep = ("train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=1")
+    proc = _launch(tmp_path, "ret", *keep, env={"PIPELINE_FAULTS": "retention.before_delete@action=exit"})
+    ids = _job_ids(proc.stdout)
+    wait_for_jobs(ids, timeout_s=300)
+    states = sacct_states(ids)
+    assert [states[i] for i in ids[2:]] == ["FAILED", "CANCELLED", "CANCELLED"], states
+    layout = RunLayout.for_run(tmp_path, "tiny", "ret")
+    latest = read_latest(layout)
+    assert latest is not None and (layout.committed_step(latest.step) / "manifest.json").is_file()
+    assert list((layout.checkpoints / ".deleting").iterdir()), "the crash left the moved step in the trash"
+
+    rerun = _launch(tmp_path, "ret", *keep, "launcher.wait=true")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert sorted(p.name for p in layout.checkpoints.glob("step_*")) == ["step_8"]
+    assert not list((layout.checkpoints / ".deleting").iterdir())
+    assert read_latest(layout).step == 8  # type: ignore[union-attr]
+    assert (layout.export_step(8) / "config.json").is_file()
