@@ -100,13 +100,16 @@ class SubmititHandle:
         # Several local tasks: watch them, so that one ending while its peers go on is noticed (peer_grace_s).
         local_multi = launcher.cluster == "local" and job.tasks > 1
         self.tasks = LocalTasks(sjob, job.tasks) if local_multi else None
-        self.deadline = time.monotonic() + launcher.time_limit_s(job)
+        # A local job starts at once; a queued SLURM job's clock starts when it does (it may wait for train).
+        self.deadline: float | None = time.monotonic() + launcher.time_limit_s(job) if not launcher.chains else None
 
     def poll(self) -> bool:
         cfg, job, sjob = self.launcher.cfg, self.job, self.sjob
         if sjob.done():
             return True
-        if time.monotonic() > self.deadline:
+        if self.deadline is None and str(sjob.state) in ("RUNNING", "COMPLETING"):
+            self.deadline = time.monotonic() + self.launcher.time_limit_s(job)
+        if self.deadline is not None and time.monotonic() > self.deadline:
             raise StageFailedError(
                 f"stage {job.stage} (job {sjob.job_id}) ran past its time limit of {job.resources.timeout_min} min "
                 f"+ launcher.deadline_grace_s={cfg.deadline_grace_s:g}s and was cancelled; logs: {sjob.paths.folder}"

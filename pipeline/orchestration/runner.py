@@ -239,7 +239,13 @@ class _Execution:
         self.handles: dict[str, JobHandle] = {}
         self.times: dict[str, float] = {}
         self.active: list[_Active] = []
-        self.failure: PipelineError | None = None
+        self.failures: dict[str, PipelineError] = {}
+
+    @property
+    def failure(self) -> PipelineError | None:
+        """The failure of the earliest stage in plan order (the cause; a committer beside a failed train may
+        end, and fail, before the train failure is seen)."""
+        return next((self.failures[s.name] for s in self.plan.stages if s.name in self.failures), None)
 
     def _ready(self, planned: PlannedStage) -> str:
         """``go``, ``wait`` (a dependency has not ended, or not started for ``beside``) or ``blocked``."""
@@ -281,7 +287,7 @@ class _Execution:
     def _failed(self, planned: PlannedStage, e: PipelineError) -> None:
         self.status[planned.name] = "failed"
         self.say(f"FAIL {planned.name}: {str(e).splitlines()[0]}")
-        self.failure = self.failure or e
+        self.failures[planned.name] = e
 
     def submit_ready(self, todo: list[PlannedStage]) -> None:
         """Submit, in plan order, every stage whose dependencies allow it now."""

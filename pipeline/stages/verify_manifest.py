@@ -80,8 +80,6 @@ PRODUCER = CONTRACT.needs[0]
 """The stage whose staged steps this one commits (train): its record gives the attempt and liveness."""
 
 log = logging.getLogger(__name__)
-_COMMITTED_AT: dict[int, float] = {}
-"""Unix time each step of this task was committed (the record shows how far ``latest`` trailed train)."""
 
 
 def _latest_step(layout: RunLayout) -> int:
@@ -301,7 +299,6 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
     inject("verify.before_latest", step=step)
     write_latest(layout, step, manifest_hash)
     log.info("committed step %d (%d files) -> %s", step, len(files), layout.committed_step(step))
-    _COMMITTED_AT[step] = time.time()
     return manifest_hash
 
 
@@ -320,7 +317,7 @@ def _producer_alive(ctx: TaskContext) -> bool:
     )
 
 
-def _commit_while_running(ctx: TaskContext, committed: list[int], quarantined: list[str]) -> None:
+def _commit_while_running(ctx: TaskContext, committed: dict[int, float], quarantined: list[str]) -> None:
     """Beside train: commit each staged step as soon as every rank's marker is there and its files verify, so
     ``latest`` advances while train runs. Returns once train's job has ended (after one more look)."""
     cfg, layout = ctx.cfg, ctx.layout
@@ -337,7 +334,7 @@ def _commit_while_running(ctx: TaskContext, committed: list[int], quarantined: l
                 continue
             try:
                 _commit(ctx, step, markers)
-                committed.append(step)
+                committed[step] = time.time()
             except VerificationError as e:
                 where = _quarantine(layout, layout.staged_step(step), str(e), step)
                 quarantined.append(f"step {step}: {e} (moved to {where})")
@@ -355,11 +352,12 @@ def _retain(ctx: TaskContext) -> None:
 
 def run(ctx: TaskContext) -> dict[str, object]:
     cfg, layout = ctx.cfg, ctx.layout
-    committed: list[int] = []
+    committed: dict[int, float] = {}  # step -> unix time of its commit (how far latest trailed train)
     incomplete: list[tuple[int, str]] = []
     _sweep_temp_files(layout)
     quarantined: list[str] = _recheck_latest(layout, cfg.strategy.world_size)
-    committed += _finish_interrupted_commits(layout, _latest_step(layout), cfg.strategy.world_size)
+    for step in _finish_interrupted_commits(layout, _latest_step(layout), cfg.strategy.world_size):
+        committed[step] = time.time()
     if ctx.beside is not None:
         _commit_while_running(ctx, committed, quarantined)
     attempt = producer_attempt(layout, PRODUCER)
@@ -371,7 +369,7 @@ def run(ctx: TaskContext) -> dict[str, object]:
         try:
             markers = _wait_for_markers(cfg, layout, step, attempt)
             _commit(ctx, step, markers)
-            committed.append(step)
+            committed[step] = time.time()
             _retain(ctx)
         except DeadlineError as e:
             incomplete.append((step, str(e)))
@@ -387,4 +385,4 @@ def run(ctx: TaskContext) -> dict[str, object]:
         raise VerificationError("; ".join(quarantined + pending) + f" (latest stays at step {newest})")
     for step, msg in incomplete:
         log.warning("incomplete step %d is superseded by committed step %d; left in staging: %s", step, newest, msg)
-    return {"committed": committed, "latest": newest, "committed_at": {str(k): v for k, v in _COMMITTED_AT.items()}}
+    return {"committed": list(committed), "latest": newest, "committed_at": {str(k): v for k, v in committed.items()}}

@@ -354,9 +354,9 @@ def committer(base: Baseline, layout: RunLayout, *, published_counts: bool, worl
     return declined("verify_manifest left step 8 alone") if out.kind == ACCEPTED else out
 
 
-def resume_check(layout: RunLayout) -> Outcome:
+def resume_check(base: Baseline, layout: RunLayout) -> Outcome:
     """train's rank-0 choice of the resume step: an int (accepted) or the message every rank raises."""
-    out = call(lambda: train._resume_step(layout))
+    out = call(lambda: train._resume_step(base.cfg, layout))
     return declined(out.value) if out.kind == ACCEPTED and isinstance(out.value, str) else out
 
 
@@ -480,7 +480,7 @@ def test_committed_step_files_are_refused_downstream(baseline: Baseline) -> None
                 m.apply(step_dir)
             after = snapshot(step_dir, names)
             unchanged = after == before
-            family.judge("train resume check", resume_check(layout), may_accept=unchanged, what=mutations)
+            family.judge("train resume check", resume_check(baseline, layout), may_accept=unchanged, what=mutations)
             if after[MANIFEST] == before[MANIFEST]:  # verify_committed alone cannot know the manifest's hash
                 out = call(lambda: verify_committed(step_dir, STEP))
                 family.judge("verify_committed", out, may_accept=unchanged, what=mutations)
@@ -841,7 +841,7 @@ def test_malformed_latest_is_refused(baseline: Baseline) -> None:
                 may_accept=may_accept,
                 what=m,
             )
-            family.judge("train resume check", resume_check(layout), may_accept=may_accept, what=m)
+            family.judge("train resume check", resume_check(baseline, layout), may_accept=may_accept, what=m)
             family.judge(
                 "consolidate", call(lambda: stage(baseline, layout, "consolidate")), may_accept=may_accept, what=m
             )
@@ -1521,7 +1521,7 @@ def _symlink_case(family: Family, base: Baseline, data: st.DataObject, root: Pat
         family.judge("verify_manifest", committer(base, layout, published_counts=True), may_accept=False, what=what)
         assert lstat_kind(layout.committed_step(STEP)) != "symlink", f"{what}: a link was published"
     elif site.startswith("committed"):
-        family.judge("train resume check", resume_check(layout), may_accept=False, what=what)
+        family.judge("train resume check", resume_check(base, layout), may_accept=False, what=what)
         family.judge("consolidate", call(lambda: stage(base, layout, "consolidate")), may_accept=False, what=what)
     else:
         family.judge("export", call(lambda: stage(base, layout, "export")), may_accept=False, what=what)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -219,8 +220,13 @@ def test_scancel_of_train_then_rerun_resumes_from_latest(slurm_cluster: SlurmClu
         time.sleep(1)
     else:
         pytest.fail("latest never reached step 400 while train ran")
+    running = _status_json(layout)  # the status of a running run
+    train = next(st for st in running["stages"] if st["stage"] == "train")
+    assert train["state"] == "running" and train["slurm_state"] == "RUNNING", train
     subprocess.run(["scancel", ids[1]], check=True)
     wait_for_jobs(ids, timeout_s=120)
+    after = next(st for st in _status_json(layout)["stages"] if st["stage"] == "train")
+    assert after["slurm_state"] == "CANCELLED" and after["state"] != "running", after
     states = sacct_states(ids)
     assert states[ids[1]] == "CANCELLED" and states[ids[2]] in ("COMPLETED", "FAILED"), states
     committed = read_latest(layout).step  # type: ignore[union-attr]
@@ -252,3 +258,47 @@ def test_retention_survives_a_crash_midway(slurm_cluster: SlurmCluster, tmp_path
     assert not list((layout.checkpoints / ".deleting").iterdir())
     assert read_latest(layout).step == 8  # type: ignore[union-attr]
     assert (layout.export_step(8) / "config.json").is_file()
+
+
+def _status_json(layout: RunLayout) -> dict:
+    proc = subprocess.run(
+        [*_python(), "-m", "pipeline.status", str(layout.run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_ctrl_c_with_wait_cancels_the_chain_and_commits(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``launcher.wait=true``, Ctrl-C mid-train: train and the queued jobs after it are cancelled, the committer
+    commits what was staged and ends by itself, nothing of the run is left in the queue, the lease is released."""
+    args = ["+experiment=tiny", f"run.root={tmp_path}", "run.id=int", "run.create=true", "launcher=slurm", *FAST]
+    args += ["launcher.wait=true", "train.steps=1000000", "checkpoint.every=200"]
+    proc = subprocess.Popen(
+        [*_python(), "-m", "pipeline", *args],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    layout = RunLayout.for_run(tmp_path, "tiny", "int")
+    deadline = time.monotonic() + 240
+    while not (layout.latest.exists() and read_latest(layout).step >= 200):  # type: ignore[union-attr]
+        assert time.monotonic() < deadline and proc.poll() is None, "latest never reached step 200"
+        time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, out + err
+    assert "INTERRUPTED train" in out and "verify_manifest commits the steps staged before the interrupt" in out, out
+    jobs = dict(re.findall(r"^\s+(\w+): job (\d+),", out, flags=re.MULTILINE))
+    states = sacct_states(jobs.values())
+    assert states[jobs["train"]] == "CANCELLED" and states[jobs["verify_manifest"]] in ("COMPLETED", "FAILED"), states
+    assert states[jobs["consolidate"]] == states[jobs["export"]] == "CANCELLED", states
+    wait_for_jobs(jobs.values(), timeout_s=60)
+    latest = read_latest(layout)
+    assert latest is not None and latest.step >= 200
+    assert f"latest = step {latest.step}" in out
+    assert not layout.lease.exists(), "no job of the run is left: the lease is released"
