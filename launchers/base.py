@@ -25,8 +25,9 @@ class JobHandle(Protocol):
         """After ``poll`` said done: return if every task succeeded, else raise ``StageFailedError``."""
         ...
 
-    def cancel(self) -> None:
-        """Cancel the job and wait, bounded by ``launcher.cancel_timeout_s``, until its processes are gone."""
+    def cancel(self, wait: bool = True) -> None:
+        """Cancel the job and (``wait``) wait, bounded by ``launcher.cancel_timeout_s``, until its processes are
+        gone. ``wait=False`` only asks (so several jobs are cancelled at once, before a dependency lets one start)."""
         ...
 
 

@@ -26,7 +26,7 @@ class _Done:
         if self.error is not None:
             raise self.error
 
-    def cancel(self) -> None:
+    def cancel(self, wait: bool = True) -> None:
         pass
 
 

@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ def task_entry(
     distributed = get_stage(stage).CONTRACT.distributed
     if distributed:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        os.environ["MASTER_PORT"] = str(rendezvous_port(str(env.job_id)))
         if isinstance(cfg.launcher, LocalLauncherConfig):
             os.environ["MASTER_ADDR"] = cfg.launcher.master_addr  # a literal IP: no hostname lookup at rendezvous
     if distributed and isinstance(cfg.launcher, SlurmLauncherConfig):
@@ -88,6 +90,25 @@ def task_entry(
     if summary.get("requeue"):
         preemption.requeue(env.global_rank, str(env.job_id))  # exits
     return summary
+
+
+def rendezvous_port(job_id: str) -> int:
+    """The job's rendezvous port: a function of its id (every task, on every node, agrees), below the kernel's
+    ephemeral range. submitit's own choice (20000-60000) overlaps that range, where srun's and slurmstepd's
+    listening sockets live: a collision fails rank 0 with EADDRINUSE (seen on the test cluster)."""
+    low, high = 10000, _EPHEMERAL_START
+    return low + zlib.crc32(job_id.encode()) % (high - low)
+
+
+def _ephemeral_start() -> int:
+    try:
+        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return start if start > 12000 else 32768
+
+
+_EPHEMERAL_START = _ephemeral_start()
 
 
 class SubmititHandle:
@@ -129,8 +150,8 @@ class SubmititHandle:
     def outcome(self) -> None:
         self.launcher.check_result(self.sjob, self.job)
 
-    def cancel(self) -> None:
-        self.launcher.cancel(self.sjob)
+    def cancel(self, wait: bool = True) -> None:
+        self.launcher.cancel(self.sjob, wait=wait)
 
 
 class SubmititLauncher(Launcher):
@@ -197,8 +218,12 @@ class SubmititLauncher(Launcher):
             ) from None
         return SubmititHandle(self, sjob, job)
 
-    def cancel(self, sjob: Any) -> None:
+    def cancel(self, sjob: Any, wait: bool = True) -> None:
         """Cancel ``sjob`` and wait, bounded, until its processes are gone (killed past the timeout)."""
+        if not wait:  # only a scheduler's queue can start a job meanwhile; a local cancel captures its tree below
+            if self.cluster != "local":
+                sjob.cancel(check=False)
+            return
         procs = _process_tree(sjob) if self.cluster == "local" else []
         try:
             if procs:  # SIGTERM to the whole tree: ranks stop, the controller sees them gone and exits quietly

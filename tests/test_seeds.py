@@ -255,7 +255,7 @@ class _Ran:
     def outcome(self) -> None:
         pass
 
-    def cancel(self) -> None:
+    def cancel(self, wait: bool = True) -> None:
         pass
 
 

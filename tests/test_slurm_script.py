@@ -9,6 +9,7 @@ import pytest
 import submitit
 
 from launchers.resources import sbatch_lines
+from launchers.submitit_launcher import rendezvous_port
 from pipeline.config.compose import load_config
 from pipeline.errors import ConfigError
 from pipeline.orchestration.plan import make_plan
@@ -96,3 +97,12 @@ def test_rendezvous_comes_from_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
     port = os.environ["MASTER_PORT"]
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     assert os.environ["MASTER_PORT"] == port  # derived from the job id, not drawn per task
+
+
+def test_rendezvous_port_is_the_jobs_and_below_the_ephemeral_range() -> None:
+    """Every task derives the same port from the job id, below the kernel's ephemeral ports (where srun's and
+    slurmstepd's listening sockets are: submitit's own 20000-60000 choice collided with one on the cluster)."""
+    ports = {job: rendezvous_port(job) for job in ("31", "32", "4242", "123_4")}
+    assert ports == {job: rendezvous_port(job) for job in ports}
+    assert len(set(ports.values())) == len(ports)
+    assert all(10000 <= p < 32768 for p in ports.values())

@@ -347,6 +347,8 @@ class _Execution:
         running = {a.planned.name for a in self.active}
         committers = [a for a in self.active if a.planned.contract.beside in running]
         others = [a for a in self.active if a not in committers]
+        for act in reversed(others):  # all at once, the last first: a dependency must not let one start meanwhile
+            act.handle.cancel(wait=False)
         for act in others:
             act.handle.cancel()
             act.watch.progress.close()
