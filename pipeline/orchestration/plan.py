@@ -74,10 +74,6 @@ class Plan:
     def describe(self) -> list[str]:
         return [s.describe() for s in self.stages]
 
-    def dependents_after_any(self, name: str) -> list[PlannedStage]:
-        """Running stages that must still run after ``name`` failed or was interrupted (the committer)."""
-        return [s for s in self.stages if s.runs and name in s.needs and s.contract.after_any]
-
 
 def selected_stages(cfg: PipelineConfig) -> list[str]:
     if cfg.stage == STAGE_ALL:
