@@ -157,7 +157,10 @@ def test_live_local_job_keeps_the_lease_until_it_ends(layout: RunLayout) -> None
     job = subprocess.Popen(["sleep", "30"])
     try:
         _write_lease(layout, host=HOST, pid=_dead_pid(), jobs=[_job(str(job.pid), "local")])
-        with pytest.raises(RunBusyError, match=f"owned by the jobs of the launch .* jobs {job.pid}; wait for them"):
+        with pytest.raises(
+            RunBusyError,
+            match=f"owned by another launch: pid .* its jobs {job.pid} may still be queued or running.*kill {job.pid}",
+        ):
             RunLease.acquire(layout, command=["new"], say=pytest.fail)
     finally:
         job.kill()

@@ -125,11 +125,14 @@ def _refusal(layout: RunLayout, lease: dict[str, Any]) -> str:
     command = shlex.join(str(a) for a in lease["command"])
     here = lease["host"] == socket.gethostname()
     if here and not pid_alive(lease["pid"]) and lease["jobs"]:
-        jobs = " ".join(f"{j.get('job_id')}" for j in lease["jobs"])
+        jobs = [str(j.get("job_id")) for j in lease["jobs"]]
+        slurm = any(j.get("cluster") == "slurm" for j in lease["jobs"])
+        stop = f"scancel {' '.join(jobs)}" if slurm else f"kill {' '.join(jobs)}"
         return _one_line(
-            f"run {layout.run_id} is owned by the jobs of the launch of {lease['started']} (command: {command}), "
-            f"which may still be queued or running: jobs {jobs}; wait for them (python -m pipeline.status "
-            f"{layout.run_dir}) or cancel them (scancel {jobs}), then launch again"
+            f"run {layout.run_id} is owned by another launch: pid {lease['pid']} on {lease['host']} since "
+            f"{lease['started']} (command: {command}), which has exited, but its jobs {' '.join(jobs)} may still be "
+            f"queued or running; wait for them (python -m pipeline.status {layout.run_dir}) or stop them ({stop}), "
+            "then launch again"
         )
     return _one_line(
         f"run {layout.run_id} is owned by another launch: pid {lease['pid']} on {lease['host']} since "

@@ -125,7 +125,12 @@ def test_double_submission_has_one_owner(slurm_cluster: SlurmCluster, tmp_path: 
     ids = _job_ids(first.stdout)
     second = _launch(tmp_path, "d", "train.steps=200")
     assert second.returncode != 0
-    assert second.stderr.count("\n") == 1 and "owned by the jobs of the launch" in second.stderr, second.stderr
+    assert (
+        second.stderr.count("\n") == 1
+        and "may still be queued or running" in second.stderr
+        and "owned by another launch: pid" in second.stderr
+        and "scancel" in second.stderr
+    ), second.stderr
     assert all(i in second.stderr for i in ids)
     wait_for_jobs(ids, timeout_s=300)
     assert set(sacct_states(ids).values()) == {"COMPLETED"}
