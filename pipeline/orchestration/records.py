@@ -6,13 +6,25 @@ Owner: task 0 of the stage's job (the only task that writes it), through :mod:`p
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
+from pipeline.config.overrides import DEFAULT_ROOT
 from pipeline.storage.atomic import clear_file, is_temp_name, read_json, write_json_atomic
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RunLayout
+
+
+def resume_command(layout: RunLayout) -> str:
+    """The command that continues the run (said after an interrupt or failure, and by the status view)."""
+    cmd = f"python -m pipeline run.id={layout.run_id}"
+    root = layout.run_dir.parent.parent
+    if root != Path(DEFAULT_ROOT).resolve():
+        cmd += f" run.root={shlex.quote(str(root))}"
+    return cmd
 
 
 def now_iso() -> str:

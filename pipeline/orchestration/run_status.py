@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import calendar
 import re
-import shlex
 import socket
 import time
 from pathlib import Path
@@ -19,12 +18,11 @@ from typing import Any
 from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.checkpoint.retention import output_areas, record_path
 from pipeline.config.identity import read_run_record
-from pipeline.config.overrides import DEFAULT_ROOT
 from pipeline.errors import PipelineError
 from pipeline.orchestration import jobs
 from pipeline.orchestration.lease import read_lease
 from pipeline.orchestration.progress import format_bytes, format_duration
-from pipeline.orchestration.records import pid_alive, stage_alive
+from pipeline.orchestration.records import pid_alive, resume_command, stage_alive
 from pipeline.stages import ORDER
 from pipeline.storage.integrity import lstat_kind, read_record_json
 from pipeline.storage.layout import RunLayout, parse_step
@@ -47,15 +45,6 @@ def _read_json(path: Path, what: str) -> tuple[Any, str | None]:
         return None, None
     except (PipelineError, OSError) as e:
         return None, _why(e)
-
-
-def resume_command(layout: RunLayout) -> str:
-    """``runner.resume_command`` (the runner imports torch through the plan; status stays light)."""
-    cmd = f"python -m pipeline run.id={layout.run_id}"
-    root = layout.run_dir.parent.parent
-    if root != Path(DEFAULT_ROOT).resolve():
-        cmd += f" run.root={shlex.quote(str(root))}"
-    return cmd
 
 
 def _config(layout: RunLayout) -> tuple[dict[str, Any], str | None]:

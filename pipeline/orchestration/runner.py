@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import shlex
 import signal
 import sys
 import time
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pipeline.checkpoint.manifest import read_latest
 from pipeline.config.identity import RunRecord, differences, read_run_record, write_run_record
-from pipeline.config.overrides import DEFAULT_ROOT, carried
+from pipeline.config.overrides import carried
 from pipeline.config.schema import STAGE_ALL, PipelineConfig
 from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, VerificationError
 from pipeline.orchestration.contract import JobRef, Resources, StageContract
@@ -31,7 +30,7 @@ from pipeline.orchestration.jobs import ACTIVE_STATES, job_alive, slurm_states
 from pipeline.orchestration.lease import RunLease, read_lease
 from pipeline.orchestration.plan import Plan, PlannedStage, make_plan
 from pipeline.orchestration.progress import StageProgress, commit_lines
-from pipeline.orchestration.records import now_iso, read_record, sweep_record_litter, write_record
+from pipeline.orchestration.records import now_iso, read_record, resume_command, sweep_record_litter, write_record
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import write_bytes_atomic
 from pipeline.storage.layout import RunLayout
@@ -113,14 +112,6 @@ def resolve_layout(cfg: PipelineConfig) -> RunLayout:
     if cfg.stage != STAGE_ALL and not cfg.run.id:
         raise ConfigError(f"stage={cfg.stage} reruns one stage of an existing run: add run.id=<id>")
     return RunLayout.for_run(cfg.run.root, cfg.experiment, cfg.run.id or new_run_id())
-
-
-def resume_command(layout: RunLayout) -> str:
-    cmd = f"python -m pipeline run.id={layout.run_id}"
-    root = layout.run_dir.parent.parent
-    if root != Path(DEFAULT_ROOT).resolve():
-        cmd += f" run.root={shlex.quote(str(root))}"
-    return cmd
 
 
 def check_identity(cfg: PipelineConfig, layout: RunLayout) -> RunRecord | None:

@@ -49,8 +49,8 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.formats.dcp import FORMAT as DCP_FORMAT
 from pipeline.formats.dcp import stored_files
-from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.orchestration.jobs import job_alive
+from pipeline.orchestration.contract import JobRef, Resources, StageContract, TaskContext
+from pipeline.orchestration.jobs import LOCAL_CLUSTERS, job_alive
 from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
 from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, publish_dir, write_json_atomic
 from pipeline.storage.faults import inject
@@ -312,9 +312,25 @@ def _producer_alive(ctx: TaskContext) -> bool:
     if rec.get("attempt") == ref.attempt and rec.get("status") in ("succeeded", "failed", "interrupted"):
         return False
     # A local job's controller may be gone while its ranks still finish (a cancel): rank 0's record counts too.
-    return job_alive(ref.cluster, ref.job_id) is not False or (
-        rec.get("attempt") == ref.attempt and stage_alive(ctx.layout, ref.stage)
-    )
+    return _job_alive_cached(ref) or (rec.get("attempt") == ref.attempt and stage_alive(ctx.layout, ref.stage))
+
+
+_SCHEDULER_POLL_S = 15.0
+"""How often the committer asks a scheduler about train's job (squeue/sacct per poll would load slurmctld);
+train's record, read every poll, says at once when train has ended."""
+_scheduler_answer: dict[str, tuple[float, bool]] = {}
+
+
+def _job_alive_cached(ref: JobRef) -> bool:
+    """``job_alive`` (unknown counts as alive); a scheduler is asked at most every ``_SCHEDULER_POLL_S``."""
+    if ref.cluster in LOCAL_CLUSTERS:  # a pid check: cheap
+        return job_alive(ref.cluster, ref.job_id) is not False
+    key = f"{ref.cluster}:{ref.job_id}"
+    asked = _scheduler_answer.get(key)
+    if asked is None or time.monotonic() - asked[0] >= _SCHEDULER_POLL_S:
+        asked = (time.monotonic(), job_alive(ref.cluster, ref.job_id) is not False)
+        _scheduler_answer[key] = asked
+    return asked[1]
 
 
 def _commit_while_running(ctx: TaskContext, committed: dict[int, float], quarantined: list[str]) -> None:
