@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 from pipeline.config.schema import LauncherConfig, SlurmLauncherConfig
@@ -57,6 +58,8 @@ def sbatch_lines(planned: PlannedStage, plan: Plan) -> list[str]:
     """The ``#SBATCH`` lines submitit would write for ``planned`` (dependencies by stage name: no job ids yet)."""
     import submitit  # noqa: PLC0415 - only for dry runs on SLURM
 
+    if shutil.which("srun") is None:  # submitit refuses to write a SLURM script without it (a raw RuntimeError)
+        return ["(no #SBATCH lines: submitit writes them only where srun is on PATH; dry-run on a SLURM login node)"]
     dependency = ",".join(f"{planned.dependency_on(n)}:<{n} job>" for n in planned.needs)
     params = submitit_parameters(
         planned.contract, planned.tasks, planned.resources, plan.cfg.launcher, plan.layout.run_id, dependency

@@ -106,3 +106,11 @@ def test_rendezvous_port_is_the_jobs_and_below_the_ephemeral_range() -> None:
     assert ports == {job: rendezvous_port(job) for job in ports}
     assert len(set(ports.values())) == len(ports)
     assert all(10000 <= p < 32768 for p in ports.values())
+
+
+def test_dry_run_without_srun_says_so_instead_of_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from launchers import resources  # noqa: PLC0415
+
+    monkeypatch.setattr(resources.shutil, "which", lambda _name: None)
+    lines = _lines(tmp_path, "train")
+    assert len(lines) == 1 and "submitit writes them only where srun is on PATH" in lines[0]
