@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,11 @@ from pipeline.config.compose import load_config
 from pipeline.errors import ConfigError
 from pipeline.orchestration.plan import make_plan
 from pipeline.storage.layout import RunLayout
+
+
+needs_srun = pytest.mark.skipif(
+    shutil.which("srun") is None, reason="submitit writes SLURM scripts only where srun is (scripts/slurm/start.sh)"
+)
 
 
 def _plan(tmp_path: Path, *overrides: str):  # noqa: ANN202
@@ -28,6 +34,7 @@ def _lines(tmp_path: Path, stage: str, *overrides: str) -> list[str]:
     return sbatch_lines(next(s for s in plan.stages if s.name == stage), plan)
 
 
+@needs_srun
 def test_multi_node_train_spreads_tasks_evenly(tmp_path: Path) -> None:
     lines = _lines(tmp_path, "train", "strategy.world_size=8", "launcher.stages.train.nodes=2", "strategy.backend=nccl")
     assert "#SBATCH --nodes=2" in lines and "#SBATCH --ntasks-per-node=4" in lines
@@ -36,6 +43,7 @@ def test_multi_node_train_spreads_tasks_evenly(tmp_path: Path) -> None:
     assert any(line.startswith("#SBATCH --signal=USR2@") for line in lines)
 
 
+@needs_srun
 def test_resources_per_stage_and_defaults(tmp_path: Path) -> None:
     lines = _lines(
         tmp_path,
