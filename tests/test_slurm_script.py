@@ -16,7 +16,6 @@ from pipeline.errors import ConfigError
 from pipeline.orchestration.plan import make_plan
 from pipeline.storage.layout import RunLayout
 
-
 needs_srun = pytest.mark.skipif(
     shutil.which("srun") is None, reason="submitit writes SLURM scripts only where srun is (scripts/slurm/start.sh)"
 )
