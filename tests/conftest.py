@@ -10,16 +10,25 @@ import pytest
 
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
+from pipeline.formats.registry import FORMATS, Format
 from pipeline.orchestration.task import execute_task
-from pipeline.stages import verify_manifest
 from pipeline.storage.layout import RunLayout
 from tests.seed_helpers import TEST_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
 
+def _test_world(step_dir: Path) -> int:
+    """World size of a TEST_FORMAT step: its markers' (the format has no metadata of its own)."""
+    from pipeline.storage.integrity import read_record_json  # noqa: PLC0415
+
+    for marker in sorted(step_dir.glob("rank_*.done.json")):
+        return int(read_record_json(marker, "marker")["world_size"])
+    return 0
+
+
 # The commit-protocol tests stage fake steps in a format of their own (``seed_helpers.TEST_FORMAT``: plain bytes,
 # no metadata naming other files); the committer knows that format only inside this test process.
-verify_manifest.STORED_FILES.setdefault(TEST_FORMAT, lambda _path: set())
+FORMATS.setdefault(TEST_FORMAT, Format(TEST_FORMAT, lambda _path: set(), lambda _rel: None, _test_world))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -174,23 +174,53 @@ class SlurmLauncherConfig(LauncherConfig):
 @dataclass
 class StrategyConfig:
     name: str = MISSING
-    """Parallelism: ``ddp`` (replicated params) or ``fsdp2`` (``fully_shard`` per decoder layer + root)."""
+    """Parallelism: ``ddp`` (replicated params), ``fsdp2`` (``fully_shard`` per decoder layer + root) or
+    ``deepspeed`` (ZeRO stage ``zero_stage``). The whole section may change between launches of a run: it
+    resumes through a world-size-free form (see README, "Resume anywhere")."""
     world_size: int = 2
     """Number of training ranks (tasks of the train job)."""
     backend: str = "gloo"
     """torch.distributed backend: ``gloo`` on CPU, ``nccl`` on GPU."""
-    pg_timeout_s: float = field(default=120.0, metadata=MUTABLE)
+    pg_timeout_s: float = 120.0
     """Deadline for process-group init and every collective."""
+    zero_stage: int = 2
+    """DeepSpeed only: ZeRO stage 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters) partitioned."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16`` (DeepSpeed only: bf16 weights and compute, fp32 master weights and Adam state)."""
+    offload: str = "none"
+    """DeepSpeed only: ``none``, ``cpu`` (optimizer state; ZeRO-3 also parameters) or ``nvme`` (needs libaio and
+    ``nvme_path``; the async_io op is compiled on first use)."""
+    nvme_path: str | None = None
+    """DeepSpeed ``offload=nvme``: a node-local directory; each rank swaps under its own subdirectory."""
+    shm_comm: bool = False
+    """DeepSpeed on CPU: build and use DeepSpeed's shared-memory allreduce op (a one-time ~25 s compile); off,
+    gloo carries every collective."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("ddp", "fsdp2"):
-            raise ConfigError(f"strategy.name={self.name!r} is not supported: choose strategy=ddp or strategy=fsdp2")
+        if self.name not in ("ddp", "fsdp2", "deepspeed"):
+            raise ConfigError(
+                f"strategy.name={self.name!r} is not supported: "
+                "choose strategy=ddp, strategy=fsdp2 or strategy=deepspeed"
+            )
         if self.world_size < 1:
             raise ConfigError(f"strategy.world_size={self.world_size} must be >= 1")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"strategy.backend={self.backend!r}: use gloo (CPU) or nccl (GPU)")
         if not self.pg_timeout_s > 0:
             raise ConfigError(f"strategy.pg_timeout_s={self.pg_timeout_s} must be > 0")
+        if self.zero_stage not in (1, 2, 3):
+            raise ConfigError(f"strategy.zero_stage={self.zero_stage}: DeepSpeed ZeRO stages are 1, 2 and 3")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"strategy.precision={self.precision!r}: use fp32 or bf16")
+        if self.offload not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"strategy.offload={self.offload!r}: use none, cpu or nvme")
+        if self.name != "deepspeed" and (self.precision != "fp32" or self.offload != "none"):
+            raise ConfigError(
+                f"strategy.precision={self.precision} / strategy.offload={self.offload} need strategy=deepspeed "
+                f"(strategy={self.name} trains in fp32 without offload)"
+            )
+        if self.offload == "nvme" and not self.nvme_path:
+            raise ConfigError("strategy.offload=nvme needs strategy.nvme_path=<node-local directory>")
 
 
 @dataclass
@@ -257,7 +287,10 @@ class TrainConfig:
     steps: int = field(default=8, metadata=MUTABLE)
     """Total optimizer steps of the run (raise it on a finished run to train on from ``latest``)."""
     micro_batch_size: int = 4
-    """Samples per rank per step."""
+    """Samples per rank per step (when ``global_batch_size`` is null)."""
+    global_batch_size: int | None = None
+    """Samples per step over all ranks; each rank takes ``global_batch_size / strategy.world_size``. Set it to keep
+    the training arithmetic (batches, loss curve) the same when a run continues at another world size."""
     lr: float = 3e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 2
@@ -281,10 +314,24 @@ class TrainConfig:
             raise ConfigError(
                 f"train.weight_decay={self.weight_decay} and train.warmup_steps={self.warmup_steps} must be >= 0"
             )
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ConfigError(f"train.global_batch_size={self.global_batch_size} must be >= 1 (or null)")
         if self.stop_after_step is not None and self.stop_after_step < 1:
             raise ConfigError(f"train.stop_after_step={self.stop_after_step} must be >= 1 (or null)")
         if self.time_limit_min < 1:
             raise ConfigError(f"train.time_limit_min={self.time_limit_min} must be >= 1")
+
+
+def rank_batch_size(train: TrainConfig, world_size: int) -> int:
+    """Samples each rank trains on per step (``train.global_batch_size`` split evenly, else the micro batch)."""
+    if train.global_batch_size is None:
+        return train.micro_batch_size
+    if train.global_batch_size % world_size:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} does not split evenly over "
+            f"strategy.world_size={world_size} ranks: choose a multiple of the world size"
+        )
+    return train.global_batch_size // world_size
 
 
 @dataclass
@@ -346,8 +393,9 @@ class PipelineConfig:
     """Which run this is and where it lives."""
     launcher: Any = field(default=MISSING, metadata=MUTABLE)
     """How stage jobs are launched: choose with ``launcher=local``, ``inprocess`` or ``slurm``."""
-    strategy: StrategyConfig = MISSING
-    """Parallelism of the train stage: choose with ``strategy=ddp`` or ``strategy=fsdp2``."""
+    strategy: StrategyConfig = field(default=MISSING, metadata=MUTABLE)
+    """Parallelism of the train stage: ``strategy=ddp``, ``strategy=fsdp2`` or ``strategy=deepspeed``. It may
+    change between launches of one run (another world size or strategy); each change is recorded in run.yaml."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model being trained (a small Llama)."""
     data: DataConfig = field(default_factory=DataConfig)

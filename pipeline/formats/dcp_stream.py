@@ -16,7 +16,7 @@ import io
 import itertools
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, cast
 
@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from pipeline.errors import CheckpointFormatError, PipelineError
 from pipeline.formats.dcp import error_summary, load_into, read_metadata_safe, tensor_entries
+from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.storage.integrity import safe_join
 
 
@@ -162,3 +163,27 @@ class TensorStreamer:
         out = self._buffer[: _nbytes(meta)].view(meta.properties.dtype).view(meta.size)
         load_into({key: out}, self.path, no_dist=True, metadata=self.metadata)
         return out
+
+
+MODEL_PREFIX = "model."
+
+
+def consolidate_dcp(step_dir: Path, out: Path, on_tensor: Callable[[str], None] | None = None) -> int:
+    """Stream every ``model.`` tensor of a DCP checkpoint into one safetensors file; return the tensor count."""
+    streamer = TensorStreamer(step_dir, MODEL_PREFIX)
+    if not streamer.entries:
+        raise PipelineError(
+            f"{step_dir} holds no tensors under '{MODEL_PREFIX}': not a training checkpoint of this pipeline"
+        )
+    specs = [TensorSpec(k[len(MODEL_PREFIX) :], m.properties.dtype, tuple(m.size)) for k, m in streamer.entries]
+    writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
+    for spec, (key, meta) in zip(specs, streamer.entries, strict=True):
+        blocks = streamer.row_blocks(key, meta)
+        if blocks is not None:
+            writer.write_parts(spec.name, streamer.iter_row_blocks(meta, blocks))
+        else:
+            writer.write(spec.name, streamer.load(key, meta))
+        if on_tensor is not None:
+            on_tensor(spec.name)
+    writer.close()
+    return len(specs)

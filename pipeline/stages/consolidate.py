@@ -1,10 +1,13 @@
-"""consolidate: committed DCP step -> full-tensor safetensors, streamed tensor by tensor.
+"""consolidate: committed step -> full-tensor safetensors, streamed tensor by tensor.
 
-Inputs: the step named by ``checkpoints/latest``, its files verified against ``manifest.json``; DCP metadata
-read with a restricted unpickler (no arbitrary code).
+Inputs: the step named by ``checkpoints/latest``, its files verified against ``manifest.json``, read by the
+reader its manifest's format names (:mod:`pipeline.formats.registry`: DCP metadata with a restricted
+unpickler; DeepSpeed ZeRO files with a restricted, lazy torch.save reader; no arbitrary code).
 Outputs: ``consolidated/step_N/model.safetensors`` (model weights only, HF parameter names) and
 ``consolidated.json`` (done-marker: source step + manifest hash, file sizes and hashes).
-Owner: this single task. Memory: one stored DCP chunk at a time (one tensor when it must be assembled), never the model.
+Owner: this single task. Memory: one stored chunk or partition slice at a time (one tensor when it must be
+assembled), never the model. DeepSpeed's fp32 master weights are what a ZeRO step consolidates to (equal, tensor
+for tensor, to DeepSpeed's ``zero_to_fp32``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.checkpoint.manifest import read_latest
+from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.checkpoint.outputs import (
     CONSOLIDATED_MARKER,
     CONSOLIDATED_WEIGHTS,
@@ -23,15 +26,15 @@ from pipeline.checkpoint.outputs import (
 )
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.formats.dcp_stream import TensorStreamer
-from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from pipeline.formats.dcp_stream import consolidate_dcp
+from pipeline.formats.registry import get_format
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.storage.layout import RunLayout, step_name
 
 CONTRACT = StageContract(
     name="consolidate",
     needs=("verify_manifest",),
-    reads="checkpoints/step_N/ (DCP) named by latest",
+    reads="checkpoints/step_N/ (any committed format) named by latest",
     produces="consolidated/step_N/model.safetensors",
     marker="consolidated/step_N/consolidated.json",
     resources=Resources(cpus_per_task=1, mem_gb=4, timeout_min=60),
@@ -39,7 +42,7 @@ CONTRACT = StageContract(
 
 MARKER = CONSOLIDATED_MARKER
 WEIGHTS = CONSOLIDATED_WEIGHTS
-MODEL_PREFIX = "model."
+__all__ = ["CONTRACT", "consolidate_dcp", "consolidate_step", "run"]
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
@@ -59,25 +62,13 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     return None
 
 
-def consolidate_dcp(step_dir: Path, out: Path, on_tensor: Callable[[str], None] | None = None) -> int:
-    """Stream every ``model.`` tensor of a DCP checkpoint into one safetensors file; return the tensor count."""
-    streamer = TensorStreamer(step_dir, MODEL_PREFIX)
-    if not streamer.entries:
-        raise PipelineError(
-            f"{step_dir} holds no tensors under '{MODEL_PREFIX}': not a training checkpoint of this pipeline"
-        )
-    specs = [TensorSpec(k[len(MODEL_PREFIX) :], m.properties.dtype, tuple(m.size)) for k, m in streamer.entries]
-    writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
-    for spec, (key, meta) in zip(specs, streamer.entries, strict=True):
-        blocks = streamer.row_blocks(key, meta)
-        if blocks is not None:
-            writer.write_parts(spec.name, streamer.iter_row_blocks(meta, blocks))
-        else:
-            writer.write(spec.name, streamer.load(key, meta))
-        if on_tensor is not None:
-            on_tensor(spec.name)
-    writer.close()
-    return len(specs)
+def consolidate_step(step_dir: Path, out: Path, on_tensor: Callable[[str], None] | None = None) -> int:
+    """Stream a committed step's model weights into ``out`` with the reader its manifest's format names."""
+    manifest = read_manifest(step_dir)
+    fmt = get_format(manifest.format, step_dir / "manifest.json")
+    if fmt.consolidate is None:
+        raise PipelineError(f"{step_dir}: format {fmt.name} holds no model weights to consolidate")
+    return fmt.consolidate(step_dir, out, on_tensor)
 
 
 def run(ctx: TaskContext) -> dict[str, object]:
@@ -86,6 +77,6 @@ def run(ctx: TaskContext) -> dict[str, object]:
     source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
     final = layout.consolidated_step(latest.step)
     with staging_dir(layout.consolidated, step_name(latest.step)) as staging:
-        count = consolidate_dcp(layout.committed_step(latest.step), staging / WEIGHTS)
+        count = consolidate_step(layout.committed_step(latest.step), staging / WEIGHTS)
         finish(staging, final, MARKER, source, [WEIGHTS], {"tensors": count})
     return {"step": latest.step, "tensors": count, "out": str(final)}

@@ -1,9 +1,12 @@
 """shard-save: every rank, called inside train at checkpoint steps.
 
 Inputs: the live training state (model, optimizer, LR scheduler, step, data position, per-rank RNG).
-Outputs: ``checkpoints/staging/step_N/`` in DCP format; rank K writes only its own ``__K_*.distcp`` files
-(rank 0 also DCP's ``.metadata``, as DCP's coordinator), then ``rank_K.done.json`` listing them with sizes
-and xxh3-128 hashes, written last and atomically.
+Outputs: ``checkpoints/staging/step_N/`` in DCP format (DDP/FSDP2): rank K writes only its own
+``__K_*.distcp`` files (rank 0 also DCP's ``.metadata``, as DCP's coordinator); or in DeepSpeed's own layout
+(``strategy=deepspeed``): rank K's ``*zero_pp_rank_K_*`` files (ZeRO-1/2: rank 0 also
+``mp_rank_00_model_states.pt``) written through a hashing checkpoint engine, and its
+``train_state_rank_K.json``. Then ``rank_K.done.json`` lists them with sizes and xxh3-128 hashes, written last
+and atomically.
 Owner: each rank owns its own files and marker; nothing shared is renamed or deleted here.
 Done-marker: ``rank_<K>.done.json``. A failed save is logged loudly and never becomes a committed step;
 ``checkpoint.fail_on_save_error=true`` makes it stop training instead.
@@ -13,25 +16,29 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
+from pipeline.checkpoint.portable import TrainState, write_train_state
 from pipeline.errors import VerificationError
 from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
 from pipeline.orchestration.contract import StageContract, TaskContext
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import describe
+from pipeline.storage.integrity import FileEntry, describe
+from pipeline.strategies import zero
 
 CONTRACT = StageContract(
     name="shard_save",
     needs=(),
     reads="live training state (inside train)",
-    produces="checkpoints/staging/step_N/: rank-private DCP files + rank_K.done.json",
+    produces="checkpoints/staging/step_N/: rank-private DCP or DeepSpeed files + rank_K.done.json",
     marker="rank_<K>.done.json",
     distributed=True,
     launched=False,
@@ -52,26 +59,41 @@ class SaveResult:
 
 
 def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any) -> SaveResult:
-    """Save ``state`` for ``step``; ``ok`` is true when this rank's marker is written."""
+    """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written."""
+
+    def write(staged: Path) -> tuple[FileEntry, ...]:
+        writer = RecordingWriter(staged)
+        dcp.save(state, storage_writer=writer, process_group=process_group)
+        # Data files were hashed while written; rank 0 (DCP's coordinator) also owns the small .metadata.
+        return tuple(writer.written) + ((describe(staged, METADATA_FILE),) if ctx.rank == 0 else ())
+
+    return _save(ctx, step, FORMAT, write)
+
+
+def save_deepspeed(ctx: TaskContext, step: int, engine: Any, train: TrainState, fmt: str) -> SaveResult:
+    """Save ``step`` through DeepSpeed (every rank calls it: DeepSpeed's save has its own barriers)."""
+
+    def write(staged: Path) -> tuple[FileEntry, ...]:
+        written = zero.save(engine, ctx.layout.staging, staged.name)
+        return (*written, write_train_state(staged, ctx.rank, train))
+
+    return _save(ctx, step, fmt, write)
+
+
+def _save(ctx: TaskContext, step: int, fmt: str, write: Callable[[Path], tuple[FileEntry, ...]]) -> SaveResult:
     staged = ctx.layout.staged_step(step)
     staged.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
     clear_file(marker_path(staged, ctx.rank))  # our own stale marker from an older attempt, if any
     t0 = time.monotonic()
     try:
-        writer = RecordingWriter(staged)
-        dcp.save(state, storage_writer=writer, process_group=process_group)
-        # Data files were hashed while written; rank 0 (DCP's coordinator) also owns the small .metadata.
-        entries = tuple(writer.written) + ((describe(staged, METADATA_FILE),) if ctx.rank == 0 else ())
-        for entry in writer.written:
+        entries = write(staged)
+        for entry in entries:
             if (staged / entry.path).stat().st_size != entry.size:
                 raise VerificationError(f"{staged / entry.path}: {entry.size} bytes hashed while writing, size differs")
-        own = [e.path for e in entries]
         inject("shard_save.before_marker", rank=ctx.rank, step=step)
         write_marker(
             staged,
-            Marker(
-                step=step, rank=ctx.rank, world_size=ctx.world_size, format=FORMAT, attempt=ctx.attempt, files=entries
-            ),
+            Marker(step=step, rank=ctx.rank, world_size=ctx.world_size, format=fmt, attempt=ctx.attempt, files=entries),
         )
     except (Exception, CheckpointException) as e:  # dcp.save reports a rank's I/O error as a BaseException
         log.error(
@@ -88,7 +110,7 @@ def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any)
             raise
         return SaveResult(ok=False, bytes=0, seconds=time.monotonic() - t0, error=_first_cause(e))
     seconds = time.monotonic() - t0
-    log.info("rank %d saved step %d (%d files) in %.2fs", ctx.rank, step, len(own), seconds)
+    log.info("rank %d saved step %d (%d files) in %.2fs", ctx.rank, step, len(entries), seconds)
     return SaveResult(ok=True, bytes=sum(e.size for e in entries), seconds=seconds)
 
 

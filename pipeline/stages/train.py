@@ -1,7 +1,10 @@
-"""train: N tasks (``strategy.world_size``), DDP or FSDP2 over gloo (CPU) or NCCL (GPU).
+"""train: N tasks (``strategy.world_size``), DDP, FSDP2 or DeepSpeed ZeRO 1/2/3 over gloo (CPU) or NCCL (GPU).
 
 Inputs: ``assets/`` (tokenizer, tokens) and, when resuming, the committed step named by ``checkpoints/latest``
-— read by rank 0 only, verified against its manifest and broadcast to all ranks (ranks never each scan).
+— chosen by rank 0 only, verified against its manifest and broadcast to all ranks (ranks never each scan).
+A step written at the same world size in DCP by DDP/FSDP2 is loaded by DCP (which also reshards it); any
+other (another strategy, a DeepSpeed step at another world size) through its world-size-free form
+(:mod:`pipeline.checkpoint.portable`), and the change is written to ``metrics.jsonl`` (``resume`` event).
 Outputs: staged checkpoints every ``checkpoint.every`` steps and at the last step, through shard-save
 (model, optimizer, LR scheduler, step, data position, RNG state of every rank).
 Owner: each rank writes only its own staged files and marker; nothing is committed here.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,9 +26,18 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_latest, step_markers, verify_committed
-from pipeline.config.schema import PipelineConfig
+from pipeline.checkpoint.manifest import (
+    MANIFEST,
+    complete_markers,
+    read_latest,
+    read_manifest,
+    step_markers,
+    verify_committed,
+)
+from pipeline.checkpoint.portable import TrainState, apply_native, open_portable
+from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
+from pipeline.formats.dcp import FORMAT as DCP_FORMAT
 from pipeline.formats.dcp import load_into
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.orchestration.preemption import no_requeue_reason, preemptible, preemption_requested
@@ -34,6 +47,7 @@ from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.layout import RunLayout
 from pipeline.storage.metrics import MetricsWriter
 from pipeline.storage.waiting import wait_until
+from pipeline.strategies import zero
 from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
 from pipeline.workload.data import DataPosition, SampleStream, load_tokenizer
 from pipeline.workload.model import build_model
@@ -69,6 +83,7 @@ def is_save_step(cfg: PipelineConfig, step: int) -> bool:
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
+    rank_batch_size(cfg.train, cfg.strategy.world_size)
     problems = not_real_dirs(layout.planned_dirs())
     if problems or lstat_kind(layout.assets / "assets.json") != "file" or not is_real_dir(layout.assets):
         why = "; ".join(problems) or f"{layout.assets} is not prepared"
@@ -183,6 +198,23 @@ def _state(model: Any, opt: Any, sched: Any, stream: SampleStream, step: int, ra
     }
 
 
+def _train_state(sched: Any, stream: SampleStream, step: int, rank: int, device: torch.device) -> TrainState:
+    """Everything but model and optimizer, for DeepSpeed steps (written as JSON beside DeepSpeed's files)."""
+    rng = {f"rank_{rank}": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng[f"rank_{rank}_cuda"] = torch.cuda.get_rng_state(device)
+    return TrainState(step, stream.pos.epoch, stream.pos.offset, sched.state_dict(), rng)
+
+
+def _save_step(
+    ctx: TaskContext, trainer: _Trainer, sched: Any, stream: SampleStream, step: int, device: torch.device, pg: Any
+) -> shard_save.SaveResult:
+    if trainer.engine is not None:
+        state = _train_state(sched, stream, step, ctx.rank, device)
+        return shard_save.save_deepspeed(ctx, step, trainer.engine, state, trainer.format)
+    return shard_save.save(ctx, step, _state(trainer.module, trainer.opt, sched, stream, step, ctx.rank), pg)
+
+
 def _rng_state(model: Any, rank: int) -> dict[str, torch.Tensor]:
     """This rank's generators: CPU under ``rank_K`` (the key CPU checkpoints have), its GPU's under ``rank_K_cuda``."""
     rng = {f"rank_{rank}": torch.get_rng_state()}
@@ -198,32 +230,113 @@ def _restore_rng(rng: dict[str, torch.Tensor], rank: int, device: torch.device) 
         torch.cuda.set_rng_state(rng[f"rank_{rank}_cuda"], device)
 
 
+@dataclass
+class _Trainer:
+    """What the loop drives: ``net`` is called for the loss (DDP/FSDP2 module or DeepSpeed engine)."""
+
+    net: Any
+    module: torch.nn.Module
+    opt: torch.optim.Optimizer
+    engine: Any = None
+
+    @property
+    def format(self) -> str:
+        return DCP_FORMAT if self.engine is None else zero.format_name(self.engine.zero_optimization_stage())
+
+    def step(self, loss: torch.Tensor) -> None:
+        if self.engine is not None:
+            self.engine.backward(loss)
+            self.engine.step()  # also zeroes the gradients
+            return
+        loss.backward()
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        if self.engine is None:
+            self.opt.zero_grad(set_to_none=True)
+
+
+def _build(cfg: PipelineConfig, layout: RunLayout, device: torch.device, world: int) -> _Trainer:
+    model = build_model(cfg.model, load_tokenizer(layout.assets))
+    if cfg.strategy.name == "deepspeed":
+        batch = rank_batch_size(cfg.train, world)
+        engine, opt = zero.build_engine(model, cfg.strategy, batch, cfg.train.lr, cfg.train.weight_decay)
+        return _Trainer(net=engine, module=engine.module, opt=opt, engine=engine)
+    wrapped = _wrap(model, cfg, device)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    return _Trainer(net=wrapped, module=wrapped, opt=opt)
+
+
 def _resume(
-    cfg: PipelineConfig,
-    layout: RunLayout,
-    model: Any,
-    opt: Any,
+    ctx: TaskContext,
+    trainer: _Trainer,
     sched: Any,
     stream: SampleStream,
-    rank: int,
     device: torch.device,
     pg: Any,
+    metrics: MetricsWriter | None,
 ) -> int:
     """Load the committed step rank 0 chose (0: start fresh); every rank restores its own RNG and data position."""
+    cfg, layout, rank = ctx.cfg, ctx.layout, dist.get_rank()
     decided = broadcast_from_rank0(_resume_step(cfg, layout) if rank == 0 else None)
     if isinstance(decided, str):
         raise VerificationError(decided)
     resume = int(decided)
-    if resume:
-        state = _state(model, opt, sched, stream, 0, rank)
-        load_into(state, layout.committed_step(resume), process_group=pg)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        sched.load_state_dict(state["sched"])
-        if int(state["train"]["step"]) != resume:
-            raise VerificationError(f"checkpoint step_{resume} records step {int(state['train']['step'])}")
-        stream.pos = DataPosition(int(state["train"]["data_epoch"]), int(state["train"]["data_offset"]))
-        _restore_rng(state["rng"], rank, device)
-        log.info("rank %d resumed from step %d", rank, resume)
+    if not resume:
+        return 0
+    step_dir = layout.committed_step(resume)
+    manifest = read_manifest(step_dir)  # rank 0 verified the step's files against it
+    world = dist.get_world_size()
+    if manifest.format == DCP_FORMAT and trainer.engine is None:  # DCP reshards DDP/FSDP2 steps itself
+        state = _state(trainer.module, trainer.opt, sched, stream, 0, rank)
+        if manifest.world_size != world:
+            del state["rng"]  # the generators of ranks that no longer exist (or not yet) are not carried
+        load_into(state, step_dir, process_group=pg)
+        set_state_dict(trainer.module, trainer.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        train = TrainState(
+            step=int(state["train"]["step"]),
+            data_epoch=int(state["train"]["data_epoch"]),
+            data_offset=int(state["train"]["data_offset"]),
+            sched=state["sched"],
+            rng=state.get("rng", {}),
+        )
+    else:
+        portable = open_portable(step_dir, manifest)
+        if trainer.engine is not None:
+            zero.load_portable(trainer.engine, trainer.opt, portable, trainer.engine.zero_optimization_stage())
+        else:
+            apply_native(trainer.module, trainer.opt, portable)
+        train = portable.train
+    sched.load_state_dict(train.sched)
+    if train.step != resume:
+        raise VerificationError(f"checkpoint step_{resume} records step {train.step}")
+    stream.pos = DataPosition(train.data_epoch, train.data_offset)
+    if f"rank_{rank}" in train.rng and (device.type != "cuda" or f"rank_{rank}_cuda" in train.rng):
+        _restore_rng(train.rng, rank, device)
+    else:  # a rank the step did not have: seeded from the run's seed, its rank and the step
+        torch.manual_seed(cfg.train.seed + rank + 1_000_003 * resume)
+    if (manifest.format, manifest.world_size) != (trainer.format, world):
+        _event(
+            metrics,
+            ctx,
+            "resume",
+            step=resume,
+            from_format=manifest.format,
+            from_world_size=manifest.world_size,
+            to_format=trainer.format,
+            to_world_size=world,
+            strategy=cfg.strategy.name,
+        )
+        if rank == 0:
+            log.info(
+                "resumed step %d written as %s by %d ranks, now %s on %d ranks",
+                resume,
+                manifest.format,
+                manifest.world_size,
+                trainer.format,
+                world,
+            )
+    log.info("rank %d resumed from step %d", rank, resume)
     return resume
 
 
@@ -270,34 +383,32 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     if world != ctx.world_size:
         raise PipelineError(f"process group has {world} ranks but the train job was launched with {ctx.world_size}")
     torch.set_num_threads(1)
-    tokenizer = load_tokenizer(layout.assets)
-    model = _wrap(build_model(cfg.model, tokenizer), cfg, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    trainer = _build(cfg, layout, device, world)
     warmup = max(1, cfg.train.warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    stream = SampleStream(layout.assets, cfg.data.seq_len, cfg.train.seed, cfg.train.micro_batch_size, rank, world)
+    sched = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lambda s: min(1.0, (s + 1) / warmup))
+    batch_size = rank_batch_size(cfg.train, world)
+    stream = SampleStream(layout.assets, cfg.data.seq_len, cfg.train.seed, batch_size, rank, world)
     torch.manual_seed(cfg.train.seed + rank)
     # Checkpoint collectives never share the training group, and wait no longer than it does.
     ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.strategy.pg_timeout_s))
+    metrics = MetricsWriter(layout.metrics) if rank == 0 else None
 
-    resume = _resume(cfg, layout, model, opt, sched, stream, rank, device, ckpt_pg)
+    resume = _resume(ctx, trainer, sched, stream, device, ckpt_pg, metrics)
 
     losses: dict[int, float] = {}
     saved: list[int] = []
     failed: list[int] = []
     save_errors: dict[int, str] = {}
     last = final_step(cfg)
-    metrics = MetricsWriter(layout.metrics) if rank == 0 else None
-    _event(metrics, ctx, "start", resume_from=resume, total=last, world_size=world)
+    _event(metrics, ctx, "start", resume_from=resume, total=last, world_size=world, format=trainer.format)
     for step in range(resume + 1, last + 1):
         t0 = time.monotonic()
         batch = stream.next_batch().to(device)
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
+        loss = trainer.net(input_ids=batch, labels=batch).loss
+        trainer.step(loss)
         lr = sched.get_last_lr()[0]  # the rate this step used
         sched.step()
-        opt.zero_grad(set_to_none=True)
+        trainer.zero_grad()
         losses[step] = float(loss.detach())
         if rank == 0:
             log.info("step %d loss %.4f", step, losses[step])
@@ -305,7 +416,7 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         _event(metrics, ctx, "step", step=step, loss=losses[step], lr=lr, tokens=tokens, step_s=time.monotonic() - t0)
         stop = preemptible() and _any_rank(preemption_requested(), ckpt_pg)
         if is_save_step(cfg, step) or stop:
-            result = shard_save.save(ctx, step, _state(model, opt, sched, stream, step, rank), ckpt_pg)
+            result = _save_step(ctx, trainer, sched, stream, step, device, ckpt_pg)
             (saved if _gather_save(ctx, step, result, ckpt_pg, metrics, save_errors) else failed).append(step)
         if stop:
             last = step

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.checkpoint import retention
@@ -47,8 +46,7 @@ from pipeline.checkpoint.manifest import (
 )
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
-from pipeline.formats.dcp import FORMAT as DCP_FORMAT
-from pipeline.formats.dcp import stored_files
+from pipeline.formats.registry import FORMATS
 from pipeline.orchestration.contract import JobRef, Resources, StageContract, TaskContext
 from pipeline.orchestration.jobs import LOCAL_CLUSTERS, job_alive
 from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
@@ -74,8 +72,6 @@ CONTRACT = StageContract(
         timeout_min=cfg.train.time_limit_min * (1 + getattr(cfg.launcher, "max_num_timeout", 0)) + 30,
     ),
 )
-STORED_FILES: dict[str, Callable[[Path], set[str]]] = {DCP_FORMAT: stored_files}
-"""Per checkpoint format: the files a step's own metadata says hold its data (every one must be in a marker)."""
 PRODUCER = CONTRACT.needs[0]
 """The stage whose staged steps this one commits (train): its record gives the attempt and liveness."""
 
@@ -111,12 +107,9 @@ def _published_after(layout: RunLayout, after: int) -> list[int]:
 def _check_published(layout: RunLayout, step: int, world_size: int) -> None:
     """A published step that ``latest`` does not vouch for yet: its files verify against its manifest, and the
     manifest says exactly what the step's own markers (published with it) say: no entry dropped or added."""
-    step_dir = layout.committed_step(step)
-    manifest = verify_committed(step_dir, step)  # files, and the manifest against the markers published with it
-    if manifest.world_size != world_size:  # run_id is provenance: a run dir moved to another id still verifies
-        raise VerificationError(
-            f"{step_dir / MANIFEST} records a world of {manifest.world_size} ranks; this run has {world_size}"
-        )
+    # Files, and the manifest against the markers published with it. Its world size and format are its own: a
+    # run may continue under another world size or strategy, so older steps keep theirs.
+    verify_committed(layout.committed_step(step), step)
 
 
 def _finish_interrupted_commits(layout: RunLayout, after: int, world_size: int) -> list[int]:
@@ -265,10 +258,11 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
             f"(expected {ctx.cfg.strategy.world_size}), attempts {sorted(attempts)}"
         )
     formats = {m.format for m in markers}
-    if len(formats) != 1 or not formats <= STORED_FILES.keys():
+    if len(formats) != 1 or not formats <= FORMATS.keys():
         raise VerificationError(
-            f"markers of step {step} in {staged} name format(s) {sorted(formats)}; known: {sorted(STORED_FILES)}"
+            f"markers of step {step} in {staged} name format(s) {sorted(formats)}; known: {sorted(FORMATS)}"
         )
+    fmt = FORMATS[markers[0].format]
     files = tuple(f for m in markers for f in m.files)
     paths = [f.path for f in files]
     dupes = sorted({p for p in paths if paths.count(p) > 1})
@@ -277,13 +271,26 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
             f"markers of step {step} in {staged} claim the same file(s) {dupes}: files are rank-private"
         )
     for m in markers:
+        foreign = [f.path for f in m.files if fmt.owner(f.path) not in (None, m.rank)]
+        if foreign:
+            raise VerificationError(
+                f"{staged / f'rank_{m.rank}.done.json'} lists {foreign}, which {fmt.name} names as another rank's "
+                "files: each rank lists only the files it owns"
+            )
         verify_entries(staged, list(m.files), str(staged / f"rank_{m.rank}.done.json"))
-    # The format's own metadata (hashed above, so these are verified bytes) names every file holding data.
-    unlisted = sorted(STORED_FILES[markers[0].format](staged) - set(paths))
+    # The format's own metadata (hashed above, so these are verified bytes) names every file holding data,
+    # and how many ranks wrote them.
+    unlisted = sorted(fmt.stored_files(staged) - set(paths))
     if unlisted:
         raise VerificationError(
             f"step {step} in {staged}: {unlisted} hold checkpoint data but no marker lists them (a marker that "
             "lists fewer files than its rank wrote)"
+        )
+    written_by = fmt.world_size(staged)
+    if written_by != markers[0].world_size:
+        raise VerificationError(
+            f"step {step} in {staged}: the {fmt.name} files were written by {written_by} ranks, the markers say "
+            f"{markers[0].world_size}"
         )
     manifest = Manifest(
         step=step,

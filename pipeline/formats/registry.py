@@ -1,0 +1,130 @@
+"""Checkpoint formats as data: a committed step's manifest names its format, and readers are picked by it.
+
+Each :class:`Format` answers, from the step's own files (never from a directory listing alone):
+
+* ``stored_files(step_dir)``: the files its metadata says hold data (every one must be listed by a marker);
+* ``owner(rel_path)``: which rank writes a file, from its name (None: any rank may; the committer refuses a
+  marker listing a file another rank owns);
+* ``world_size(step_dir)``: how many ranks wrote the step, from the files;
+* ``consolidate(step_dir, out, on_tensor)``: stream the model's full tensors into one safetensors file (memory
+  bounded by the largest tensor or partition), returning the tensor count; None for a format without weights.
+
+Formats: ``torch_dcp`` (DDP/FSDP2), ``deepspeed_zero1|2|3`` (DeepSpeed's own layout), ``torch_save`` (one
+``torch.save`` file, imported). Tests may register their own.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import CheckpointFormatError
+
+OnTensor = Callable[[str], None] | None
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    stored_files: Callable[[Path], set[str]]
+    owner: Callable[[str], int | None]
+    world_size: Callable[[Path], int]
+    consolidate: Callable[[Path, Path, OnTensor], int] | None = None
+
+
+_DCP_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def _dcp_owner(rel: str) -> int | None:
+    if rel == ".metadata":
+        return 0  # DCP's coordinator writes it
+    m = _DCP_DATA.match(rel)
+    return int(m.group(1)) if m else None
+
+
+def _dcp_stored(step_dir: Path) -> set[str]:
+    from pipeline.formats.dcp import stored_files  # noqa: PLC0415
+
+    return stored_files(step_dir)
+
+
+def _dcp_world(step_dir: Path) -> int:
+    ranks = {_dcp_owner(rel) for rel in _dcp_stored(step_dir)}
+    return max((r for r in ranks if r is not None), default=0) + 1
+
+
+def _dcp_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor) -> int:
+    from pipeline.formats.dcp_stream import consolidate_dcp  # noqa: PLC0415
+
+    return consolidate_dcp(step_dir, out, on_tensor)
+
+
+_ZERO_RANK = re.compile(r"(?:^|/)(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$")
+_ZERO_OFFLOAD = re.compile(r"^offloaded_tensors/rank(\d+)/")
+_TRAIN_STATE = re.compile(r"^train_state_rank_(\d+)\.json$")
+
+
+def _zero_owner(rel: str) -> int | None:
+    if rel == "mp_rank_00_model_states.pt":
+        return 0  # ZeRO-1/2: data-parallel rank 0 writes the module's states
+    for pattern in (_ZERO_RANK, _ZERO_OFFLOAD, _TRAIN_STATE):
+        m = pattern.search(rel)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _zero_stored(step_dir: Path) -> set[str]:
+    from pipeline.formats.deepspeed_zero import ZeroCheckpoint  # noqa: PLC0415
+
+    return ZeroCheckpoint(step_dir).stored_files()
+
+
+def _zero_world(step_dir: Path) -> int:
+    from pipeline.formats.deepspeed_zero import ZeroCheckpoint  # noqa: PLC0415
+
+    return ZeroCheckpoint(step_dir).world_size
+
+
+def _zero_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor) -> int:
+    from pipeline.formats.deepspeed_zero import consolidate_zero  # noqa: PLC0415
+
+    return consolidate_zero(step_dir, out, on_tensor=on_tensor)
+
+
+TORCH_SAVE = "torch_save"
+
+
+def _torch_save_stored(step_dir: Path) -> set[str]:
+    from pipeline.formats.torch_save import stored_files  # noqa: PLC0415
+
+    return stored_files(step_dir)
+
+
+def _torch_save_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor) -> int:
+    from pipeline.formats.torch_save import consolidate_torch_save  # noqa: PLC0415
+
+    return consolidate_torch_save(step_dir, out, on_tensor)
+
+
+FORMATS: dict[str, Format] = {
+    "torch_dcp": Format("torch_dcp", _dcp_stored, _dcp_owner, _dcp_world, _dcp_consolidate),
+    **{
+        f"deepspeed_zero{stage}": Format(
+            f"deepspeed_zero{stage}", _zero_stored, _zero_owner, _zero_world, _zero_consolidate
+        )
+        for stage in (1, 2, 3)
+    },
+    TORCH_SAVE: Format(TORCH_SAVE, _torch_save_stored, lambda _rel: 0, lambda _d: 1, _torch_save_consolidate),
+}
+
+
+def get_format(name: str, where: object = "") -> Format:
+    fmt = FORMATS.get(name)
+    if fmt is None:
+        raise CheckpointFormatError(
+            f"{where}{': ' if where else ''}format {name!r} is not one this pipeline reads (known: {sorted(FORMATS)})"
+        )
+    return fmt
