@@ -23,7 +23,7 @@ from launchers.resources import sbatch_lines
 from pipeline.config.compose import conf_dir, load_config, to_typed, to_yaml
 from pipeline.config.docs import hydra_template, render_help
 from pipeline.config.overrides import check_hydra_overrides, find_run, merge, parse, value_of
-from pipeline.config.schema import STAGE_ALL, PipelineConfig, register_configs
+from pipeline.config.schema import STAGE_ALL, PipelineConfig, register_configs, schema_key
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.orchestration.estimate import bytes_written
 from pipeline.orchestration.plan import Plan, make_plan
@@ -177,6 +177,7 @@ def main(argv: list[str]) -> int:
     _register_resolvers()
     if "COMP_LINE" in os.environ:  # Hydra's completion knows `python app.py` and `app`, not `python -m app`
         os.environ["COMP_LINE"] = re.sub(r"^\s*\S*python[\d.]*\s+-m\s+pipeline\b", "pipeline", os.environ["COMP_LINE"])
+    argv = [schema_key(a) for a in argv]  # import.* -> the schema's import_.*
     args = get_args_parser().parse_intermixed_args(argv)  # overrides before and after -m, as Hydra allows
     flags = [a for a in argv if a not in args.overrides]
     try:

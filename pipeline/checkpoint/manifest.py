@@ -96,6 +96,17 @@ def read_marker(step_dir: Path, rank: int) -> Marker | None:
     return Marker.from_json(obj, str(path))
 
 
+def staged_world(step_dir: Path, step: int, default: int) -> int:
+    """How many markers a staged step needs: the world size its rank-0 marker records (a step staged before the
+    run went on at another world size, or an imported one), else ``default`` (the run's world size). A marker
+    that under-counts cannot slip a rank past the commit: the format's own files name every rank that wrote."""
+    try:
+        first = read_marker(step_dir, 0)
+    except VerificationError:
+        return default
+    return first.world_size if first is not None and first.step == step and first.world_size >= 1 else default
+
+
 def step_markers(step_dir: Path, step: int, world_size: int) -> list[Marker | None]:
     """Each rank's marker of ``step`` (None where absent); a marker naming another rank or step is refused."""
     if not is_real_dir(step_dir):

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from pipeline.config.docs import all_keys, did_you_mean
-from pipeline.config.schema import PipelineConfig, register_configs
+from pipeline.config.schema import PipelineConfig, register_configs, schema_key
 from pipeline.errors import ConfigError, PipelineError
 
 
@@ -27,6 +27,7 @@ def experiments() -> list[str]:
 
 def compose_dict(overrides: list[str]) -> DictConfig:
     register_configs()
+    overrides = [schema_key(o) for o in overrides]
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)

@@ -90,12 +90,26 @@ def differences(cfg: PipelineConfig, recorded: dict[str, Any]) -> list[str]:
     ]
 
 
+RECORDED_CHANGES = ("strategy.",)
+"""Mutable sections whose every change between launches is kept in ``run.yaml``'s ``history`` (a run that
+continued at another world size or under another strategy says when and from what)."""
+
+
+def recorded_changes(cfg: PipelineConfig, recorded: dict[str, Any]) -> dict[str, list[Any]]:
+    """``{key: [old, new]}`` for the keys under :data:`RECORDED_CHANGES` this launch changes."""
+    new, old = _flatten(as_dict(cfg)), _flatten(recorded)
+    keys = sorted(k for k in set(new) | set(old) if k.startswith(RECORDED_CHANGES))
+    return {k: [old.get(k), new.get(k)] for k in keys if old.get(k) != new.get(k)}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
     """The content of ``run.yaml``."""
 
     config: dict[str, Any]
     overrides: list[str]
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """One entry per launch that changed a recorded section: ``{"time": ..., "changes": {key: [old, new]}}``."""
 
     def matches(self, cfg: PipelineConfig, overrides: list[str]) -> bool:
         """Same replayed overrides and same recorded values (per-launch keys aside): nothing to rewrite."""
@@ -117,11 +131,19 @@ def read_run_record(path: Path) -> RunRecord:
             raise TypeError("config must be a mapping and overrides a list")
     except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
         raise ConfigError(f"cannot read the run record {path}: {e}; it is written by the launching process") from e
-    return RunRecord(config=config, overrides=[str(o) for o in overrides])
+    history = data.get("history") or []
+    if not isinstance(history, list):
+        raise ConfigError(f"cannot read the run record {path}: history must be a list")
+    return RunRecord(config=config, overrides=[str(o) for o in overrides], history=history)
 
 
-def write_run_record(layout: RunLayout, cfg: PipelineConfig, overrides: list[str]) -> RunRecord:
-    record = RunRecord(config=as_dict(cfg), overrides=overrides)
-    text = yaml.safe_dump({"config": record.config, "overrides": record.overrides}, sort_keys=True)
+def write_run_record(
+    layout: RunLayout, cfg: PipelineConfig, overrides: list[str], history: list[dict[str, Any]] | None = None
+) -> RunRecord:
+    record = RunRecord(config=as_dict(cfg), overrides=overrides, history=list(history or []))
+    body: dict[str, Any] = {"config": record.config, "overrides": record.overrides}
+    if record.history:
+        body["history"] = record.history
+    text = yaml.safe_dump(body, sort_keys=True)
     write_bytes_atomic(layout.run_yaml, text.encode())
     return record

@@ -322,6 +322,20 @@ class TrainConfig:
             raise ConfigError(f"train.time_limit_min={self.time_limit_min} must be >= 1")
 
 
+KEYWORD_SECTIONS: Final = {"import": "import_"}
+"""Command-line section names that are Python keywords -> their schema field."""
+
+
+def schema_key(override: str) -> str:
+    """``import.source=x`` -> ``import_.source=x`` (also with ``+``/``++``/``~`` prefixes); others unchanged."""
+    prefix = override[: len(override) - len(override.lstrip("+~"))]
+    rest = override[len(prefix) :]
+    for word, field_name in KEYWORD_SECTIONS.items():
+        if rest.startswith(word + "."):
+            return prefix + field_name + rest[len(word) :]
+    return override
+
+
 def rank_batch_size(train: TrainConfig, world_size: int) -> int:
     """Samples each rank trains on per step (``train.global_batch_size`` split evenly, else the micro batch)."""
     if train.global_batch_size is None:
@@ -378,6 +392,22 @@ class ExportConfig:
 
 
 @dataclass
+class ImportConfig:
+    """A checkpoint the pipeline did not write, committed, consolidated and exported like a trained step.
+
+    On the command line this section is ``import.*`` (``import`` is a Python keyword, so the schema field is
+    ``import_``)."""
+
+    source: str | None = None
+    """A DCP directory, a DeepSpeed checkpoint directory or a ``torch.save`` file; set, the run imports it
+    instead of training."""
+    allow_pickle: bool = field(default=False, metadata=MUTABLE)
+    """Read files that need full unpickling (arbitrary code on load): only for a source you trust."""
+    step: int | None = None
+    """Step number of the imported checkpoint (null: the step it records, else 1)."""
+
+
+@dataclass
 class PipelineConfig:
     experiment: str = MISSING
     """Name of the experiment (set by ``+experiment=<name>``)."""
@@ -406,6 +436,8 @@ class PipelineConfig:
     """When checkpoints are saved, how long verify-manifest waits for them, and how many it keeps."""
     export: ExportConfig = field(default_factory=ExportConfig, metadata=MUTABLE)
     """Hugging Face export of the consolidated checkpoint."""
+    import_: ImportConfig = field(default_factory=ImportConfig)
+    """``import.*`` on the command line: import a checkpoint instead of training (see ImportConfig)."""
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)

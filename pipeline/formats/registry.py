@@ -2,12 +2,17 @@
 
 Each :class:`Format` answers, from the step's own files (never from a directory listing alone):
 
-* ``stored_files(step_dir)``: the files its metadata says hold data (every one must be listed by a marker);
+* ``stored_files(step_dir, allow_pickle)``: the files its metadata says hold data (every one must be listed by a
+  marker);
 * ``owner(rel_path)``: which rank writes a file, from its name (None: any rank may; the committer refuses a
   marker listing a file another rank owns);
-* ``world_size(step_dir)``: how many ranks wrote the step, from the files;
-* ``consolidate(step_dir, out, on_tensor)``: stream the model's full tensors into one safetensors file (memory
-  bounded by the largest tensor or partition), returning the tensor count; None for a format without weights.
+* ``world_size(step_dir, allow_pickle)``: how many ranks wrote the step, from the files;
+* ``consolidate(step_dir, out, on_tensor, allow_pickle)``: stream the model's full tensors into one safetensors
+  file (memory bounded by the largest tensor or partition), returning the tensor count; None for a format
+  without weights.
+
+``allow_pickle`` is ``import.allow_pickle``: whether files that need full unpickling may be read (an imported
+checkpoint the user trusts); the pipeline's own steps never need it.
 
 Formats: ``torch_dcp`` (DDP/FSDP2), ``deepspeed_zero1|2|3`` (DeepSpeed's own layout), ``torch_save`` (one
 ``torch.save`` file, imported). Tests may register their own.
@@ -28,10 +33,10 @@ OnTensor = Callable[[str], None] | None
 @dataclass(frozen=True)
 class Format:
     name: str
-    stored_files: Callable[[Path], set[str]]
+    stored_files: Callable[[Path, bool], set[str]]
     owner: Callable[[str], int | None]
-    world_size: Callable[[Path], int]
-    consolidate: Callable[[Path, Path, OnTensor], int] | None = None
+    world_size: Callable[[Path, bool], int]
+    consolidate: Callable[[Path, Path, OnTensor, bool], int] | None = None
 
 
 _DCP_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -44,18 +49,18 @@ def _dcp_owner(rel: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _dcp_stored(step_dir: Path) -> set[str]:
+def _dcp_stored(step_dir: Path, _allow_pickle: bool = False) -> set[str]:
     from pipeline.formats.dcp import stored_files  # noqa: PLC0415
 
     return stored_files(step_dir)
 
 
-def _dcp_world(step_dir: Path) -> int:
+def _dcp_world(step_dir: Path, _allow_pickle: bool = False) -> int:
     ranks = {_dcp_owner(rel) for rel in _dcp_stored(step_dir)}
     return max((r for r in ranks if r is not None), default=0) + 1
 
 
-def _dcp_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor) -> int:
+def _dcp_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor, _allow_pickle: bool = False) -> int:
     from pipeline.formats.dcp_stream import consolidate_dcp  # noqa: PLC0415
 
     return consolidate_dcp(step_dir, out, on_tensor)
@@ -76,37 +81,47 @@ def _zero_owner(rel: str) -> int | None:
     return None
 
 
-def _zero_stored(step_dir: Path) -> set[str]:
+def _zero_stored(step_dir: Path, allow_pickle: bool = False) -> set[str]:
     from pipeline.formats.deepspeed_zero import ZeroCheckpoint  # noqa: PLC0415
 
-    return ZeroCheckpoint(step_dir).stored_files()
+    with ZeroCheckpoint(step_dir, allow_pickle=allow_pickle) as ckpt:
+        return ckpt.stored_files()
 
 
-def _zero_world(step_dir: Path) -> int:
+def _zero_world(step_dir: Path, allow_pickle: bool = False) -> int:
     from pipeline.formats.deepspeed_zero import ZeroCheckpoint  # noqa: PLC0415
 
-    return ZeroCheckpoint(step_dir).world_size
+    with ZeroCheckpoint(step_dir, allow_pickle=allow_pickle) as ckpt:
+        return ckpt.world_size
 
 
-def _zero_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor) -> int:
+def _zero_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor, allow_pickle: bool = False) -> int:
     from pipeline.formats.deepspeed_zero import consolidate_zero  # noqa: PLC0415
 
-    return consolidate_zero(step_dir, out, on_tensor=on_tensor)
+    return consolidate_zero(step_dir, out, on_tensor=on_tensor, allow_pickle=allow_pickle)
 
 
 TORCH_SAVE = "torch_save"
 
 
-def _torch_save_stored(step_dir: Path) -> set[str]:
-    from pipeline.formats.torch_save import stored_files  # noqa: PLC0415
+def _torch_save_stored(step_dir: Path, _allow_pickle: bool = False) -> set[str]:
+    from pipeline.formats.torch_save import FILE  # noqa: PLC0415
 
-    return stored_files(step_dir)
+    return {FILE}
 
 
-def _torch_save_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor) -> int:
+def _torch_save_owner(_rel: str) -> int:
+    return 0  # one file, written by one process
+
+
+def _torch_save_world(_step_dir: Path, _allow_pickle: bool = False) -> int:
+    return 1
+
+
+def _torch_save_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor, allow_pickle: bool = False) -> int:
     from pipeline.formats.torch_save import consolidate_torch_save  # noqa: PLC0415
 
-    return consolidate_torch_save(step_dir, out, on_tensor)
+    return consolidate_torch_save(step_dir, out, on_tensor, allow_pickle=allow_pickle)
 
 
 FORMATS: dict[str, Format] = {
@@ -117,7 +132,7 @@ FORMATS: dict[str, Format] = {
         )
         for stage in (1, 2, 3)
     },
-    TORCH_SAVE: Format(TORCH_SAVE, _torch_save_stored, lambda _rel: 0, lambda _d: 1, _torch_save_consolidate),
+    TORCH_SAVE: Format(TORCH_SAVE, _torch_save_stored, _torch_save_owner, _torch_save_world, _torch_save_consolidate),
 }
 
 

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
-from pipeline.config.schema import STAGE_ALL, PipelineConfig
+from pipeline.config.schema import STAGE_ALL, PipelineConfig, rank_batch_size
 from pipeline.errors import ConfigError, RunNotFoundError
 from pipeline.orchestration.contract import Resources, StageContract
 from pipeline.stages import INSIDE, ORDER, get_stage
@@ -127,6 +127,12 @@ def resolve_resources(contract: StageContract, cfg: PipelineConfig) -> Resources
     return res
 
 
+def _not_applicable(module: object, cfg: PipelineConfig) -> str | None:
+    """Why a stage has no part in this run at all (train in an import run, import in a training run)."""
+    check = getattr(module, "not_applicable", None)
+    return check(cfg) if callable(check) else None
+
+
 def make_plan(cfg: PipelineConfig, layout: RunLayout) -> Plan:
     """Decide every stage (reads the run dir, writes nothing) and refuse what cannot work here."""
     running: list[str] = []
@@ -136,8 +142,8 @@ def make_plan(cfg: PipelineConfig, layout: RunLayout) -> Plan:
         module = get_stage(name)
         contract = module.CONTRACT
         upstream = tuple(n for n in contract.needs if n in running)
-        skip: str | None = None
-        if not (cfg.force or upstream or (contract.creates_run and cfg.run.overwrite)):
+        skip: str | None = _not_applicable(module, cfg)
+        if skip is None and not (cfg.force or upstream or (contract.creates_run and cfg.run.overwrite)):
             skip = module.is_done(cfg, layout) if exists else None
         if skip is None:
             running.append(name)
@@ -180,3 +186,7 @@ def check_machine(plan: Plan) -> None:
             )
     if kind != "slurm" and any(s.resources.gpus_per_task for s in to_run):  # a login node may have no GPU
         check_backend(cfg.strategy)
+    if any(s.contract.distributed for s in to_run):
+        rank_batch_size(cfg.train, cfg.strategy.world_size)
+    if any(s.name == "import_checkpoint" for s in to_run):  # a source that cannot be read is refused up front
+        get_stage("import_checkpoint").check_inputs(cfg, plan.layout)

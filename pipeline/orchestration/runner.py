@@ -21,7 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Protocol
 
 from pipeline.checkpoint.manifest import read_latest
-from pipeline.config.identity import RunRecord, differences, read_run_record, write_run_record
+from pipeline.config.identity import RunRecord, differences, read_run_record, recorded_changes, write_run_record
 from pipeline.config.overrides import carried
 from pipeline.config.schema import STAGE_ALL, PipelineConfig
 from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, VerificationError
@@ -159,7 +159,13 @@ def run(
                 new = carried(overrides or [])
                 # One-stage reruns are one-offs: they do not change what a continuation replays.
                 if record is None or (cfg.stage == STAGE_ALL and (cfg.run.overwrite or not record.matches(cfg, new))):
-                    write_run_record(layout, cfg, new)
+                    history = [] if record is None or cfg.run.overwrite else list(record.history)
+                    changes = {} if record is None or cfg.run.overwrite else recorded_changes(cfg, record.config)
+                    if changes:
+                        history.append({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "changes": changes})
+                        shown = ", ".join(f"{k} {old} -> {new_}" for k, (old, new_) in changes.items())
+                        say(f"run {layout.run_id} continues with {shown} (recorded in {layout.run_yaml.name})")
+                    write_run_record(layout, cfg, new, history)
 
             if not cfg.run.overwrite:
                 record_run()
@@ -430,7 +436,7 @@ def _summarize(plan: Plan, times: dict[str, float], t0: float, say: Say, *, fail
             say(f"export:   {layout.export_step(latest.step)}")
     if failed:
         say(f"failed; latest = {_latest_text(layout)}; after fixing the cause, resume: {resume_command(layout)}")
-    elif latest is not None and latest.step < cfg.train.steps and cfg.stage == STAGE_ALL:
+    elif latest is not None and latest.step < cfg.train.steps and cfg.stage == STAGE_ALL and not cfg.import_.source:
         say(f"stopped at step {latest.step} of {cfg.train.steps}; resume: {resume_command(layout)}")
 
 

@@ -11,8 +11,9 @@ from typing import cast
 
 from pipeline.orchestration.contract import StageModule
 
-ORDER: tuple[str, ...] = ("prepare_dirs", "train", "verify_manifest", "consolidate", "export")
-"""Stages the DAG launches as jobs; shard-save runs inside train on every rank (see shard_save.CONTRACT)."""
+ORDER: tuple[str, ...] = ("prepare_dirs", "import_checkpoint", "train", "verify_manifest", "consolidate", "export")
+"""Stages the DAG launches as jobs; shard-save runs inside train on every rank (see shard_save.CONTRACT).
+A run either trains or imports (``import.source``): the other stage is skipped as done."""
 
 
 INSIDE: tuple[str, ...] = ("shard_save",)

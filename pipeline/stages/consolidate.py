@@ -62,13 +62,16 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     return None
 
 
-def consolidate_step(step_dir: Path, out: Path, on_tensor: Callable[[str], None] | None = None) -> int:
-    """Stream a committed step's model weights into ``out`` with the reader its manifest's format names."""
+def consolidate_step(
+    step_dir: Path, out: Path, on_tensor: Callable[[str], None] | None = None, allow_pickle: bool = False
+) -> int:
+    """Stream a committed step's model weights into ``out`` with the reader its manifest's format names
+    (``allow_pickle``: ``import.allow_pickle`` of an import run)."""
     manifest = read_manifest(step_dir)
     fmt = get_format(manifest.format, step_dir / "manifest.json")
     if fmt.consolidate is None:
         raise PipelineError(f"{step_dir}: format {fmt.name} holds no model weights to consolidate")
-    return fmt.consolidate(step_dir, out, on_tensor)
+    return fmt.consolidate(step_dir, out, on_tensor, allow_pickle)
 
 
 def run(ctx: TaskContext) -> dict[str, object]:
@@ -77,6 +80,8 @@ def run(ctx: TaskContext) -> dict[str, object]:
     source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
     final = layout.consolidated_step(latest.step)
     with staging_dir(layout.consolidated, step_name(latest.step)) as staging:
-        count = consolidate_step(layout.committed_step(latest.step), staging / WEIGHTS)
+        count = consolidate_step(
+            layout.committed_step(latest.step), staging / WEIGHTS, allow_pickle=ctx.cfg.import_.allow_pickle
+        )
         finish(staging, final, MARKER, source, [WEIGHTS], {"tensors": count})
     return {"step": latest.step, "tensors": count, "out": str(final)}

@@ -98,7 +98,13 @@ def _latest_step(layout: RunLayout) -> int:
     return latest.step if latest else 0
 
 
+def not_applicable(cfg: PipelineConfig) -> str | None:
+    return "this run imports import.source instead of training" if cfg.import_.source else None
+
+
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
+    if cfg.import_.source:
+        return "this run imports import.source instead of training"
     target = final_step(cfg)
     if _latest_step(layout) >= target:
         return f"step {target} is committed"
@@ -421,6 +427,7 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         if stop:
             last = step
             break
+    probe = _probe_logits(trainer, stream, device) if last == final_step(cfg) else None
     dist.barrier()
     _event(metrics, ctx, "end", last_step=last)
     summary: dict[str, object] = {
@@ -431,12 +438,26 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         "save_errors": save_errors,
         "losses": losses,
     }
+    if probe is not None and rank == 0:
+        summary["probe"] = probe
     if last < final_step(cfg):  # stopped on SLURM's USR2: requeue, or stop for good past max_num_timeout
         why = no_requeue_reason(cfg)
         if why is not None:
             raise PipelineError(f"{why}; step {last} is saved: continue with python -m pipeline run.id={layout.run_id}")
         summary["requeue"] = True
     return summary
+
+
+PROBE_TOKENS = 16
+
+
+def _probe_logits(trainer: _Trainer, stream: SampleStream, device: torch.device) -> dict[str, object]:
+    """The trained model's logits on a fixed probe (the corpus' first sample), as the training engine computes
+    them (every rank takes part: ZeRO-3 and FSDP2 gather their shards): what an export must reproduce."""
+    ids = stream.samples[0, :PROBE_TOKENS].unsqueeze(0).to(device)
+    with torch.no_grad():
+        logits = trainer.net(input_ids=ids).logits.float().cpu()
+    return {"input_ids": ids.cpu().flatten().tolist(), "shape": list(logits.shape), "logits": logits.flatten().tolist()}
 
 
 def _any_rank(flag: bool, group: Any) -> bool:

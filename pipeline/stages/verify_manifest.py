@@ -39,6 +39,7 @@ from pipeline.checkpoint.manifest import (
     complete_markers,
     describe_incomplete,
     read_latest,
+    staged_world,
     step_markers,
     verify_committed,
     write_latest,
@@ -58,7 +59,7 @@ from pipeline.storage.waiting import wait_until
 
 CONTRACT = StageContract(
     name="verify_manifest",
-    needs=("train",),
+    needs=("train", "import_checkpoint"),
     reads="checkpoints/staging/step_N/ + rank_K.done.json",
     produces="checkpoints/step_N/ (manifest.json), checkpoints/latest, checkpoints/quarantine/",
     marker="checkpoints/latest + manifest.json",
@@ -234,7 +235,7 @@ def _wait_for_markers(cfg: PipelineConfig, layout: RunLayout, step: int, attempt
     staged = layout.staged_step(step)
 
     def markers() -> list[Marker | None]:
-        return step_markers(staged, step, cfg.strategy.world_size)
+        return step_markers(staged, step, staged_world(staged, step, cfg.strategy.world_size))
 
     def missing() -> str:
         return f"step {step}: {describe_incomplete(markers(), attempt)} in {staged} (rank_<K>.done.json)"
@@ -252,10 +253,10 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
     staged = layout.staged_step(step)
     world = {m.world_size for m in markers}
     attempts = {m.attempt for m in markers}
-    if world != {ctx.cfg.strategy.world_size} or len(attempts) != 1:
+    if len(world) != 1 or len(markers) not in world or len(attempts) != 1:
         raise VerificationError(
-            f"markers of step {step} in {staged} disagree: world sizes {sorted(world)} "
-            f"(expected {ctx.cfg.strategy.world_size}), attempts {sorted(attempts)}"
+            f"markers of step {step} in {staged} disagree: {len(markers)} markers, world sizes {sorted(world)}, "
+            f"attempts {sorted(attempts)}"
         )
     formats = {m.format for m in markers}
     if len(formats) != 1 or not formats <= FORMATS.keys():
@@ -280,13 +281,14 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
         verify_entries(staged, list(m.files), str(staged / f"rank_{m.rank}.done.json"))
     # The format's own metadata (hashed above, so these are verified bytes) names every file holding data,
     # and how many ranks wrote them.
-    unlisted = sorted(fmt.stored_files(staged) - set(paths))
+    allow = ctx.cfg.import_.allow_pickle
+    unlisted = sorted(fmt.stored_files(staged, allow) - set(paths))
     if unlisted:
         raise VerificationError(
             f"step {step} in {staged}: {unlisted} hold checkpoint data but no marker lists them (a marker that "
             "lists fewer files than its rank wrote)"
         )
-    written_by = fmt.world_size(staged)
+    written_by = fmt.world_size(staged, allow)
     if written_by != markers[0].world_size:
         raise VerificationError(
             f"step {step} in {staged}: the {fmt.name} files were written by {written_by} ranks, the markers say "
@@ -350,7 +352,9 @@ def _commit_while_running(ctx: TaskContext, committed: dict[int, float], quarant
             if lstat_kind(layout.committed_step(step)) is not None or not is_real_dir(layout.staged_step(step)):
                 continue
             try:
-                markers = complete_markers(step_markers(layout.staged_step(step), step, cfg.strategy.world_size), None)
+                staged = layout.staged_step(step)
+                world = staged_world(staged, step, cfg.strategy.world_size)
+                markers = complete_markers(step_markers(staged, step, world), None)
             except VerificationError:
                 continue  # damaged markers: the last pass, once train has ended, quarantines the step
             if markers is None:

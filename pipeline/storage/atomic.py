@@ -236,3 +236,40 @@ def clear_file(path: Path) -> None:
     except FileNotFoundError:
         return
     fsync_dir(path.parent)
+
+
+def copy_file_atomic(src: Path, dst: Path, chunk: int = 8 << 20) -> tuple[int, str]:
+    """Copy ``src`` (a regular file, never through a symlink) to ``dst`` atomically, hashing (xxh3-128) while
+    copying; returns ``(size, hash)`` of the bytes written (what a marker records)."""
+    import xxhash  # noqa: PLC0415
+
+    dst = Path(dst)
+    tmp = _temp_name(dst)
+    hasher = xxhash.xxh3_128()
+    size = 0
+    src_fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        io_op("create", tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            while data := os.read(src_fd, chunk):
+                hasher.update(data)
+                view = memoryview(data)
+                while view:
+                    io_op("write", tmp)
+                    view = view[os.write(fd, view) :]
+                size += len(data)
+            io_op("fsync", tmp)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        io_op("rename", dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        io_op("unlink", tmp)
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(src_fd)
+    fsync_dir(dst.parent)
+    return size, hasher.hexdigest()

@@ -3,7 +3,8 @@
 **Named points.** ``PIPELINE_FAULTS="point[@key=value...][;point...]"`` makes :func:`inject` raise.
 Points are named where I/O happens (``shard_save.before_marker``, ``verify.before_publish``, ...); optional
 ``key=value`` filters match the call's context, e.g. ``shard_save.before_marker@rank=1@step=4``.
-The special filter ``action=exit`` kills the process with ``os._exit(17)`` instead of raising, like a crash.
+The special filter ``action=exit`` kills the process with ``os._exit(17)`` instead of raising, like a crash;
+``action=sleep@seconds=S`` only delays the caller (a slow rank, a slow disk).
 
 **Counted I/O operations.** Every filesystem mutation of the pipeline first calls :func:`io_op`: each file
 creation, write, fsync of a file or a directory, rename, link, unlink, rmtree and mkdir done by
@@ -29,6 +30,7 @@ from __future__ import annotations
 import errno as errno_codes
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,7 +59,11 @@ def inject(point: str, **context: object) -> None:
             continue
         wanted = dict(f.split("=", 1) for f in filters if "=" in f)
         action = wanted.pop("action", "raise")
+        seconds = float(wanted.pop("seconds", "0"))
         if all(str(context.get(k)) == v for k, v in wanted.items()):
+            if action == "sleep":
+                time.sleep(seconds)
+                continue
             if action == "exit":
                 os._exit(CRASH_EXIT_CODE)
             raise InjectedFault(f"injected fault at {point} {context}")

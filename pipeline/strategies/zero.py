@@ -24,7 +24,7 @@ import torch
 from pipeline.config.schema import StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.formats.dcp import _HashingStream
-from pipeline.storage.faults import io_op
+from pipeline.storage.faults import inject, io_op
 from pipeline.storage.integrity import FileEntry
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class RecordingEngine:
                 rel = os.path.relpath(path, self.root)
                 if rel.startswith(".."):
                     raise OSError(f"DeepSpeed asked to write {path}, outside this step's staging dir {self.root}")
+                inject("shard_save.deepspeed_file", rank=os.environ.get("RANK"), file=os.path.basename(path))
                 io_op("create", path)
                 with open(path, "wb") as raw:
                     stream = _HashingStream(raw, path)

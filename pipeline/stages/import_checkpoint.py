@@ -1,0 +1,205 @@
+"""import-checkpoint: stage a checkpoint the pipeline did not write, for the one committer to commit.
+
+Inputs: ``import.source``: a DCP directory (``.metadata``), a DeepSpeed checkpoint directory (its ``latest`` tag,
+or a tag directory holding ``*_optim_states.pt``), or one ``torch.save`` file. Its structure is read first with
+the pipeline's restricted readers; a file that needs full unpickling is refused unless ``import.allow_pickle=true``.
+Outputs: ``checkpoints/staging/step_N/``: a copy of exactly the files the checkpoint's own metadata names (hashed
+while copied; the source is never modified or moved), then one ``rank_K.done.json`` per rank that wrote the
+source, listing that rank's files (from the format's file naming) with sizes and hashes. ``N`` is
+``import.step``, else the step the checkpoint records (DeepSpeed ``global_steps``, the pipeline's ``train.step``),
+else 1.
+Owner: this single task (train does not run in an import run); verify_manifest commits the step, consolidate and
+export read it by its format like any trained step.
+Done-marker: a step is committed (``latest``), or staged with every marker of an import attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, read_latest, step_markers, write_marker
+from pipeline.config.schema import PipelineConfig
+from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError
+from pipeline.formats.registry import TORCH_SAVE, get_format
+from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.storage.atomic import clear_file, copy_file_atomic
+from pipeline.storage.faults import inject
+from pipeline.storage.integrity import FileEntry, is_real_dir, lstat_kind, safe_join
+from pipeline.storage.layout import RunLayout
+
+CONTRACT = StageContract(
+    name="import_checkpoint",
+    needs=("prepare_dirs",),
+    reads="import.source (DCP dir, DeepSpeed checkpoint dir, or torch.save file), read-only",
+    produces="checkpoints/staging/step_N/: copied files + one rank_K.done.json per rank of the source",
+    marker="step committed, or staged with every marker of an import attempt",
+    resources=Resources(cpus_per_task=1, mem_gb=4, timeout_min=120),
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Source:
+    format: str
+    root: Path
+    """The directory the files are relative to."""
+    files: dict[str, str]
+    """Name in the step -> name under ``root``."""
+    world_size: int
+    step: int | None
+
+
+def _source_path(cfg: PipelineConfig) -> Path:
+    if not cfg.import_.source:
+        raise ConfigError("this run imports nothing: set import.source=<dir or file>")
+    return Path(cfg.import_.source).expanduser().absolute()
+
+
+def _deepspeed_dir(path: Path) -> Path | None:
+    """A DeepSpeed tag directory: ``path`` itself, or the tag its ``latest`` names."""
+    if any(path.glob("*_optim_states.pt")):
+        return path
+    latest = path / "latest"
+    if lstat_kind(latest) == "file":
+        tag = latest.read_text(errors="replace").strip()
+        if not tag or "/" in tag or tag in (".", ".."):
+            raise CheckpointFormatError(f"{latest} names {tag!r}, not a tag directory of {path}")
+        tag_dir = safe_join(path, tag)
+        if not is_real_dir(tag_dir):
+            raise CheckpointFormatError(f"{latest} names {tag!r}, but {tag_dir} is not a directory")
+        return tag_dir
+    return None
+
+
+def probe(cfg: PipelineConfig) -> Source:
+    """What ``import.source`` is, read with the restricted readers (nothing copied yet)."""
+    path = _source_path(cfg)
+    allow = cfg.import_.allow_pickle
+    kind = lstat_kind(path)
+    if kind == "file":
+        from pipeline.formats.torch_save import FILE, probe_file  # noqa: PLC0415
+
+        step = probe_file(path, allow_pickle=allow)
+        return Source(TORCH_SAVE, path.parent, {FILE: path.name}, 1, step)
+    if kind != "dir":
+        raise ConfigError(
+            f"import.source={path} is {'missing' if kind is None else 'a ' + kind}: give a directory or file"
+        )
+    if lstat_kind(path / ".metadata") == "file":
+        from pipeline.formats.dcp import stored_files  # noqa: PLC0415
+
+        files = sorted(stored_files(path))
+        fmt = get_format("torch_dcp")
+        return Source(fmt.name, path, {f: f for f in files}, fmt.world_size(path, False), _dcp_step(path))
+    tag_dir = _deepspeed_dir(path)
+    if tag_dir is not None:
+        from pipeline.formats.deepspeed_zero import ZeroCheckpoint  # noqa: PLC0415
+
+        with ZeroCheckpoint(tag_dir, allow_pickle=allow) as ckpt:
+            files = sorted(ckpt.stored_files())
+            return Source(ckpt.format, tag_dir, {f: f for f in files}, ckpt.world_size, ckpt.global_steps())
+    raise ConfigError(
+        f"import.source={path} is not a checkpoint this pipeline reads: expected a DCP directory (.metadata), a "
+        "DeepSpeed checkpoint directory (latest, or *_optim_states.pt files) or a torch.save file"
+    )
+
+
+def _dcp_step(path: Path) -> int | None:
+    """The pipeline's own ``train.step`` in a DCP checkpoint, when it has one."""
+    import torch  # noqa: PLC0415
+
+    from pipeline.formats.dcp import load_into, read_metadata_safe  # noqa: PLC0415
+
+    md = read_metadata_safe(path)
+    if "train.step" not in md.state_dict_metadata:
+        return None
+    box = {"train": {"step": torch.tensor(0)}}
+    load_into(box, path, no_dist=True, metadata=md)
+    return int(box["train"]["step"])
+
+
+def import_step(cfg: PipelineConfig, source: Source) -> int:
+    step = cfg.import_.step if cfg.import_.step is not None else (source.step or 1)
+    if step < 1:
+        raise ConfigError(f"the imported checkpoint records step {step}: set import.step=<N >= 1>")
+    return step
+
+
+def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
+    probe(cfg)
+
+
+def not_applicable(cfg: PipelineConfig) -> str | None:
+    return None if cfg.import_.source else "no import.source: this run trains"
+
+
+def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
+    if not cfg.import_.source:
+        return "no import.source: this run trains"
+    try:
+        latest = read_latest(layout)
+    except (VerificationError, OSError, ValueError):
+        latest = None
+    if latest is not None:
+        return f"step {latest.step} is committed"
+    for staged in sorted(layout.staging.glob("step_*")) if is_real_dir(layout.staging) else []:
+        try:
+            step = int(staged.name.split("_", 1)[1])
+            first = step_markers(staged, step, 1)[0]
+            if first is not None and complete_markers(step_markers(staged, step, first.world_size), None):
+                return f"{staged.name} is staged with every marker (verify_manifest commits it)"
+        except (ValueError, VerificationError):
+            continue
+    return None
+
+
+def run(ctx: TaskContext) -> dict[str, object]:
+    cfg, layout = ctx.cfg, ctx.layout
+    source = probe(cfg)
+    step = import_step(cfg, source)
+    fmt = get_format(source.format)
+    staged = layout.staged_step(step)
+    staged.mkdir(parents=True, exist_ok=True)
+    for rank in range(source.world_size):
+        clear_file(marker_path(staged, rank))  # an earlier attempt's markers: this attempt writes its own
+    by_rank: dict[int, list[FileEntry]] = {r: [] for r in range(source.world_size)}
+    total = 0
+    for name, src_rel in sorted(source.files.items()):
+        owner = fmt.owner(name)
+        rank = 0 if owner is None else owner
+        if rank not in by_rank:
+            raise CheckpointFormatError(
+                f"{source.root / src_rel} belongs to rank {rank}, but the checkpoint has {source.world_size} ranks"
+            )
+        dst = safe_join(staged, name)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        size, digest = copy_file_atomic(safe_join(source.root, src_rel), dst)
+        by_rank[rank].append(FileEntry(path=name, size=size, hash=digest))
+        total += size
+        log.info("imported %s (%d bytes)", name, size)
+    inject("import.before_markers", step=step)
+    for rank, entries in by_rank.items():
+        if not entries:
+            raise PipelineError(f"rank {rank} of {source.root} wrote no file the checkpoint names")
+        write_marker(
+            staged,
+            Marker(
+                step=step,
+                rank=rank,
+                world_size=source.world_size,
+                format=source.format,
+                attempt=ctx.attempt,
+                files=tuple(entries),
+            ),
+        )
+    return {
+        "source": str(_source_path(cfg)),
+        "format": source.format,
+        "world_size": source.world_size,
+        "step": step,
+        "files": len(source.files),
+        "bytes": total,
+    }
