@@ -166,7 +166,7 @@ def test_failed_shard_save_does_not_stop_training_and_is_never_committed(tmp_pat
     assert not layout.committed_step(4).exists(), "a step with a missing marker must never be committed"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "deepspeed"])
 def test_interrupted_run_resumes_bit_identical(tmp_path: Path, strategy: str) -> None:
     _run(tmp_path, "full", f"strategy={strategy}")
     out = _run(tmp_path, "split", f"strategy={strategy}", "train.stop_after_step=4")

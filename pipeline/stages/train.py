@@ -314,6 +314,8 @@ def _resume(
             apply_native(trainer.module, trainer.opt, portable)
         train = portable.train
     sched.load_state_dict(train.sched)
+    for group, lr in zip(trainer.opt.param_groups, sched.get_last_lr(), strict=True):
+        group["lr"] = lr  # the rate of the next step (a world-size-free load carries no param groups)
     if train.step != resume:
         raise VerificationError(f"checkpoint step_{resume} records step {train.step}")
     stream.pos = DataPosition(train.data_epoch, train.data_offset)
@@ -415,7 +417,7 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         lr = sched.get_last_lr()[0]  # the rate this step used
         sched.step()
         trainer.zero_grad()
-        losses[step] = float(loss.detach())
+        losses[step] = _global_mean(loss.detach(), world)
         if rank == 0:
             log.info("step %d loss %.4f", step, losses[step])
         tokens = batch.numel() * world  # every rank trains on an equal batch
@@ -458,6 +460,14 @@ def _probe_logits(trainer: _Trainer, stream: SampleStream, device: torch.device)
     with torch.no_grad():
         logits = trainer.net(input_ids=ids).logits.float().cpu()
     return {"input_ids": ids.cpu().flatten().tolist(), "shape": list(logits.shape), "logits": logits.flatten().tolist()}
+
+
+def _global_mean(loss: torch.Tensor, world: int) -> float:
+    """The step's loss over the global batch (every rank's batch is equally large): the same number at any world
+    size for the same global batch, so loss curves compare across world sizes and strategies."""
+    total = loss.float().reshape(1).clone()
+    dist.all_reduce(total)
+    return float(total.item()) / world
 
 
 def _any_rank(flag: bool, group: Any) -> bool:

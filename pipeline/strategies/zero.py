@@ -22,10 +22,11 @@ from typing import Any
 import torch
 
 from pipeline.config.schema import StrategyConfig
-from pipeline.errors import ConfigError
+from pipeline.errors import CheckpointFormatError, ConfigError
 from pipeline.formats.dcp import _HashingStream
+from pipeline.storage.atomic import copy_file_atomic, fsync_dir, remove_tree
 from pipeline.storage.faults import inject, io_op
-from pipeline.storage.integrity import FileEntry
+from pipeline.storage.integrity import FileEntry, lstat_kind
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +134,102 @@ class RecordingEngine:
         return _Engine()
 
 
+OFFLOAD_DIR = "offloaded_tensors"
+"""Where DeepSpeed keeps the ranks' copies of their NVMe swap folders in a step dir (``rank<NN>`` under it)."""
+
+
+def offload_rank_dir(rank: int) -> str:
+    """This rank's NVMe offload dir in a step dir, as DeepSpeed names it: ``offloaded_tensors/rank<NN>``
+    (``rank`` as ``dp_index_to_str`` writes it: at least two digits)."""
+    return f"{OFFLOAD_DIR}/rank{rank:02d}"
+
+
+def _swap_folder(engine: Any) -> Path | None:
+    """This rank's DeepSpeed optimizer swap folder when the optimizer state lives on NVMe, else None."""
+    if not getattr(engine.optimizer, "swap_optimizer", False):
+        return None
+    return Path(engine.optimizer.optimizer_swapper.swap_folder)
+
+
+def collect_offload(swap_folder: Path, step_dir: Path, rank: int) -> list[FileEntry]:
+    """Copy this rank's NVMe swap folder into its own ``offloaded_tensors/rank<NN>/`` of ``step_dir``; return
+    the copies (paths relative to ``step_dir``, sizes and xxh3-128 hashes of the bytes written).
+
+    What DeepSpeed's own save copies, and how: every file of the swap folder (the fp32 master partitions and
+    the Adam state, ``<ds_id>.tensor.swp`` / ``exp_avg-<ds_id>.tensor.swp``...) except the transient gradient
+    partitions (names containing ``gradient``). Each file is copied atomically (temp file, fsync, rename) and
+    hashed while copied. Only this rank ever creates or writes ``rank<NN>``: the shared ``offloaded_tensors``
+    parent is only ``mkdir``-ed (idempotent), never a copy destination. A ``rank<NN>`` left by an earlier
+    attempt of this same rank is removed first (nobody else writes it)."""
+    if lstat_kind(swap_folder) != "dir":
+        raise CheckpointFormatError(
+            f"DeepSpeed's NVMe swap folder {swap_folder} of rank {rank} is {lstat_kind(swap_folder) or 'missing'}: "
+            "the optimizer state cannot be saved; check strategy.nvme_path (node-local, not cleaned during training)"
+        )
+    parent = step_dir / OFFLOAD_DIR
+    io_op("mkdir", parent)
+    parent.mkdir(exist_ok=True)  # every rank may create it: exist_ok makes that race harmless
+    rel_dir = offload_rank_dir(rank)
+    own = step_dir / rel_dir
+    if lstat_kind(own) is not None:
+        remove_tree(own)
+    io_op("mkdir", own)
+    own.mkdir()  # exclusive: a second creator would fail here, never overwrite
+    entries: list[FileEntry] = []
+
+    def copy_dir(src: Path, dst: Path, rel: str) -> None:
+        for name in sorted(os.listdir(src)):
+            if "gradient" in name:  # DeepSpeed's rule: gradient partitions are not part of a checkpoint
+                continue
+            kind = lstat_kind(src / name)
+            if kind == "dir":
+                io_op("mkdir", dst / name)
+                (dst / name).mkdir()
+                copy_dir(src / name, dst / name, f"{rel}/{name}")
+                fsync_dir(dst / name)
+            elif kind == "file":
+                size, digest = copy_file_atomic(src / name, dst / name)
+                entries.append(FileEntry(path=f"{rel}/{name}", size=size, hash=digest))
+            else:
+                raise CheckpointFormatError(
+                    f"{src / name} in DeepSpeed's NVMe swap folder of rank {rank} is a {kind}, not a swap file: "
+                    "remove it (nothing there is followed or copied but regular files)"
+                )
+
+    copy_dir(swap_folder, own, rel_dir)
+    fsync_dir(own)
+    fsync_dir(parent)
+    return entries
+
+
 def save(engine: Any, staging_area: Path, step_dir_name: str) -> list[FileEntry]:
     """Every rank: DeepSpeed writes this rank's files of the step into ``staging_area/step_dir_name/``; returns
-    them (relative to that dir). DeepSpeed's ``latest`` is not written: the pipeline's committer publishes."""
-    recorder = RecordingEngine(staging_area / step_dir_name)
+    them (relative to that dir). DeepSpeed's ``latest`` is not written: the pipeline's committer publishes.
+
+    With NVMe optimizer offload, DeepSpeed's own copy of the swap folder is switched off for the call, and
+    :func:`collect_offload` copies this rank's swap folder into this rank's own ``offloaded_tensors/rank<NN>/``
+    afterwards; those files are listed too (the registry names rank NN their owner). No destination is ever
+    written by more than one task: each rank copies only its own folder, into a directory that only it
+    creates, and the shared ``offloaded_tensors`` parent is only ``mkdir(exist_ok=True)``-ed. That is what
+    makes seed 000 (DeepSpeed bug 7549: every rank ``copytree``-ing into one shared ``offloaded_tensors``,
+    the losers dying with FileExistsError) impossible here, whatever DeepSpeed version does the saving."""
+    step_dir = staging_area / step_dir_name
+    recorder = RecordingEngine(step_dir)
     previous = engine.checkpoint_engine
+    swap_folder = _swap_folder(engine)
     engine.checkpoint_engine = recorder
+    if swap_folder is not None:
+        engine.zero_nvme_offload_optimizer = lambda: False  # only save_checkpoint's copytree asks it while saving
     try:
         engine.save_checkpoint(str(staging_area), tag=step_dir_name, save_latest=False)
     finally:
         engine.checkpoint_engine = previous
-    return list(recorder.written)
+        if swap_folder is not None:
+            del engine.zero_nvme_offload_optimizer
+    written = list(recorder.written)
+    if swap_folder is not None:
+        written += collect_offload(swap_folder, step_dir, engine.global_rank)
+    return written
 
 
 def load_portable(engine: Any, opt: torch.optim.Optimizer, portable: Any, stage: int) -> None:
@@ -168,6 +254,10 @@ def load_portable(engine: Any, opt: torch.optim.Optimizer, portable: Any, stage:
                     "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format),
                 }
+    zero_opt = engine.optimizer  # ZeRO-1/2 link each parameter to its Adam state after the first step: now
+    if hasattr(zero_opt, "_lazy_init_hp_params_optimizer_state"):
+        zero_opt._hp_optimizer_states_linked = False
+        zero_opt._lazy_init_hp_params_optimizer_state()
     for name, param in params:
         full = portable.tensor(name, PARAM)
         if tuple(full.shape) != tuple(getattr(param, "ds_shape", param.shape)):
