@@ -17,6 +17,7 @@ from tests.seed_helpers import TEST_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 def _test_world(step_dir: Path) -> int:
     """World size of a TEST_FORMAT step: its markers' (the format has no metadata of its own)."""
     from pipeline.storage.integrity import read_record_json  # noqa: PLC0415

@@ -71,7 +71,7 @@ def test_every_dataclass_leaf_is_a_key() -> None:
 
 def test_group_options_and_experiments() -> None:
     groups = docs.group_options()
-    assert groups["strategy"] == ["ddp", "fsdp2"]
+    assert groups["strategy"] == ["ddp", "deepspeed", "fsdp2"]
     assert groups["launcher"] == ["inprocess", "local", "slurm"]
     assert "experiment" not in groups
     assert docs.group_defaults()["strategy"] == "ddp"
@@ -84,12 +84,13 @@ def test_render_help_shows_usage_groups_stages_and_every_key(composed: object) -
     assert "python -m pipeline +experiment=<name> [key=value ...]" in text
     for hint in ("run.id=<id>", "run.id=last", "stage=<name>", "-m ", "--cfg job", "dry_run=true"):
         assert hint in text, hint
-    assert "  strategy: ddp, fsdp2 (default: ddp)" in lines
+    assert "  strategy: ddp, deepspeed, fsdp2 (default: ddp)" in lines
     assert any(line.split()[:1] == ["tiny"] for line in lines)
     for name, _ in STAGES:
         assert any(line.split()[:1] == [name] for line in lines), name
     for key in docs.all_keys():
-        assert any(line.lstrip().startswith(f"{key} = ") for line in lines), key
+        assert any(line.lstrip().startswith(f"{docs.cli_key(key)} = ") for line in lines), key
+    assert any(line.lstrip().startswith("import.source = ") for line in lines)  # as typed, not import_
     assert max(len(line) for line in lines) <= docs.WIDTH
 
 

@@ -108,8 +108,7 @@ def test_pipeline_commit_waits_for_the_slow_rank(tmp_path: Path) -> None:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     faults = (
-        "shard_save.deepspeed_file@rank=1@action=sleep@seconds=3;"
-        "shard_save.before_marker@rank=1@action=sleep@seconds=2"
+        "shard_save.deepspeed_file@rank=1@action=sleep@seconds=3;shard_save.before_marker@rank=1@action=sleep@seconds=2"
     )
     try:
         proc = run_cli(

@@ -131,9 +131,9 @@ def test_continue_refuses_identity_change_and_unknown_ids(ddp_run: tuple[Path, s
     root, _ = ddp_run
     layout = _layout(root, "ddp")
     before = snapshot(layout.run_dir)
-    proc = run_cli(f"run.root={root}", "run.id=ddp", "strategy=fsdp2")
+    proc = run_cli(f"run.root={root}", "run.id=ddp", "model.hidden_size=32")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert "strategy.name: the run was created with 'ddp', this launch gives 'fsdp2'" in proc.stderr
+    assert "model.hidden_size: the run was created with 64, this launch gives 32" in proc.stderr
     assert "keeps the config it was created with" in proc.stderr
     proc = run_cli(f"run.root={root}", "run.id=ddq")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

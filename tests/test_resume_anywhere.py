@@ -100,3 +100,10 @@ def test_zero3_to_fsdp2_to_zero1(tmp_path: Path) -> None:
     # Every step exported along the way still verifies and consolidates: the run's older steps keep their format.
     proc = run_cli(f"run.root={tmp_path}", "run.id=piece", "stage=verify_manifest")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_global_batch_that_does_not_split_is_refused_up_front(tmp_path: Path) -> None:
+    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "train.global_batch_size=5")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "does not split evenly over" in proc.stderr and "strategy.world_size=2" in proc.stderr
+    assert not (tmp_path / "tiny").exists()

@@ -12,7 +12,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from pipeline.config.docs import all_keys, did_you_mean
+from pipeline.config.docs import all_keys, cli_key, did_you_mean
 from pipeline.config.schema import PipelineConfig, register_configs, schema_key
 from pipeline.errors import ConfigError, PipelineError
 
@@ -67,6 +67,7 @@ def _options(m: re.Match[str]) -> str:
 def unknown_key(key: str) -> str:
     keys = all_keys()
     hint = did_you_mean(key, keys + sorted({k.rsplit(".", 1)[0] for k in keys if "." in k}))
+    key, hint = cli_key(key), (cli_key(hint) if hint else hint)
     return (
         f"unknown config key {key!r}"
         + (f": did you mean {hint}?" if hint else "")

@@ -313,6 +313,14 @@ def _rows(rows: Iterable[tuple[str, str]], indent: int = 2, width: int | None = 
     return out
 
 
+def cli_key(key: str) -> str:
+    """A schema key as typed on the command line (``import_.source`` -> ``import.source``)."""
+    for word, field_name in schema.KEYWORD_SECTIONS.items():
+        if key == field_name or key.startswith(field_name + "."):
+            return word + key[len(field_name) :]
+    return key
+
+
 def render_help(stages: list[tuple[str, str]], defaults: DictConfig | dict[str, Any] | None = None) -> str:
     """The ``--help`` page: usage, experiments, ``stages`` ((name, one-line description) pairs), config groups
     with their options and default, and every key with its value and doc.
@@ -360,13 +368,13 @@ def render_help(stages: list[tuple[str, str]], defaults: DictConfig | dict[str, 
     by_section: dict[str, list[tuple[str, str]]] = {}
     for k in key_docs():
         value = _lookup(cfg, k.key) if cfg is not None else _ABSENT
-        left = f"{k.key} = {format_value(k.default if value is _ABSENT else value)}"
+        left = f"{cli_key(k.key)} = {format_value(k.default if value is _ABSENT else value)}"
         by_section.setdefault(k.section, []).append((left, _rst(k.doc)))
     width = min(max(len(left) for rows in by_section.values() for left, _ in rows), _KEY_COLUMN_MAX)
     for section, rows in by_section.items():
         lines.append("")
         if section:
-            lines.append(f"  # {section}: {_rst(sections.get(section, ''))}".rstrip(": "))
+            lines.append(f"  # {cli_key(section)}: {_rst(sections.get(section, ''))}".rstrip(": "))
         lines += _rows(rows, width=width)
     return "\n".join(lines) + "\n"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 from hydra.core.config_store import ConfigStore
@@ -405,6 +406,12 @@ class ImportConfig:
     """Read files that need full unpickling (arbitrary code on load): only for a source you trust."""
     step: int | None = None
     """Step number of the imported checkpoint (null: the step it records, else 1)."""
+
+    def __post_init__(self) -> None:
+        if self.source:  # fixed where the run is launched (a relative path, a symlink to the newest file)
+            self.source = str(Path(self.source).expanduser().resolve())
+        if self.step is not None and self.step < 1:
+            raise ConfigError(f"import.step={self.step} must be >= 1 (or null: the step the checkpoint records)")
 
 
 @dataclass

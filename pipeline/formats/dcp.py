@@ -17,7 +17,6 @@ import math
 import os
 import pathlib
 import pickle
-import pickletools
 import stat
 import warnings
 from collections.abc import Generator, Iterator
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.planner import ReadItem
 
 from pipeline.errors import CheckpointFormatError, PipelineError
+from pipeline.formats.pickle_safety import check_opcodes, error_summary
 from pipeline.storage.faults import io_op
 from pipeline.storage.integrity import FileEntry, safe_join
 
@@ -78,11 +78,6 @@ MAX_METADATA_BYTES = 1 << 30
 """Largest ``.metadata`` read (a model with millions of stored chunks stays far below it)."""
 
 
-def error_summary(e: BaseException) -> str:
-    """An exception's text on one line, at most 200 characters (for one-line error messages)."""
-    return " ".join(str(e).split())[:200] or type(e).__name__
-
-
 def _refusal(file: Path, problem: str) -> CheckpointFormatError:
     return CheckpointFormatError(
         f"{file}: {problem}; it is not DCP metadata this pipeline reads safely "
@@ -110,26 +105,6 @@ def _read_metadata_bytes(path: Path) -> bytes:
     return data
 
 
-_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-
-
-def _check_opcodes(data: bytes, file: Path) -> None:
-    """Walk the pickle's opcodes without running them and refuse what would make the C unpickler allocate far
-    beyond the file: a memo index larger than the number of opcodes before it (``LONG_BINPUT 10**9`` grows
-    the memo table to gigabytes; a pickler numbers its memo entries from 0), a frame or a length that runs
-    past the end of the data."""
-    try:
-        for count, (op, arg, pos) in enumerate(pickletools.genops(data)):
-            if op.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg <= count):
-                raise _refusal(file, f"memo index {arg!r} at byte {pos} is not one a pickler writes")
-            if op.name == "FRAME" and not (isinstance(arg, int) and arg <= len(data) - (pos or 0)):
-                raise _refusal(file, f"a frame of {arg!r} bytes at byte {pos} runs past the end")
-    except PipelineError:
-        raise
-    except Exception as e:  # truncated opcodes, lengths past the end, unknown opcodes
-        raise _refusal(file, f"its pickle opcodes are malformed ({type(e).__name__}: {error_summary(e)})") from None
-
-
 def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
     """Unpickle DCP ``.metadata`` allowing only DCP's own metadata classes (never arbitrary callables), then
     check that it is what DCP writes: typed fields, chunks inside their tensors, and every stored byte range
@@ -139,7 +114,7 @@ def read_metadata_safe(path: Path) -> dcp_meta.Metadata:
     """
     file = path / METADATA_FILE
     data = _read_metadata_bytes(path)
-    _check_opcodes(data, file)
+    check_opcodes(data, file, _refusal)
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # any failure of the restricted unpickler on hostile bytes is a format error

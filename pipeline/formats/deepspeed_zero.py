@@ -5,9 +5,21 @@ Input: a DeepSpeed step dir (``engine.save_checkpoint(save_dir, tag)`` writes ``
 - ZeRO-1/2: ``mp_rank_00_model_states.pt`` (rank 0) and ``[bf16_]zero_pp_rank_K_mp_rank_00_optim_states.pt``
   per rank K (flat fp32 partitions per param group, Adam state of the same layout);
 - ZeRO-3: ``zero_pp_rank_K_mp_rank_00_model_states.pt`` and ``[bf16_]zero_pp_rank_K_mp_rank_00_optim_states.pt``
-  per rank K.
+  per rank K;
+- ZeRO-3 with NVMe optimizer offload (``offload_optimizer.device=nvme``), in addition: ``offloaded_tensors/rankNN/``
+  per rank (NN: two or more digits), the copy of that rank's swap folder. DeepSpeed swaps a sub-group's flat fp32
+  partition out when it holds at least 1 MiB; its optimizer-state file then has an EMPTY tensor in
+  ``fp32_flat_groups`` (and empty ``exp_avg``/``exp_avg_sq``; the scalar ``step`` stays), and the values are in
+  raw swap files: ``<first>_<last>.tensor.swp`` (fp32 master partition) and ``exp_avg-<first>_<last>.tensor.swp``,
+  ``exp_avg_sq-<first>_<last>.tensor.swp`` (``<first>``/``<last>``: the ZeRO ``ds_id`` of the sub-group's first and
+  last param). A swap file is the partition's elements (the master dtype, native byte order, no header) padded
+  up to DeepSpeed's I/O alignment (256 fp32 elements by default). Smaller sub-groups stay in the optimizer-state
+  file as usual. DeepSpeed's own ``zero_to_fp32`` cannot read such a step ("consumed N numels out of M");
+  this reader can: it matches each swapped sub-group to its files by ``ds_id`` (ids follow the module's
+  parameter order, see :meth:`ZeroCheckpoint._match_swapped`) and checks every file's size.
 
-Files are found by name only and read with :mod:`pipeline.formats.torch_zip` (restricted unpickler, lazy tensors).
+Files are found by name only and read with :mod:`pipeline.formats.torch_zip` (restricted unpickler, lazy tensors);
+swap files with ``os.pread``, one bounded piece at a time.
 Output: :class:`ZeroCheckpoint` gives the full tensors exactly as DeepSpeed's ``zero_to_fp32`` rebuilds them
 (same names, order, dtypes, values: buffers, frozen params, trainable params, shared-param aliases), streamed
 as consecutive row-major pieces, never a whole flat group; the Adam ``exp_avg``/``exp_avg_sq`` of every
@@ -31,6 +43,7 @@ import torch
 from pipeline.errors import CheckpointFormatError, PipelineError
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.formats.torch_zip import LazyTensor, TorchArchive, load_archive, open_archive
+from pipeline.storage.integrity import lstat_kind
 
 STAGE_OF: dict[str, int] = {f"deepspeed_zero{s}": s for s in (1, 2, 3)}
 """Format name (as written in markers and manifests) -> ZeRO stage."""
@@ -42,6 +55,12 @@ DEFAULT_MAX_READ_BYTES = 64 << 20
 """Largest single read: a piece of a tensor larger than this is streamed in several reads."""
 
 _OPTIM_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+OFFLOAD_DIR = "offloaded_tensors"
+_OFFLOAD_RANK_RE = re.compile(r"rank(\d{2,})")
+_SWAP_RE = re.compile(r"(?:([A-Za-z_]\w*)-)?(\d+)_(\d+)\.tensor\.swp")
+SWAP_PAD_LIMIT = 1 << 20
+"""Most bytes of alignment padding a swap file may have after its elements (DeepSpeed pads to 1 KiB times
+``aio.intra_op_parallelism``; 1 MiB is its AIO block size)."""
 _AUTOEP_KEYS = ("ds_autoep_layers", "autoep_layers")
 
 
@@ -58,6 +77,18 @@ def optim_file(rank: int, bf16: bool) -> str:
 
 def z3_model_file(rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def offload_dir(rank: int) -> str:
+    """Rank ``rank``'s copy of its NVMe swap folder, relative to the step dir (DeepSpeed's name)."""
+    return f"{OFFLOAD_DIR}/rank{rank:02d}"
+
+
+def swap_file(ds_ids: tuple[int, int], key: str = "fp32") -> str:
+    """DeepSpeed's name of a swapped sub-group's file: ``<first>_<last>.tensor.swp`` for the fp32 partition,
+    ``<key>-<first>_<last>.tensor.swp`` for an optimizer state (``exp_avg``, ``exp_avg_sq``)."""
+    base = f"{ds_ids[0]}_{ds_ids[1]}.tensor.swp"
+    return base if key == "fp32" else f"{key}-{base}"
 
 
 def is_zero_checkpoint(step_dir: Path) -> bool:
@@ -139,12 +170,73 @@ class _Trainable:
 _Entry = _Buffer | _Frozen | _Trainable
 
 
+class SwapTensor:
+    """A flat tensor in a DeepSpeed NVMe swap file: ``numel`` elements of ``dtype`` from byte 0 (then padding).
+
+    Read with ``os.pread``, only the elements asked for (no whole-file read); the file is opened on the first
+    read (never through a symlink) and closed by :meth:`close`."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, numel: int) -> None:
+        self.path = path
+        self.dtype = dtype
+        self.numel = numel
+        self.shape = (numel,)
+        self._fd: int | None = None
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def _open(self) -> int:
+        if self._fd is None:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as e:
+                raise CheckpointFormatError(
+                    f"{self.path}: the swap file cannot be opened ({e.strerror}): restore the step from an intact copy"
+                ) from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < self.numel * self.dtype.itemsize:
+                os.close(fd)
+                raise _bad(self.path, f"the swap file is not a regular file of {self.numel} {self.dtype} elements")
+            self._fd = fd
+        return self._fd
+
+    def read(self, start: int = 0, count: int | None = None) -> torch.Tensor:
+        """Elements ``[start, start + count)`` as a fresh 1-D tensor (only those bytes are read)."""
+        count = self.numel - start if count is None else count
+        if start < 0 or count < 0 or start + count > self.numel:
+            raise PipelineError(f"{self.path}: read of [{start}, {start + count}) outside {self.numel} elements")
+        out = torch.empty(count, dtype=self.dtype)
+        if not count:
+            return out
+        view = out.view(torch.uint8).numpy().data
+        fd, offset, done = self._open(), start * self.dtype.itemsize, 0
+        while done < len(view):
+            data = os.pread(fd, len(view) - done, offset + done)
+            if not data:
+                raise _bad(self.path, f"the swap file ended at byte {offset + done} (truncated while being read?)")
+            view[done : done + len(data)] = data
+            done += len(data)
+        return out
+
+    def materialize(self) -> torch.Tensor:
+        return self.read()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+_Flat = LazyTensor | SwapTensor
+
+
 @dataclass
 class _Rank:
     rank: int
     file: str
-    fp32: list[LazyTensor]
-    state: list[dict[str, LazyTensor]]  # per flat group: exp_avg, exp_avg_sq (may be empty before a step)
+    fp32: list[_Flat]  # ZeRO-3 with NVMe offload: a swapped sub-group's partition is a SwapTensor
+    state: list[dict[str, _Flat]]  # per flat group: exp_avg, exp_avg_sq (may be empty before a step)
     steps: list[object]  # per flat group: the Adam step (a 0-d tensor or a number), None if absent
     param_groups: list[dict[str, Any]]
 
@@ -166,6 +258,8 @@ class ZeroCheckpoint:
         self.max_read_bytes = max(1, max_read_bytes)
         self.allow_pickle = allow_pickle
         self._archives: list[TorchArchive] = []
+        self._swaps: list[SwapTensor] = []
+        self._offload_files: dict[int, list[str]] = {}  # rank -> its offloaded_tensors/rankNN/ files
         self._paddings: list[list[int]] | None = None  # rank 0's param_alignment_paddings (ZeRO-1/2)
         try:
             self._open()
@@ -265,12 +359,54 @@ class ZeroCheckpoint:
                     "restore the step from an intact copy or use an earlier step"
                 )
 
+    def _scan_offload(self, listing: list[str]) -> dict[int, list[str]]:
+        """The files of each ``offloaded_tensors/rankNN/`` (NVMe offload; names checked, nothing read).
+
+        Hidden names (an interrupted copy's temp files) and gradient partitions (DeepSpeed never copies them
+        into a checkpoint) hold no checkpoint data and are left out."""
+        if OFFLOAD_DIR not in listing:
+            return {}
+        root = self.step_dir / OFFLOAD_DIR
+        if self.stage != 3:
+            raise _bad(
+                root, f"NVMe offload files in a ZeRO-{self.stage} step (DeepSpeed swaps to NVMe with ZeRO-3 only)"
+            )
+        kind = lstat_kind(root)
+        if kind != "dir":
+            raise _bad(root, f"it is a {kind}, not a directory (a symlink is never followed)")
+        out: dict[int, list[str]] = {}
+        for name in sorted(os.listdir(root)):
+            if name.startswith("."):
+                continue
+            m = _OFFLOAD_RANK_RE.fullmatch(name)
+            if m is None or name != f"rank{int(m.group(1)):02d}":
+                raise _bad(root / name, "a name DeepSpeed's NVMe offload does not write (expected rankNN)")
+            rank = int(m.group(1))
+            if rank >= self.world_size:
+                raise _bad(
+                    root / name,
+                    f"rank {rank} exceeds the world size {self.world_size} that partition_count records "
+                    "(files of two saves mixed?)",
+                )
+            if lstat_kind(root / name) != "dir":
+                raise _bad(root / name, "it is not a directory (a symlink is never followed)")
+            files: list[str] = []
+            for f in sorted(os.listdir(root / name)):
+                if f.startswith(".") or "gradient" in f:
+                    continue
+                if lstat_kind(root / name / f) != "file":
+                    raise _bad(root / name / f, "it is not a regular file (a symlink is never followed)")
+                files.append(f"{OFFLOAD_DIR}/{name}/{f}")
+            out[rank] = files
+        return out
+
     def _open(self) -> None:
         listing, optim = self._scan()
         first = min(optim)
         head = self._load(optim[first])
         self.stage, self.world_size = self._stage_and_world(head, self.step_dir / optim[first])
         self._check_ranks(listing, optim)
+        self._offload_files = self._scan_offload(listing)
         self._ranks = [self._read_rank(r, head if r == first else self._load(optim[r])) for r in range(self.world_size)]
         self._build([self._load(n) for n in self._model_files])
 
@@ -296,7 +432,9 @@ class ZeroCheckpoint:
             groups_key, base_key = "fp32_flat_groups", "optimizer_state_dict"
             if osd.get("partition_count") != self.world_size:
                 raise _bad(where, f"its partition_count differs from the other ranks' ({self.world_size})")
-        fp32 = [_flat(t, f"{where} {groups_key}[{i}]") for i, t in enumerate(_field(osd, groups_key, list, where))]
+        fp32: list[_Flat] = [
+            _flat(t, f"{where} {groups_key}[{i}]") for i, t in enumerate(_field(osd, groups_key, list, where))
+        ]
         rank_state = _Rank(rank, name, fp32, [{} for _ in fp32], [None for _ in fp32], [])
         base = osd.get(base_key)
         if base is not None:
@@ -357,6 +495,7 @@ class ZeroCheckpoint:
         if self.stage <= 2:
             self._add_zero2(entries, groups)
         else:
+            self._attach_swapped(groups, m0, where0)
             self._add_zero3(entries, groups)
         shared = m0.get("shared_params") or {}
         if not isinstance(shared, dict) or not all(
@@ -437,6 +576,143 @@ class ZeroCheckpoint:
                     "fail: 'consumed ... numels')",
                 )
 
+    def _swap_tensor(self, rel: str, dtype: torch.dtype, numel: int, what: str) -> SwapTensor:
+        """A swap file's tensor, after checking that its size is ``numel`` elements plus DeepSpeed's padding."""
+        path = self.step_dir / rel
+        size = os.lstat(path).st_size
+        need = numel * dtype.itemsize
+        if size < need or size - need >= SWAP_PAD_LIMIT or size % dtype.itemsize:
+            raise CheckpointFormatError(
+                f"{path}: {size} bytes, but {what} has {numel} {str(dtype).removeprefix('torch.')} elements ({need} "
+                f"bytes, plus less than {SWAP_PAD_LIMIT} bytes of alignment padding): the swap file is truncated or "
+                "from another save; restore the step from an intact copy or use an earlier step"
+            )
+        t = SwapTensor(path, dtype, numel)
+        self._swaps.append(t)
+        return t
+
+    def _parse_swap_names(self, rank: int) -> dict[tuple[int, int], dict[str, str]]:
+        """Rank ``rank``'s swap files: ``(first ds_id, last ds_id) -> {"fp32" | state key: relative path}``."""
+        out: dict[tuple[int, int], dict[str, str]] = {}
+        for rel in self._offload_files.get(rank, []):
+            m = _SWAP_RE.fullmatch(rel.rsplit("/", 1)[1])
+            if m is None:
+                raise _bad(
+                    self.step_dir / rel, "a file DeepSpeed's NVMe offload does not write (<key>-<a>_<b>.tensor.swp)"
+                )
+            out.setdefault((int(m.group(2)), int(m.group(3))), {})[m.group(1) or "fp32"] = rel
+        return out
+
+    def _attach_swapped(self, groups: list[dict[str, tuple[int, ...]]], m0: dict[Any, Any], where0: Path) -> None:
+        """ZeRO-3 with NVMe offload: each swapped-out sub-group (an empty fp32 partition in every rank's
+        optimizer-state file) gets its values from the rank's swap files; every swap file must be used."""
+        swapped = [i for i, t in enumerate(self._ranks[0].fp32) if t.numel == 0]
+        for r in self._ranks[1:]:
+            mine = [i for i, t in enumerate(r.fp32) if t.numel == 0]
+            if mine != swapped:
+                raise _bad(
+                    self.step_dir / r.file,
+                    f"its swapped-out (empty) fp32 sub-groups {mine} differ from rank 0's {swapped}",
+                )
+        names = [self._parse_swap_names(r) for r in range(self.world_size)]
+        if not swapped:
+            extra = next((r for r in range(self.world_size) if names[r]), None)
+            if extra is not None:
+                raise _bad(
+                    self.step_dir / offload_dir(extra),
+                    "it holds swap files, but no fp32 sub-group was swapped out (files of another save?)",
+                )
+            return
+        where = self.step_dir / self._optim_files[0]
+        if len(groups) != len(self._ranks[0].fp32):
+            raise _bad(
+                where0, f"{len(groups)} sub-groups in param_shapes but {len(self._ranks[0].fp32)} fp32 partitions"
+            )
+        for rank in range(self.world_size):
+            if rank not in self._offload_files:
+                raise CheckpointFormatError(
+                    f"{self.step_dir}: the fp32 partitions of sub-groups {swapped} were offloaded to NVMe (empty in "
+                    f"{self._optim_files[rank]}), but {offload_dir(rank)}/ with rank {rank}'s swap files is missing: "
+                    "the save did not copy them; restore the step from an intact copy or use an earlier step"
+                )
+        ids = self._match_swapped(groups, swapped, sorted(k for k, v in names[0].items() if "fp32" in v), m0, where)
+        ws = self.world_size
+        numels = {i: sum(math.ceil(math.prod(shape) / ws) for shape in groups[i].values()) for i in swapped}
+        for r in self._ranks:
+            unmatched = sorted(set(names[r.rank]) - set(ids.values()))
+            if unmatched:
+                raise _bad(
+                    self.step_dir / offload_dir(r.rank),
+                    f"it holds swap files of ds_ids {unmatched[0][0]}_{unmatched[0][1]}, "
+                    "which name no swapped sub-group of rank 0",
+                )
+            for i in swapped:
+                self._attach_group(r, i, ids[i], names[r.rank].get(ids[i], {}), numels[i])
+
+    def _attach_group(self, r: _Rank, i: int, ids: tuple[int, int], files: dict[str, str], numel: int) -> None:
+        """Sub-group ``i`` of rank ``r`` reads its fp32 partition and Adam state from its swap ``files``."""
+        what = f"sub-group {i} (rank {r.rank}'s partition)"
+        if "fp32" not in files:
+            raise CheckpointFormatError(
+                f"{self.step_dir / offload_dir(r.rank) / swap_file(ids)} is missing: {what} was swapped to NVMe "
+                "and its fp32 master weights live only there; restore the step from an intact copy"
+            )
+        fp32 = self._swap_tensor(files["fp32"], r.fp32[i].dtype, numel, what)
+        r.fp32[i] = fp32
+        for key in ("exp_avg", "exp_avg_sq"):
+            listed = r.state[i].get(key)
+            if key not in files:
+                if listed is not None:
+                    raise CheckpointFormatError(
+                        f"{self.step_dir / offload_dir(r.rank) / swap_file(ids, key)} is missing: {r.file} has an "
+                        f"optimizer {key} for {what}, which lives only in that swap file; restore the step from an "
+                        "intact copy"
+                    )
+                continue
+            dtype = listed.dtype if listed is not None else fp32.dtype
+            r.state[i][key] = self._swap_tensor(files[key], dtype, numel, f"{what} {key}")
+
+    def _match_swapped(
+        self,
+        groups: list[dict[str, tuple[int, ...]]],
+        swapped: list[int],
+        ids: list[tuple[int, int]],
+        m0: dict[Any, Any],
+        where: Path,
+    ) -> dict[int, tuple[int, int]]:
+        """Which ``(first, last)`` ds_ids name each swapped sub-group's files.
+
+        ZeRO-3 numbers params (``ds_id``) in ``module.parameters()`` order from a process-wide counter, so
+        ds_id = base + the param's position among the module's params (``module`` in rank 0's model states:
+        params and buffers in module order, minus buffers and shared-param aliases). The sub-groups' first
+        params sorted by position and the files sorted by first ds_id are paired, and the pairing is accepted
+        only when one ``base`` explains every first and last id."""
+        if len(ids) != len(swapped):
+            raise _bad(
+                self.step_dir / offload_dir(0),
+                f"it holds {len(ids)} fp32 swap files for {len(swapped)} swapped-out sub-groups {swapped}",
+            )
+        if len(ids) == 1:
+            return {swapped[0]: ids[0]}
+        module = m0.get("module")
+        trainable = {n for i in swapped for n in groups[i]}
+        known = {n for d in groups for n in d} | set(self.frozen_names)
+        shared = m0.get("shared_params") or {}
+        order = [k for k in module if k in known and k not in shared] if isinstance(module, dict) else []
+        position = {name: p for p, name in enumerate(dict.fromkeys(order))}
+        if not trainable <= position.keys():
+            raise _bad(where, "the module's parameter order is not recorded, so its swap files cannot be matched")
+        ends = {i: (position[next(iter(groups[i]))], position[next(reversed(groups[i]))]) for i in swapped}
+        pairs = list(zip(sorted(swapped, key=lambda i: ends[i][0]), sorted(ids), strict=True))
+        bases = {(first - ends[i][0], last - ends[i][1]) for i, (first, last) in pairs}
+        if len(bases) != 1 or len({b for pair in bases for b in pair}) != 1:
+            raise _bad(
+                self.step_dir / offload_dir(0),
+                f"its swap files' ds_ids {[f'{a}_{b}' for a, b in ids]} do not follow the module's parameter order, "
+                "so they cannot be matched to the swapped sub-groups",
+            )
+        return dict(pairs)
+
     def _add_zero3(self, entries: dict[str, _Entry], groups: list[dict[str, tuple[int, ...]]]) -> None:
         sizes = [t.numel for t in self._ranks[0].fp32]
         for r in self._ranks[1:]:
@@ -471,6 +747,8 @@ class ZeroCheckpoint:
     def close(self) -> None:
         for a in self._archives:
             a.close()
+        for t in self._swaps:
+            t.close()
 
     def __enter__(self) -> ZeroCheckpoint:
         return self
@@ -492,6 +770,8 @@ class ZeroCheckpoint:
                 out[r].append(z3_model_file(r))
         for r, n in enumerate(self._optim_files):
             out[r].append(n)
+        for r, files in self._offload_files.items():  # NVMe offload: offloaded_tensors/rankNN/*
+            out[r].extend(files)
         return out
 
     def stored_files(self) -> set[str]:
@@ -550,7 +830,7 @@ class ZeroCheckpoint:
             raise _bad(self.step_dir, "the ranks record different optimizer steps (files of two saves mixed?)")
         return first
 
-    def _source(self, rank: int, group: int, key: str) -> LazyTensor:
+    def _source(self, rank: int, group: int, key: str) -> _Flat:
         r = self._ranks[rank]
         if key == "fp32":
             return r.fp32[group]
@@ -581,7 +861,7 @@ class ZeroCheckpoint:
                     yield rank, g, lo - starts[g], n
                     left -= n
 
-    def _chunks(self, t: LazyTensor, start: int, count: int) -> Iterator[torch.Tensor]:
+    def _chunks(self, t: _Flat, start: int, count: int) -> Iterator[torch.Tensor]:
         step = max(1, self.max_read_bytes // t.dtype.itemsize)
         for s in range(start, start + count, step):
             yield t.read(s, min(step, start + count - s))

@@ -2,8 +2,8 @@
 
 Read with :mod:`pipeline.formats.torch_zip`: the pickle is parsed by a restricted unpickler (tensors and plain
 containers; anything else needs ``import.allow_pickle=true``) and tensors are read lazily, so consolidation holds
-one slice of one tensor at a time. The model's weights are the top-level mapping of tensors, or the one under
-``model``, ``state_dict``, ``module`` or ``model_state_dict``; a DDP ``module.`` prefix is dropped.
+one slice of one tensor at a time. The model's weights are the mapping of tensors under ``model``, ``state_dict``,
+``module`` or ``model_state_dict``, else the top-level mapping of tensors; a DDP ``module.`` prefix is dropped.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ CHUNK_BYTES = 64 << 20
 
 
 def _weights(tree: Any, where: Path) -> dict[str, LazyTensor]:
-    candidates = [tree] + [tree[k] for k in WEIGHT_KEYS if isinstance(tree, dict) and isinstance(tree.get(k), dict)]
+    # The nested state dict first: a top level that holds it may also hold stray tensors (``torch.get_rng_state()``).
+    candidates = [tree[k] for k in WEIGHT_KEYS if isinstance(tree, dict) and isinstance(tree.get(k), dict)] + [tree]
     for cand in candidates:
         tensors = {str(k): v for k, v in cand.items() if isinstance(v, LazyTensor)} if isinstance(cand, dict) else {}
         if tensors:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pipeline.errors import CheckpointFormatError, PipelineError
-from pipeline.formats.dcp import _check_opcodes, error_summary
+from pipeline.formats.pickle_safety import check_opcodes, error_summary
 
 MAX_PICKLE_BYTES = 256 << 20
 """Largest ``data.pkl`` read (DeepSpeed's are kilobytes to a few megabytes: tensors live in the records)."""
@@ -454,6 +454,10 @@ def open_archive(path: Path) -> TorchArchive:
     return TorchArchive(path)
 
 
+def _opcode_refusal(file: Path, problem: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"{file}: {problem}; its data.pkl is not read safely (not a torch.save file)")
+
+
 def load_archive(archive: TorchArchive, allow_pickle: bool = False) -> Any:
     """The object tree of an open archive, tensors as :class:`LazyTensor` (see the module docstring).
 
@@ -461,12 +465,7 @@ def load_archive(archive: TorchArchive, allow_pickle: bool = False) -> Any:
     you trust); tensors are still read lazily."""
     path = archive.path
     data = archive.read_record("data.pkl", MAX_PICKLE_BYTES)
-    try:
-        _check_opcodes(data, path)
-    except CheckpointFormatError as e:  # its text names DCP metadata; say what this file is
-        raise CheckpointFormatError(
-            str(e).replace("it is not DCP metadata this pipeline reads safely", "its data.pkl is not read safely")
-        ) from None
+    check_opcodes(data, path, _opcode_refusal)
     unpickler = _LazyUnpickler(data, archive, allow_pickle)
     try:
         obj = unpickler.load()

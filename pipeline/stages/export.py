@@ -6,6 +6,8 @@ Outputs: ``export/step_N/``: ``model-0000i-of-0000n.safetensors`` shards no larg
 ``export.max_shard_size`` (a tensor larger than that gets a shard of its own), ``model.safetensors.index.json``,
 ``config.json``, ``generation_config.json``, tokenizer files, and ``provenance.json`` (done-marker: source
 step, manifest hash, consolidated file hash, export settings, every file's size and hash).
+Before anything is written, the consolidated tensors' names and shapes must be exactly those of the model the config
+describes (an imported checkpoint of another architecture fails here in one line, naming the first difference).
 Owner: this single task. Memory: one tensor at a time (read through safetensors' mmap).
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from pipeline.checkpoint.outputs import (
     CONSOLIDATED_MARKER,
@@ -26,8 +28,8 @@ from pipeline.checkpoint.outputs import (
     staging_dir,
     verified_output,
 )
-from pipeline.config.schema import ExportConfig, PipelineConfig, parse_size
-from pipeline.errors import CheckpointFormatError, PipelineError, VerificationError
+from pipeline.config.schema import ExportConfig, ModelConfig, PipelineConfig, parse_size
+from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.storage.atomic import read_json, write_json_atomic
@@ -98,13 +100,56 @@ def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec
     return shards
 
 
+def _expected_shapes(model: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the configured model loads (built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        reference = LlamaForCausalLM(llama_config(model, tokenizer))
+    return {name: tuple(t.shape) for name, t in reference.state_dict().items()}
+
+
+def _unreadable(src: Path, e: SafetensorError) -> CheckpointFormatError:
+    """A consolidated file whose header or data is malformed."""
+    return CheckpointFormatError(
+        f"{src} is not a readable safetensors file ({(str(e) or type(e).__name__).splitlines()[0][:200]})"
+    )
+
+
+def _stored_shapes(src: Path) -> dict[str, tuple[int, ...]]:
+    try:
+        with safe_open(str(src), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in sorted(f.keys())}
+    except SafetensorError as e:
+        raise _unreadable(src, e) from None
+
+
+def check_fits_model(src: Path, model: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> None:
+    """Refuse weights that the model of this run's config cannot load (the first difference, in name order)."""
+    stored, expected = _stored_shapes(src), _expected_shapes(model, tokenizer)
+    for name in sorted(stored.keys() | expected.keys()):
+        if name not in stored:
+            problem = f"has no tensor {name}, which the configured model needs (shape {expected[name]})"
+        elif name not in expected:
+            problem = f"has tensor {name} {stored[name]}, which the configured model does not have"
+        elif stored[name] != expected[name]:
+            problem = f"has tensor {name} of shape {stored[name]}, but the configured model expects {expected[name]}"
+        else:
+            continue
+        sizes = ", ".join(
+            f"model.{k}={getattr(model, k)}"
+            for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+        )
+        raise ConfigError(
+            f"{src} {problem} ({sizes}, vocab {len(tokenizer)}): the weights do not fit the model this run's "
+            "config describes; choose the +experiment / model.* overrides that match the imported checkpoint (in a new "
+            "run, or with run.overwrite=true)"
+        )
+
+
 def _write_weights(src: Path, staging: Path, export: ExportConfig) -> list[str]:
     try:
         return _write_weights_from(src, staging, export)
-    except SafetensorError as e:  # a consolidated file whose header or data is malformed
-        raise CheckpointFormatError(
-            f"{src} is not a readable safetensors file ({(str(e) or type(e).__name__).splitlines()[0][:200]})"
-        ) from None
+    except SafetensorError as e:
+        raise _unreadable(src, e) from None
 
 
 def _write_weights_from(src: Path, staging: Path, export: ExportConfig) -> list[str]:
@@ -132,9 +177,11 @@ def run(ctx: TaskContext) -> dict[str, object]:
     cfg, layout = ctx.cfg, ctx.layout
     source = _source(cfg, layout)
     step = int(str(source["step"]))
+    weights = layout.consolidated_step(step) / CONSOLIDATED_WEIGHTS
+    tokenizer = load_tokenizer(layout.assets)
+    check_fits_model(weights, cfg.model, tokenizer)  # before anything is written
     with staging_dir(layout.export, step_name(step)) as staging:
-        files = _write_weights(layout.consolidated_step(step) / CONSOLIDATED_WEIGHTS, staging, cfg.export)
-        tokenizer = load_tokenizer(layout.assets)
+        files = _write_weights(weights, staging, cfg.export)
         hf_config = llama_config(cfg.model, tokenizer)
         hf_config.dtype = cfg.export.dtype
         hf_config.save_pretrained(str(staging))

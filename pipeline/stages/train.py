@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.checkpoint.manifest import (
     MANIFEST,
+    Manifest,
     complete_markers,
     read_latest,
     read_manifest,
@@ -273,6 +275,38 @@ def _build(cfg: PipelineConfig, layout: RunLayout, device: torch.device, world: 
     return _Trainer(net=wrapped, module=wrapped, opt=opt)
 
 
+def _load_step(
+    trainer: _Trainer,
+    sched: Any,
+    stream: SampleStream,
+    step_dir: Path,
+    manifest: Manifest,
+    rank: int,
+    world: int,
+    pg: Any,
+) -> TrainState:
+    """Model and optimizer state into ``trainer``; the rest of the step's training state is returned."""
+    if manifest.format == DCP_FORMAT and trainer.engine is None:  # DCP reshards DDP/FSDP2 steps itself
+        state = _state(trainer.module, trainer.opt, sched, stream, 0, rank)
+        if manifest.world_size != world:
+            del state["rng"]  # the generators of ranks that no longer exist (or not yet) are not carried
+        load_into(state, step_dir, process_group=pg)
+        set_state_dict(trainer.module, trainer.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return TrainState(
+            step=int(state["train"]["step"]),
+            data_epoch=int(state["train"]["data_epoch"]),
+            data_offset=int(state["train"]["data_offset"]),
+            sched=state["sched"],
+            rng=state.get("rng", {}),
+        )
+    portable = open_portable(step_dir, manifest)
+    if trainer.engine is not None:
+        zero.load_portable(trainer.engine, trainer.opt, portable, trainer.engine.zero_optimization_stage())
+    else:
+        apply_native(trainer.module, trainer.opt, portable)
+    return portable.train
+
+
 def _resume(
     ctx: TaskContext,
     trainer: _Trainer,
@@ -293,26 +327,7 @@ def _resume(
     step_dir = layout.committed_step(resume)
     manifest = read_manifest(step_dir)  # rank 0 verified the step's files against it
     world = dist.get_world_size()
-    if manifest.format == DCP_FORMAT and trainer.engine is None:  # DCP reshards DDP/FSDP2 steps itself
-        state = _state(trainer.module, trainer.opt, sched, stream, 0, rank)
-        if manifest.world_size != world:
-            del state["rng"]  # the generators of ranks that no longer exist (or not yet) are not carried
-        load_into(state, step_dir, process_group=pg)
-        set_state_dict(trainer.module, trainer.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        train = TrainState(
-            step=int(state["train"]["step"]),
-            data_epoch=int(state["train"]["data_epoch"]),
-            data_offset=int(state["train"]["data_offset"]),
-            sched=state["sched"],
-            rng=state.get("rng", {}),
-        )
-    else:
-        portable = open_portable(step_dir, manifest)
-        if trainer.engine is not None:
-            zero.load_portable(trainer.engine, trainer.opt, portable, trainer.engine.zero_optimization_stage())
-        else:
-            apply_native(trainer.module, trainer.opt, portable)
-        train = portable.train
+    train = _load_step(trainer, sched, stream, step_dir, manifest, rank, world, pg)
     sched.load_state_dict(train.sched)
     for group, lr in zip(trainer.opt.param_groups, sched.get_last_lr(), strict=True):
         group["lr"] = lr  # the rate of the next step (a world-size-free load carries no param groups)

@@ -212,7 +212,9 @@ def save(engine: Any, staging_area: Path, step_dir_name: str) -> list[FileEntry]
     written by more than one task: each rank copies only its own folder, into a directory that only it
     creates, and the shared ``offloaded_tensors`` parent is only ``mkdir(exist_ok=True)``-ed. That is what
     makes seed 000 (DeepSpeed bug 7549: every rank ``copytree``-ing into one shared ``offloaded_tensors``,
-    the losers dying with FileExistsError) impossible here, whatever DeepSpeed version does the saving."""
+    the losers dying with FileExistsError) impossible here: DeepSpeed's own copy (the one that raced, in
+    0.16.x) is never relied on; 0.19.8 gates it by ``engine.zero_nvme_offload_optimizer()``, False during
+    the call."""
     step_dir = staging_area / step_dir_name
     recorder = RecordingEngine(step_dir)
     previous = engine.checkpoint_engine

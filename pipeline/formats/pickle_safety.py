@@ -1,0 +1,34 @@
+"""Safety checks shared by the restricted unpicklers (DCP metadata, torch.save archives); no heavy imports."""
+
+from __future__ import annotations
+
+import pickletools
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+
+def error_summary(e: BaseException) -> str:
+    """An exception's text on one line, at most 200 characters (for one-line error messages)."""
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def check_opcodes(data: bytes, file: Path, refusal: Callable[[Path, str], PipelineError]) -> None:
+    """Walk the pickle's opcodes without running them and refuse what would make the C unpickler allocate far
+    beyond the file: a memo index larger than the number of opcodes before it (``LONG_BINPUT 10**9`` grows
+    the memo table to gigabytes; a pickler numbers its memo entries from 0), a frame or a length that runs
+    past the end of the data."""
+    try:
+        for count, (op, arg, pos) in enumerate(pickletools.genops(data)):
+            if op.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg <= count):
+                raise refusal(file, f"memo index {arg!r} at byte {pos} is not one a pickler writes")
+            if op.name == "FRAME" and not (isinstance(arg, int) and arg <= len(data) - (pos or 0)):
+                raise refusal(file, f"a frame of {arg!r} bytes at byte {pos} runs past the end")
+    except PipelineError:
+        raise
+    except Exception as e:  # truncated opcodes, lengths past the end, unknown opcodes
+        raise refusal(file, f"its pickle opcodes are malformed ({type(e).__name__}: {error_summary(e)})") from None
