@@ -242,6 +242,27 @@ def test_broken_swap_files_are_refused_in_one_line(synthetic: dict[ZeroCase, Pat
     assert not (tmp_path / "out.safetensors").exists()
 
 
+@pytest.mark.distributed
+def test_litter_of_an_interrupted_copy_is_no_data(
+    synthetic: dict[ZeroCase, Path], plain: dict[ZeroCase, Path], tmp_path: Path
+) -> None:
+    step = _fresh(synthetic, tmp_path)
+    swap = _first_swap(step, 0)
+    litter = [
+        swap.with_name(swap.name + ".tmp-123-abcd1234"),  # copy_file_atomic's temp file
+        swap.with_name(swap.name.replace(".tensor.swp", "_gradient_0_262144.tensor.swp")),  # never copied
+        step / "offloaded_tensors" / ".rank00.deleting-1-abcd",  # remove_tree's trash
+    ]
+    for path in litter[:2]:
+        path.write_bytes(b"garbage")
+    litter[2].mkdir()
+    with ZeroCheckpoint(step) as ckpt:
+        assert not {str(p.relative_to(step)) for p in litter} & ckpt.stored_files()
+    consolidate_zero(step, tmp_path / "ours.safetensors")
+    ours, theirs = load_file(str(tmp_path / "ours.safetensors")), _ds_state_dict(plain[CASES[0]])
+    assert all(_bitwise_equal(ours[k], theirs[k].contiguous()) for k in theirs)
+
+
 # --------------------------------------------------------------------------- (b) seed 000: one shared destination
 
 WORLD = 4

@@ -431,8 +431,9 @@ class PipelineConfig:
     launcher: Any = field(default=MISSING, metadata=MUTABLE)
     """How stage jobs are launched: choose with ``launcher=local``, ``inprocess`` or ``slurm``."""
     strategy: StrategyConfig = field(default=MISSING, metadata=MUTABLE)
-    """Parallelism of the train stage: ``strategy=ddp``, ``strategy=fsdp2`` or ``strategy=deepspeed``. It may
-    change between launches of one run (another world size or strategy); each change is recorded in run.yaml."""
+    """Parallelism of train: ddp, fsdp2 or deepspeed; may change between launches (see run.yaml).
+
+    Another world size or strategy continues the run through a world-size-free form of its newest step."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model being trained (a small Llama)."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -43,6 +43,7 @@ import torch
 from pipeline.errors import CheckpointFormatError, PipelineError
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.formats.torch_zip import LazyTensor, TorchArchive, load_archive, open_archive
+from pipeline.storage.atomic import is_temp_name
 from pipeline.storage.integrity import lstat_kind
 
 STAGE_OF: dict[str, int] = {f"deepspeed_zero{s}": s for s in (1, 2, 3)}
@@ -362,8 +363,8 @@ class ZeroCheckpoint:
     def _scan_offload(self, listing: list[str]) -> dict[int, list[str]]:
         """The files of each ``offloaded_tensors/rankNN/`` (NVMe offload; names checked, nothing read).
 
-        Hidden names (an interrupted copy's temp files) and gradient partitions (DeepSpeed never copies them
-        into a checkpoint) hold no checkpoint data and are left out."""
+        Hidden names, temp files of an interrupted atomic copy and gradient partitions (DeepSpeed never copies
+        them into a checkpoint) hold no checkpoint data and are left out."""
         if OFFLOAD_DIR not in listing:
             return {}
         root = self.step_dir / OFFLOAD_DIR
@@ -392,7 +393,7 @@ class ZeroCheckpoint:
                 raise _bad(root / name, "it is not a directory (a symlink is never followed)")
             files: list[str] = []
             for f in sorted(os.listdir(root / name)):
-                if f.startswith(".") or "gradient" in f:
+                if f.startswith(".") or is_temp_name(f) or "gradient" in f:
                     continue
                 if lstat_kind(root / name / f) != "file":
                     raise _bad(root / name / f, "it is not a regular file (a symlink is never followed)")
