@@ -18,7 +18,7 @@ from tests.seed_helpers import TEST_FORMAT
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _test_world(step_dir: Path) -> int:
+def _test_world(step_dir: Path, _allow_pickle: bool = False) -> int:
     """World size of a TEST_FORMAT step: its markers' (the format has no metadata of its own)."""
     from pipeline.storage.integrity import read_record_json  # noqa: PLC0415
 
@@ -29,7 +29,7 @@ def _test_world(step_dir: Path) -> int:
 
 # The commit-protocol tests stage fake steps in a format of their own (``seed_helpers.TEST_FORMAT``: plain bytes,
 # no metadata naming other files); the committer knows that format only inside this test process.
-FORMATS.setdefault(TEST_FORMAT, Format(TEST_FORMAT, lambda _path: set(), lambda _rel: None, _test_world))
+FORMATS.setdefault(TEST_FORMAT, Format(TEST_FORMAT, lambda _path, _allow: set(), lambda _rel: None, _test_world))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -127,8 +127,8 @@ def test_finished_run(run: tuple[PipelineConfig, RunLayout], capsys: pytest.Capt
     committed = data["checkpoints"]["committed"]
     size = sum(len(sh.shard_bytes(8, r, f"__{r}_0.distcp")) for r in range(2)) + len(sh.shard_bytes(8, 0, ".metadata"))
     assert committed == [
-        {"step": 4, "latest": False, "files": 3, "bytes": size},
-        {"step": 8, "latest": True, "files": 3, "bytes": size},
+        {"step": 4, "latest": False, "files": 3, "bytes": size, "format": sh.TEST_FORMAT, "world_size": 2},
+        {"step": 8, "latest": True, "files": 3, "bytes": size, "format": sh.TEST_FORMAT, "world_size": 2},
     ]
 
 
@@ -327,7 +327,7 @@ def test_retention_decisions_are_shown(
     )
     assert _line(out, "policy:") == "    policy: keep_last=1"
     assert _lines(out, "checkpoints:", 2)[1] == "    checkpoints: kept step 8 (latest, newest 1); removed step 4"
-    assert _line(out, "committed").split() == ["committed", "files", "size"]
+    assert _line(out, "committed").split() == ["committed", "files", "size", "format"]
     assert "step 4" not in _line(out, "step 8") and [ln for ln in out.splitlines() if "step 4  " in ln] == []
     assert _json(capsys, layout)["checkpoints"]["retention"] == retention.read_record(layout)
 

@@ -141,6 +141,8 @@ def _committed(layout: RunLayout, latest_step: int | None) -> list[Status]:
         else:
             entry["files"] = len(manifest.files)
             entry["bytes"] = sum(f.size for f in manifest.files)
+            entry["format"] = manifest.format
+            entry["world_size"] = manifest.world_size
         out.append(entry)
     return out
 
@@ -228,7 +230,9 @@ def collect(layout: RunLayout) -> Status:
     launcher, strategy = config.get("launcher"), config.get("strategy")
     default_cluster = str(launcher.get("kind", "local")) if isinstance(launcher, dict) else "local"
     world_size = strategy.get("world_size") if isinstance(strategy, dict) else None
-    stages = [_stage(layout, s, clusters, default_cluster) for s in ORDER]
+    # A training run never imports: its import stage (which has no record then) is not listed.
+    shown = [s for s in ORDER if s != "import_checkpoint" or layout.stage_record(s).exists()]
+    stages = [_stage(layout, s, clusters, default_cluster) for s in shown]
     slurm_ids = [j["job_id"] for j in lease_jobs if j.get("cluster") == "slurm"]
     slurm_ids += [str(s["job_id"]) for s in stages if s.get("cluster") == "slurm" and s.get("job_id")]
     slurm = jobs.slurm_states(slurm_ids) if slurm_ids else {}
@@ -317,14 +321,14 @@ def _checkpoint_lines(ck: Status) -> list[str]:
     lines = ["checkpoints:"]
     latest = ck["latest"]
     lines.append(f"  latest: step {latest['step']}" if latest else f"  latest: {ck['latest_error'] or 'none'}")
-    rows = [["committed", "files", "size", ""]]
+    rows = [["committed", "files", "size", "format", ""]]
     for c in ck["committed"]:
         if "error" in c:
-            rows.append([f"step {c['step']}", "", "", f"damaged: {c['error']}"])
+            rows.append([f"step {c['step']}", "", "", "", f"damaged: {c['error']}"])
         else:
-            rows.append(
-                [f"step {c['step']}", str(c["files"]), format_bytes(c["bytes"]), "latest" if c["latest"] else ""]
-            )
+            written = f"{c['format']} x{c['world_size']}"
+            latest_mark = "latest" if c["latest"] else ""
+            rows.append([f"step {c['step']}", str(c["files"]), format_bytes(c["bytes"]), written, latest_mark])
     lines += _table(rows) if len(rows) > 1 else ["  committed: none"]
     for s in ck["staged"]:
         of = f" of {s['world_size']}" if s.get("world_size") else ""
