@@ -118,7 +118,6 @@ def test_pipeline_commit_waits_for_the_slow_rank(tmp_path: Path) -> None:
             f"run.root={root}",
             "run.id=race",
             "run.create=true",
-            "stage=train",
             env={"PIPELINE_FAULTS": faults},
             timeout=600,
         )
