@@ -7,12 +7,18 @@ Output per case ``<out_dir>/<case.name>/``:
 - ``reference.safetensors``: DeepSpeed's own per-parameter values after training, fetched with
   ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` (every rank calls them, as ZeRO-3 requires),
   named ``fp32/<param>``, ``exp_avg/<param>``, ``exp_avg_sq/<param>`` (trainable params only);
-- ``reference.json``: ``{"steps": [Adam step per optimizer state], "names": [...], "frozen": [...]}``.
+- ``reference.json``: ``{"steps": [Adam step per optimizer state], "names": [...], "frozen": [...],
+  "ds_ids": [ZeRO-3: each flat fp32 sub-group's "<first>_<last>" ds_id]}``.
 
 Models: ``plain`` is a tiny ``LlamaForCausalLM`` (vocab 100, hidden 64, 2 layers, untied embeddings).
 ``odd`` wraps a Llama with vocab 101 and tied embeddings (a shared param), and adds an odd-sized trainable
 param (13 elements), an odd-sized frozen param (11), a persistent float and an int buffer, and two Adam param
 groups, so padding, multi-group, frozen, buffer and shared-param paths of ``zero_to_fp32`` are all exercised.
+
+``big`` (ZeRO-3) makes the Llama large enough for NVMe swapping; ``nvme`` really offloads params and optimizer
+state to NVMe (``<case>_swap/rank_K``, needs libaio and DeepSpeed's async_io op): that is how a real
+NVMe-offloaded checkpoint is made. :func:`nvme_layout_from` turns a plain ``big`` ZeRO-3 step into the same
+on-disk layout without libaio.
 
 Several cases run in one ``torchrun`` launch (one engine after another in the same process group): each launch
 costs several seconds of imports on a small machine.
