@@ -11,8 +11,7 @@ step), then runs each method in a fresh subprocess under ``/usr/bin/time -v`` (f
   streaming safetensors writer);
 * ``deepspeed``: ``convert_zero_checkpoint_to_fp32_state_dict(..., safe_serialization=True, max_shard_size=None)``;
 * ``baseline``: ``python -c "import torch"``; ``import pipeline`` / ``import deepspeed``: the imports alone of
-  the two children (the pipeline's module imports ``torch.distributed.checkpoint`` through
-  ``pipeline.formats.dcp``, about 1 s and 50 MB here).
+  the two children (the pipeline's reader no longer imports ``torch.distributed.checkpoint``).
 
 Output: a Markdown table (median [min-max] of peak RSS and wall time, RSS above the baseline, ratios pipeline /
 deepspeed) and JSON at ``--out`` (default ``bench/results/consolidate_zero.json``). Both outputs are checked to
