@@ -20,7 +20,7 @@ def test_help_lists_stages_groups_and_every_key(tmp_path: Path) -> None:
     out = proc.stdout
     for stage in ("prepare_dirs", "train", "verify_manifest", "consolidate", "export"):
         assert f"\n  {stage} " in out
-    assert "strategy: ddp, fsdp2 (default: ddp)" in out
+    assert "strategy: ddp, deepspeed, fsdp2 (default: ddp)" in out
     assert "launcher: inprocess, local, slurm (default: local)" in out
     assert "train.steps = 8" in out and "Total optimizer steps of the run" in out
     assert "run.id = null" in out and "launcher.progress_interval_s = 30.0" in out
@@ -48,7 +48,7 @@ def test_info_and_shell_completion(tmp_path: Path) -> None:
     [
         (["train.stpes=3"], "unknown config key 'train.stpes': did you mean train.steps?"),
         (["+trian.steps=3"], "unknown config key 'trian': did you mean train?"),
-        (["strategy=zero9"], "available options in 'strategy': ddp, fsdp2"),
+        (["strategy=zero9"], "available options in 'strategy': ddp, deepspeed, fsdp2"),
         (["hydra.run.dir=/elsewhere"], "hydra.run.dir is set by the pipeline"),
         (["hydra/launcher=submitit_slurm"], "hydra/launcher is set by the pipeline"),
         (["launcher=slurm"], "sbatch is not on PATH"),
