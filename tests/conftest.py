@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
-from pipeline.formats.registry import FORMATS, Format
+from pipeline.formats.registry import FORMATS, Format, _dcp_owner
 from pipeline.orchestration.task import execute_task
 from pipeline.storage.layout import RunLayout
 from tests.seed_helpers import TEST_FORMAT
@@ -18,18 +18,21 @@ from tests.seed_helpers import TEST_FORMAT
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _test_world(step_dir: Path, _allow_pickle: bool = False) -> int:
-    """World size of a TEST_FORMAT step: its markers' (the format has no metadata of its own)."""
-    from pipeline.storage.integrity import read_record_json  # noqa: PLC0415
+def _test_files(step_dir: Path, _allow_pickle: bool = False) -> set[str]:
+    """A TEST_FORMAT step's data files, named as DCP names them (``__K_0.distcp`` by rank K, ``.metadata``)."""
+    names = {p.name for p in step_dir.iterdir()} if step_dir.is_dir() else set()
+    return {n for n in names if n == ".metadata" or (n.startswith("__") and n.endswith(".distcp"))}
 
-    for marker in sorted(step_dir.glob("rank_*.done.json")):
-        return int(read_record_json(marker, "marker")["world_size"])
-    return 0
+
+def _test_world(step_dir: Path, _allow_pickle: bool = False) -> int:
+    """How many ranks wrote a TEST_FORMAT step: from its files' names, never from its markers."""
+    ranks = [_dcp_owner(n) for n in _test_files(step_dir)]
+    return max((r for r in ranks if r is not None), default=0) + 1
 
 
 # The commit-protocol tests stage fake steps in a format of their own (``seed_helpers.TEST_FORMAT``: plain bytes,
 # no metadata naming other files); the committer knows that format only inside this test process.
-FORMATS.setdefault(TEST_FORMAT, Format(TEST_FORMAT, lambda _path, _allow: set(), lambda _rel: None, _test_world))
+FORMATS.setdefault(TEST_FORMAT, Format(TEST_FORMAT, _test_files, _dcp_owner, _test_world))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
