@@ -84,7 +84,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import metadata as dcp_meta
 
-from pipeline.checkpoint.manifest import MANIFEST, marker_path, read_latest, verify_committed, write_latest
+from pipeline.checkpoint.manifest import (
+    MANIFEST,
+    marker_path,
+    read_latest,
+    read_manifest,
+    verify_committed,
+    write_latest,
+)
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import CheckpointFormatError, PipelineError, VerificationError
@@ -494,18 +501,37 @@ def test_committed_step_files_are_refused_downstream(baseline: Baseline) -> None
 
 
 def test_markers_of_another_world_size_never_commit(baseline: Baseline) -> None:
-    family = Family("2-rank markers read with another world size -> verify_manifest")
+    """Markers that all claim another world size than the ranks that wrote the files never commit, whatever world
+    size the committer runs with: the DCP metadata names every rank's file (a claim of fewer ranks leaves files
+    unlisted; a claim of more leaves markers missing)."""
+    family = Family("2-rank step whose markers claim another world size -> verify_manifest")
 
     @hostile(ci=30, large=100)
-    @given(world=st.integers(1, 64).filter(lambda w: w != WORLD))
-    def case(world: int) -> None:
+    @given(world=st.integers(1, 64).filter(lambda w: w != WORLD), run_world=st.sampled_from([1, WORLD, 4]))
+    def case(world: int, run_world: int) -> None:
         family.cases += 1
         with case_dir(baseline) as root:
             layout = make_run(baseline, root, step8="staged", latest=PREV)
-            out = committer(baseline, layout, published_counts=True, world_size=world)
-            family.judge(f"verify_manifest (world_size={world})", out, may_accept=False, what=f"world_size={world}")
+            for rank in range(WORLD):
+                path = marker_path(layout.staged_step(STEP), rank)
+                obj = json.loads(path.read_bytes())
+                obj["world_size"] = world
+                path.write_text(json.dumps(obj))
+            out = committer(baseline, layout, published_counts=True, world_size=run_world)
+            family.judge(f"verify_manifest (world_size={run_world})", out, may_accept=False, what=f"claims {world}")
 
     run_family(family, case)
+
+
+def test_a_complete_step_of_another_world_size_commits(baseline: Baseline) -> None:
+    """A run that went on at another world size (resume anywhere) still commits a step staged completely and
+    consistently by the old world size: its manifest records the ranks that wrote it."""
+    for run_world in (1, 4):
+        with case_dir(baseline) as root:
+            layout = make_run(baseline, root, step8="staged", latest=PREV)
+            out = committer(baseline, layout, published_counts=False, world_size=run_world)
+            assert out.kind == ACCEPTED, out
+            assert read_manifest(layout.committed_step(STEP)).world_size == WORLD
 
 
 # --- JSON records: markers, manifests, latest --------------------------------------------------------------
