@@ -25,9 +25,16 @@ def _test_files(step_dir: Path, _allow_pickle: bool = False) -> set[str]:
 
 
 def _test_world(step_dir: Path, _allow_pickle: bool = False) -> int:
-    """How many ranks wrote a TEST_FORMAT step: from its files' names, never from its markers."""
-    ranks = [_dcp_owner(n) for n in _test_files(step_dir)]
-    return max((r for r in ranks if r is not None), default=0) + 1
+    """How many ranks wrote a TEST_FORMAT step: from its DCP-named files when it has them; a step of files named
+    otherwise (the seed tests' ``rank_K/...`` paths) has no names to count, and its markers' world size is used."""
+    ranks = [r for r in (_dcp_owner(n) for n in _test_files(step_dir)) if r is not None]
+    if ranks:
+        return max(ranks) + 1
+    from pipeline.storage.integrity import read_record_json  # noqa: PLC0415
+
+    for marker in sorted(step_dir.glob("rank_*.done.json")):
+        return int(read_record_json(marker, "marker")["world_size"])
+    return 0
 
 
 # The commit-protocol tests stage fake steps in a format of their own (``seed_helpers.TEST_FORMAT``: plain bytes,
