@@ -106,6 +106,10 @@ class Portable(Protocol):
         """Adam's step count (0-d float32), shared by every parameter."""
         ...
 
+    def close(self) -> None:
+        """Release open files."""
+        ...
+
 
 class _DcpPortable:
     """A DCP step (DDP/FSDP2) read key by key with ``no_dist`` loads into full-size tensors."""
@@ -153,6 +157,9 @@ class _DcpPortable:
     def optim_step(self) -> torch.Tensor:
         return self._read(f"{self.OPTIM}{self.names[0]}.step").float().reshape(())
 
+    def close(self) -> None:
+        """Nothing stays open between reads."""
+
 
 class _ZeroPortable:
     """A DeepSpeed ZeRO step: fp32 master weights and Adam state sliced out of the flat partitions."""
@@ -174,6 +181,9 @@ class _ZeroPortable:
         if step is None:
             raise CheckpointFormatError(f"{self.ckpt.step_dir}: the optimizer state holds no Adam step")
         return step.float().reshape(())
+
+    def close(self) -> None:
+        self.ckpt.close()
 
 
 def open_portable(step_dir: Path, manifest: Manifest) -> Portable:

@@ -64,7 +64,11 @@ def _deepspeed_dir(path: Path) -> Path | None:
         return path
     latest = path / "latest"
     if lstat_kind(latest) == "file":
-        tag = latest.read_text(errors="replace").strip()
+        try:
+            with open(latest, "rb") as f:  # lstat said a regular file: a tag name, bounded
+                tag = f.read(256).decode(errors="replace").strip()
+        except OSError as e:
+            raise CheckpointFormatError(f"{latest} cannot be read ({e.strerror}): fix its permissions") from None
         if not tag or "/" in tag or tag in (".", ".."):
             raise CheckpointFormatError(f"{latest} names {tag!r}, not a tag directory of {path}")
         tag_dir = safe_join(path, tag)

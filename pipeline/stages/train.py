@@ -300,11 +300,14 @@ def _load_step(
             rng=state.get("rng", {}),
         )
     portable = open_portable(step_dir, manifest)
-    if trainer.engine is not None:
-        zero.load_portable(trainer.engine, trainer.opt, portable, trainer.engine.zero_optimization_stage())
-    else:
-        apply_native(trainer.module, trainer.opt, portable)
-    return portable.train
+    try:
+        if trainer.engine is not None:
+            zero.load_portable(trainer.engine, trainer.opt, portable, trainer.engine.zero_optimization_stage())
+        else:
+            apply_native(trainer.module, trainer.opt, portable)
+        return portable.train
+    finally:
+        portable.close()
 
 
 def _resume(
