@@ -166,10 +166,18 @@ def test_failed_shard_save_does_not_stop_training_and_is_never_committed(tmp_pat
     assert not layout.committed_step(4).exists(), "a step with a missing marker must never be committed"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "deepspeed"])
+STRATEGIES = {
+    "ddp": ("strategy=ddp",),
+    "fsdp2": ("strategy=fsdp2",),
+    "deepspeed": ("strategy=deepspeed",),  # ZeRO-2
+    "zero3": ("strategy=deepspeed", "strategy.zero_stage=3"),
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_interrupted_run_resumes_bit_identical(tmp_path: Path, strategy: str) -> None:
-    _run(tmp_path, "full", f"strategy={strategy}")
-    out = _run(tmp_path, "split", f"strategy={strategy}", "train.stop_after_step=4")
+    _run(tmp_path, "full", *STRATEGIES[strategy])
+    out = _run(tmp_path, "split", *STRATEGIES[strategy], "train.stop_after_step=4")
     assert "-> step 4" in out
     split = _layout(tmp_path, "split")
     assert read_json(split.stage_record("train"))["summary"]["last_step"] == 4

@@ -248,14 +248,17 @@ def load_portable(engine: Any, opt: torch.optim.Optimizer, portable: Any, stage:
     if missing:
         raise ConfigError(f"the checkpoint lacks parameters of this model: {missing[:5]}")
     step = portable.optim_step()
-    for group in opt.param_groups:  # AdamW creates its state lazily at the first step: create it now
-        for flat in group["params"]:
-            if not opt.state.get(flat):
-                opt.state[flat] = {
-                    "step": step.clone(),
-                    "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format),
-                }
+    # AdamW creates its state lazily at the first step: create it now. ZeRO-1/2 keep their flat partitions in the
+    # param groups; ZeRO-3 puts each sub-group's flat partition there only while it steps.
+    flats = [p for group in opt.param_groups for p in group["params"]]
+    flats += list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", []))
+    for flat in flats:
+        if not opt.state.get(flat):
+            opt.state[flat] = {
+                "step": step.clone(),
+                "exp_avg": torch.zeros_like(flat, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(flat, memory_format=torch.preserve_format),
+            }
     zero_opt = engine.optimizer  # ZeRO-1/2 link each parameter to its Adam state after the first step: now
     if hasattr(zero_opt, "_lazy_init_hp_params_optimizer_state"):
         zero_opt._hp_optimizer_states_linked = False
