@@ -62,7 +62,7 @@ def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any)
     """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written."""
 
     def write(staged: Path) -> tuple[FileEntry, ...]:
-        writer = RecordingWriter(staged)
+        writer = RecordingWriter(staged, threads=ctx.cfg.checkpoint.writer_threads)
         dcp.save(state, storage_writer=writer, process_group=process_group)
         # Data files were hashed while written; rank 0 (DCP's coordinator) also owns the small .metadata.
         return tuple(writer.written) + ((describe(staged, METADATA_FILE),) if ctx.rank == 0 else ())

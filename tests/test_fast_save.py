@@ -1,0 +1,88 @@
+"""The fast DCP shard-save (no per-record CRC32, parallel writer files) stays loadable by plain ``dcp.load``."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from pipeline.formats.dcp import RecordingWriter, crc32_off, read_metadata_safe
+from pipeline.storage.integrity import hash_file
+from tests.test_io import _spawn_two
+
+
+def _state(rank: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)  # replicated values, as DCP expects of plain tensors
+    return {
+        "model": {f"w{i}": torch.randn(33 + i, 7, generator=g) for i in range(5)},
+        "opt": {"step": torch.tensor(3), "lr": 0.5},
+        "rank_only": {f"r{rank}": torch.arange(11 + rank, dtype=torch.bfloat16)},
+    }
+
+
+def _save_then_plain_load(rank: int, port: int, out: str, threads: int) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo")
+    try:
+        state = _state(rank)
+        writer = RecordingWriter(Path(out), threads=threads)
+        dcp.save(state, storage_writer=writer)
+        if torch.serialization.get_crc32_options() is not True:
+            raise RuntimeError("the CRC32 option was not restored after the save")
+        names = [e.path for e in writer.written]
+        if not 1 <= len(names) <= threads or not all(n.startswith(f"__{rank}_") for n in names):
+            raise RuntimeError(f"rank {rank} wrote {names} with {threads} threads")
+        for e in writer.written:  # hashed while writing, equal to the file on disk
+            if hash_file(Path(out) / e.path) != e.hash:
+                raise RuntimeError(f"{e.path}: hash differs")
+        dist.barrier()
+        # Plain torch: its own reader and planner, not the pipeline's safe ones.
+        loaded = {k: ({n: torch.zeros_like(t) for n, t in v.items()} if k != "opt" else {}) for k, v in state.items()}
+        loaded["opt"] = {"step": torch.tensor(0), "lr": 0.0}
+        dcp.load(loaded, storage_reader=FileSystemReader(out))
+        for key in ("model", "rank_only"):
+            for name, tensor in state[key].items():  # type: ignore[attr-defined]
+                if not torch.equal(loaded[key][name], tensor):
+                    raise RuntimeError(f"{key}.{name} differs after plain dcp.load")
+        if loaded["opt"]["lr"] != 0.5 or int(loaded["opt"]["step"]) != 3:
+            raise RuntimeError(f"non-tensor values differ: {loaded['opt']}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fast_save_loads_with_plain_dcp_load(tmp_path: Path, threads: int) -> None:
+    _spawn_two(_save_then_plain_load, str(tmp_path), threads)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert ".metadata" in files and len(files) > 1 + (threads > 1), files  # parallel files where items allow
+    assert all(n == ".metadata" or n.endswith(".distcp") for n in files)
+    stored = {i.relative_path for i in read_metadata_safe(tmp_path).storage_data.values()}
+    assert stored == set(files) - {".metadata"}, "no empty, unlisted writer file is left behind"
+
+
+def test_records_are_written_without_crc32(tmp_path: Path) -> None:
+    """The redundant CRC is really off while saving (a zip record's CRC field is 0) and on again after."""
+    import io
+
+    for off in (True, False):
+        buf = io.BytesIO()
+        if off:
+            with crc32_off():
+                torch.save(torch.arange(1000.0), buf)
+        else:
+            torch.save(torch.arange(1000.0), buf)
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+            info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+        crc = info.CRC
+        assert (crc == 0) is off, f"crc32_off={off}: CRC field {crc:#x}"
+        assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), torch.arange(1000.0))
+    assert torch.serialization.get_crc32_options() is True
