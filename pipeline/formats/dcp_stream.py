@@ -1,11 +1,15 @@
 """Stream a DCP checkpoint's tensors one at a time with memory bounded by the largest chunk.
 
-Two paths, chosen per tensor from the metadata:
+Three paths, chosen per tensor from the metadata:
 
-* **row blocks** (the common case: DDP writes each tensor as one chunk, FSDP2 shards on dim 0): every
+* **raw copy** (the common case: DDP writes each tensor as one chunk, FSDP2 shards on dim 0): every
   stored chunk spans full rows and the chunks tile dim 0, so in row-major order they are consecutive byte
-  ranges of the whole tensor. Each chunk is loaded alone (``torch.load(weights_only=True)`` on its byte
-  range, as DCP itself reads it) and handed on; the whole tensor never exists in memory.
+  ranges of the whole tensor. Each chunk's record (a ``torch.save`` zip inside the data file) is located with
+  the restricted lazy reader (:mod:`pipeline.formats.torch_zip`: only its small ``data.pkl`` is parsed), and
+  its bytes are copied into the output's planned offset with ``os.copy_file_range``: no decode, no tensor in
+  this process's memory, at the speed of a file copy.
+* **row blocks** that are not plain contiguous records: each chunk is loaded alone
+  (``torch.load(weights_only=True)`` on its byte range, as DCP itself reads it) and handed on.
 * **anything else** (sharding on another dim, storage transforms): the tensor is assembled by ``dcp.load``
   into one reused buffer sized to the largest tensor.
 """
@@ -27,6 +31,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from pipeline.errors import CheckpointFormatError, PipelineError
 from pipeline.formats.dcp import error_summary, load_into, read_metadata_safe, tensor_entries
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from pipeline.formats.torch_zip import LazyTensor, load_archive, open_archive
 from pipeline.storage.integrity import safe_join
 
 
@@ -140,6 +145,34 @@ class TensorStreamer:
             yield tensor
             del tensor
 
+    def raw_spans(
+        self, meta: dcp_meta.TensorStorageMetadata, blocks: list[tuple[dcp_meta.ChunkStorageMetadata, _StorageInfo]]
+    ) -> list[tuple[Path, int, int]] | None:
+        """Where each row block's bytes lie as stored, ``(file, offset, length)`` in row order, so they can be
+        copied without decoding; None when a block is not a plain contiguous tensor record of the expected dtype
+        and shape (then the caller decodes it). Each record's ``data.pkl`` is read with the restricted, lazy
+        torch.save reader (nothing is unpickled beyond tensor rebuilds; bounds are checked against the record)."""
+        spans = []
+        for chunk, info in blocks:
+            try:
+                archive = open_archive(safe_join(self.path, info.relative_path), info.offset, info.length)
+                try:
+                    tensor = load_archive(archive)
+                finally:
+                    archive.close()
+            except CheckpointFormatError:
+                return None  # not what this fast path reads: the decoding path reports what is wrong
+            if (
+                not isinstance(tensor, LazyTensor)
+                or tensor.dtype != meta.properties.dtype
+                or tensor.shape != tuple(chunk.sizes)
+                or not tensor.is_contiguous()
+            ):
+                return None
+            start = tensor.storage.data_offset + tensor.storage_offset * tensor.dtype.itemsize
+            spans.append((tensor.path, start, tensor.nbytes))
+        return spans
+
     def _load_chunk(self, info: _StorageInfo) -> object:
         """``torch.load(weights_only=True)`` of one stored item; any failure on damaged bytes is typed."""
         where = f"{self.path}/{info.relative_path} bytes {info.offset}..{info.offset + info.length}"
@@ -177,13 +210,48 @@ def consolidate_dcp(step_dir: Path, out: Path, on_tensor: Callable[[str], None] 
         )
     specs = [TensorSpec(k[len(MODEL_PREFIX) :], m.properties.dtype, tuple(m.size)) for k, m in streamer.entries]
     writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
+    files = _OpenFiles()
+    try:
+        _write_all(streamer, specs, writer, files, on_tensor)
+    finally:
+        files.close()
+    writer.close()
+    return len(specs)
+
+
+class _OpenFiles:
+    """Read-only descriptors of a step's data files, opened once each (never following a symlink)."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+
+    def spans(self, spans: list[tuple[Path, int, int]]) -> Iterator[tuple[int, int, int]]:
+        for path, offset, length in spans:
+            if path not in self.fds:
+                self.fds[path] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            yield self.fds[path], offset, length
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _write_all(
+    streamer: TensorStreamer,
+    specs: list[TensorSpec],
+    writer: StreamingSafetensorsWriter,
+    files: _OpenFiles,
+    on_tensor: Callable[[str], None] | None,
+) -> None:
     for spec, (key, meta) in zip(specs, streamer.entries, strict=True):
         blocks = streamer.row_blocks(key, meta)
-        if blocks is not None:
+        spans = streamer.raw_spans(meta, blocks) if blocks is not None else None
+        if spans is not None:
+            writer.copy_parts(spec.name, files.spans(spans))
+        elif blocks is not None:
             writer.write_parts(spec.name, streamer.iter_row_blocks(meta, blocks))
         else:
             writer.write(spec.name, streamer.load(key, meta))
         if on_tensor is not None:
             on_tensor(spec.name)
-    writer.close()
-    return len(specs)

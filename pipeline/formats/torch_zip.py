@@ -97,13 +97,23 @@ class TorchArchive:
     :meth:`close`; tensors read from it stay valid.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, start: int = 0, length: int | None = None) -> None:
+        """``start``/``length``: the archive is embedded in ``path`` at that byte range (a DCP record)."""
         self.path = Path(path)
         self._fd: int | None = None
         fd = self._open()
-        size = os.fstat(fd).st_size
+        file_size = os.fstat(fd).st_size
+        end = file_size if length is None else start + length
+        if start < 0 or end > file_size or end < start:
+            self.close()
+            raise CheckpointFormatError(
+                f"{self.path}: bytes {start}..{end} lie outside the {file_size}-byte file (truncated?): "
+                "restore it from an intact copy"
+            )
+        self.start = start
+        size = end
         try:
-            with os.fdopen(os.dup(fd), "rb") as f, zipfile.ZipFile(f) as z:
+            with os.fdopen(os.dup(fd), "rb") as raw, zipfile.ZipFile(_Window(raw, start, end)) as z:
                 infos = z.infolist()
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as e:
             self.close()
@@ -156,12 +166,13 @@ class TorchArchive:
         where = f"{self.path}: record {info.filename!r}"
         if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
             raise CheckpointFormatError(f"{where} is compressed or encrypted; torch.save stores records uncompressed")
-        raw = self._pread(_LOCAL_HEADER.size, info.header_offset)
+        header_offset = self.start + info.header_offset
+        raw = self._pread(_LOCAL_HEADER.size, header_offset)
         if len(raw) != _LOCAL_HEADER.size or raw[:4] != _LOCAL_MAGIC:
-            raise CheckpointFormatError(f"{where}: no local header at byte {info.header_offset} (truncated or corrupt)")
+            raise CheckpointFormatError(f"{where}: no local header at byte {header_offset} (truncated or corrupt)")
         fields = _LOCAL_HEADER.unpack(raw)
         name_len, extra_len = fields[-2], fields[-1]
-        data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        data_offset = header_offset + _LOCAL_HEADER.size + name_len + extra_len
         if info.compress_size != info.file_size or data_offset + info.file_size > file_size:
             raise CheckpointFormatError(
                 f"{where}: its {info.file_size} bytes at byte {data_offset} run past the end of the "
@@ -192,6 +203,36 @@ class TorchArchive:
             if n <= 0:
                 raise CheckpointFormatError(f"{self.path}: ended at byte {offset + done} while reading a tensor")
             done += n
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``start..end`` of an open file as a seekable file of their own (for ``zipfile``)."""
+
+    def __init__(self, f: io.BufferedReader, start: int, end: int) -> None:
+        self.f, self.begin, self.end, self.pos = f, start, end, start
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos - self.begin
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: self.begin, io.SEEK_CUR: self.pos, io.SEEK_END: self.end}[whence]
+        self.pos = min(max(base + offset, self.begin), self.end)
+        return self.pos - self.begin
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.end - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.pos)
+        got = self.f.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return int(got)
 
 
 @dataclass(frozen=True)
@@ -449,9 +490,10 @@ def _finish(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
-def open_archive(path: Path) -> TorchArchive:
-    """Open ``path`` as a torch.save zip archive (records located; nothing unpickled)."""
-    return TorchArchive(path)
+def open_archive(path: Path, start: int = 0, length: int | None = None) -> TorchArchive:
+    """Open ``path`` (or its bytes ``start..start+length``) as a torch.save zip archive (records located;
+    nothing unpickled)."""
+    return TorchArchive(path, start, length)
 
 
 def _opcode_refusal(file: Path, problem: str) -> CheckpointFormatError:
