@@ -18,7 +18,6 @@ from pipeline.orchestration.contract import Resources, StageContract, TaskContex
 from pipeline.storage.atomic import clear_file, remove_tree
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.layout import RunLayout
-from pipeline.workload.data import build_assets
 
 CONTRACT = StageContract(
     name="prepare_dirs",
@@ -74,6 +73,8 @@ def run(ctx: TaskContext) -> dict[str, object]:
     built_assets = not _assets_ok(cfg, layout)
     if built_assets:
         with staging_dir(layout.run_dir, layout.assets.name) as staging:
+            from pipeline.workload.data import build_assets  # noqa: PLC0415 - torch/tokenizers: only to build
+
             build_assets(cfg.data, staging)
             files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
             finish(staging, layout.assets, ASSETS_MARKER, _assets_source(cfg), files, {})
