@@ -187,6 +187,10 @@ class SwapTensor:
     def is_contiguous(self) -> bool:
         return True
 
+    def fileno(self) -> int:
+        """The swap file's read-only descriptor (opened on demand; closed by :meth:`close`)."""
+        return self._open()
+
     def _open(self) -> int:
         if self._fd is None:
             try:
@@ -886,6 +890,29 @@ class ZeroCheckpoint:
             for part in self._chunks(self._source(rank, group, key), start, count):
                 yield part.to(out_dtype) if key == "fp32" else part
 
+    def raw_spans(self, name: str) -> list[tuple[int, int, int]] | None:
+        """Where the fp32 value of trainable param ``name`` lies as stored, ``(fd, offset, length)`` pieces in
+        row-major order, so it can be copied without decoding; None for buffers and frozen params, or when the
+        stored dtype is not the output's (then :meth:`iter_parts` decodes it). The descriptors stay owned by
+        this checkpoint (closed with it)."""
+        e = self._entry(name)
+        if not isinstance(e, _Trainable):
+            return None
+        out_dtype = self.spec(name).dtype
+        spans = []
+        for rank, group, start, count in self._pieces(e):
+            t = self._source(rank, group, "fp32")
+            if t.dtype != out_dtype:
+                return None
+            if isinstance(t, SwapTensor):
+                spans.append((t.fileno(), start * t.dtype.itemsize, count * t.dtype.itemsize))
+            else:
+                if not t.is_contiguous():
+                    return None
+                offset = t.storage.data_offset + (t.storage_offset + start) * t.dtype.itemsize
+                spans.append((t.storage.archive.fileno(), offset, count * t.dtype.itemsize))
+        return spans
+
     def _other_parts(self, e: _Buffer | _Frozen) -> Iterator[torch.Tensor]:
         if isinstance(e, _Buffer) or self.stage <= 2:  # one whole tensor
             tensor = e.tensor if isinstance(e, _Buffer) else e.fragments[0]
@@ -923,13 +950,20 @@ def consolidate_zero(
     The file holds what ``convert_zero_checkpoint_to_state_dict(..., dtype, safe_serialization=True)`` writes
     (fp32 by default; ``dtype`` casts floating tensors), except that a shared param's alias is written as its
     own copy (DeepSpeed's safetensors writer refuses aliased tensors). Memory: one read of at most
-    ``max_read_bytes`` at a time. ``allow_pickle``: see :class:`ZeroCheckpoint`."""
+    ``max_read_bytes`` at a time; a trainable param's fp32 slices are copied file to file (``copy_file_range``)
+    when no cast is asked for. ``allow_pickle``: see :class:`ZeroCheckpoint`."""
     with ZeroCheckpoint(step_dir, max_read_bytes=max_read_bytes, allow_pickle=allow_pickle) as ckpt:
         specs = ckpt.param_specs()
         if dtype is not None:
             specs = [TensorSpec(s.name, dtype if s.dtype.is_floating_point else s.dtype, s.shape) for s in specs]
         writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
         for spec in specs:
+            spans = ckpt.raw_spans(spec.name) if dtype is None else None
+            if spans is not None:  # fp32 master slices copied as stored (copy_file_range), never decoded
+                writer.copy_parts(spec.name, spans)
+                if on_tensor is not None:
+                    on_tensor(spec.name)
+                continue
             parts = ckpt.iter_parts(spec.name, "fp32")
             writer.write_parts(spec.name, (p.to(spec.dtype) for p in parts) if dtype is not None else parts)
             if on_tensor is not None:

@@ -154,6 +154,10 @@ class TorchArchive:
             self._fd = fd
         return self._fd
 
+    def fileno(self) -> int:
+        """The archive file's read-only descriptor (reopened on demand after :meth:`close`)."""
+        return self._open()
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
