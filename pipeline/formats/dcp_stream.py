@@ -213,9 +213,10 @@ def consolidate_dcp(step_dir: Path, out: Path, on_tensor: Callable[[str], None] 
     files = _OpenFiles()
     try:
         _write_all(streamer, specs, writer, files, on_tensor)
+        writer.close()
     finally:
+        writer.discard()  # pending copies are waited for before their source descriptors close
         files.close()
-    writer.close()
     return len(specs)
 
 

@@ -957,16 +957,19 @@ def consolidate_zero(
         if dtype is not None:
             specs = [TensorSpec(s.name, dtype if s.dtype.is_floating_point else s.dtype, s.shape) for s in specs]
         writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
-        for spec in specs:
-            spans = ckpt.raw_spans(spec.name) if dtype is None else None
-            if spans is not None:  # fp32 master slices copied as stored (copy_file_range), never decoded
-                writer.copy_parts(spec.name, spans)
+        try:
+            for spec in specs:
+                spans = ckpt.raw_spans(spec.name) if dtype is None else None
+                if spans is not None:  # fp32 master slices copied as stored (copy_file_range), never decoded
+                    writer.copy_parts(spec.name, spans)
+                    if on_tensor is not None:
+                        on_tensor(spec.name)
+                    continue
+                parts = ckpt.iter_parts(spec.name, "fp32")
+                writer.write_parts(spec.name, (p.to(spec.dtype) for p in parts) if dtype is not None else parts)
                 if on_tensor is not None:
                     on_tensor(spec.name)
-                continue
-            parts = ckpt.iter_parts(spec.name, "fp32")
-            writer.write_parts(spec.name, (p.to(spec.dtype) for p in parts) if dtype is not None else parts)
-            if on_tensor is not None:
-                on_tensor(spec.name)
-        writer.close()
+            writer.close()
+        finally:
+            writer.discard()  # pending copies finish before the checkpoint's descriptors close
         return len(specs)

@@ -68,10 +68,10 @@ def consolidate_torch_save(
     path = step_dir / FILE
     weights = _weights(load_lazy(path, allow_pickle=allow_pickle), path)
     specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in weights.items()]
-    writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
-    for spec in specs:
-        writer.write_parts(spec.name, (p.reshape(-1) for p in _parts(weights[spec.name])))
-        if on_tensor is not None:
-            on_tensor(spec.name)
-    writer.close()
+    with StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"}) as writer:
+        for spec in specs:
+            writer.write_parts(spec.name, (p.reshape(-1) for p in _parts(weights[spec.name])))
+            if on_tensor is not None:
+                on_tensor(spec.name)
+        writer.close()
     return len(specs)

@@ -162,11 +162,11 @@ def _write_weights_from(src: Path, staging: Path, export: ExportConfig) -> list[
         files: list[str] = []
         for i, shard in enumerate(shards, start=1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            writer = StreamingSafetensorsWriter(staging / fname, shard, metadata={"format": "pt"})
-            for spec in shard:
-                writer.write(spec.name, f.get_tensor(spec.name).to(dtype))
-                weight_map[spec.name] = fname
-            writer.close()
+            with StreamingSafetensorsWriter(staging / fname, shard, metadata={"format": "pt"}) as writer:
+                for spec in shard:
+                    writer.write(spec.name, f.get_tensor(spec.name).to(dtype))
+                    weight_map[spec.name] = fname
+                writer.close()
             files.append(fname)
     total = sum(s.nbytes for s in specs)
     write_json_atomic(staging / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})

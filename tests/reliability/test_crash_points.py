@@ -110,6 +110,7 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> Bases:
             f"run.id={RUN_ID}",
             "strategy.world_size=1",
             "checkpoint.marker_deadline_s=1",
+            "checkpoint.writer_threads=1",  # one writer thread: I/O ops numbered the same in every replay
         ]
     )
     run_dir = RunLayout.for_run(cfg.run.root, cfg.experiment, RUN_ID).run_dir
