@@ -86,3 +86,31 @@ def test_records_are_written_without_crc32(tmp_path: Path) -> None:
         assert (crc == 0) is off, f"crc32_off={off}: CRC field {crc:#x}"
         assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=True), torch.arange(1000.0))
     assert torch.serialization.get_crc32_options() is True
+
+
+def test_a_failing_writer_thread_fails_the_save(tmp_path: Path) -> None:
+    """DCP's extra writer threads drop their items silently when they fail: the save must fail instead of
+    recording a step whose metadata misses them."""
+    import warnings
+
+    from pipeline.storage.faults import io_plan
+
+    state = {"model": {f"w{i}": torch.randn(64, 64) for i in range(6)}}
+    with warnings.catch_warnings(), io_plan(fail_kind="write", fail_path="__0_1.distcp"):
+        warnings.simplefilter("ignore")
+        with pytest.raises(BaseException, match="items|EIO|Input/output"):
+            dcp.save(state, storage_writer=RecordingWriter(tmp_path, threads=2), no_dist=True)
+    assert not (tmp_path / ".metadata").exists()
+
+
+def test_metadata_is_deterministic_with_parallel_writers(tmp_path: Path) -> None:
+    import warnings
+
+    state = {"model": {f"w{i}": torch.full((100 + i,), float(i)) for i in range(12)}}
+    digests = set()
+    for n in range(4):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=RecordingWriter(tmp_path / str(n), threads=3), no_dist=True)
+        digests.add(hash_file(tmp_path / str(n) / ".metadata"))
+    assert len(digests) == 1

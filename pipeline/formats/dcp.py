@@ -19,7 +19,7 @@ import pathlib
 import pickle
 import stat
 import warnings
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from pipeline.errors import CheckpointFormatError, PipelineError
 from pipeline.formats.pickle_safety import check_opcodes, error_summary
 from pipeline.storage.faults import io_op
-from pipeline.storage.integrity import FileEntry, safe_join
+from pipeline.storage.integrity import FileEntry, SafeRoot, safe_join
 
 METADATA_FILE = ".metadata"
 FORMAT = "torch_dcp"
@@ -220,9 +220,10 @@ def _check_storage(path: Path, md: dcp_meta.Metadata, file: Path) -> None:
     ranges: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
     for info in md.storage_data.values():
         ranges[info.relative_path].append((info.offset, info.offset + info.length))
+    under = SafeRoot(path)  # each directory on the way is checked once, not once per data file
     for rel, spans in ranges.items():
         try:
-            data_file = safe_join(path, rel)  # relative, normalised, no symlink on the way
+            data_file = under.join(rel)  # relative, normalised, no symlink on the way
             st = os.lstat(data_file)
         except FileNotFoundError:
             raise _refusal(file, f"it references {rel!r}, which is missing") from None
@@ -311,9 +312,10 @@ class _HashingStream:
 class _HashingFileSystem(FileSystem):
     """DCP's local filesystem with every mutation counted, and a digest of every file written."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_file: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.digests: dict[str, FileEntry] = {}
+        self._on_file = on_file
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -321,6 +323,8 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
+        if self._on_file is not None:
+            self._on_file(Path(path).name)
         io_op("create", path)
         with open(path, "wb") as raw:
             hashing = _HashingStream(raw, os.fspath(path))
@@ -365,9 +369,10 @@ class RecordingWriter(FileSystemWriter):
     files written in parallel (``__K_0.distcp`` … ``__K_{threads-1}.distcp``), each with its own fsync.
     """
 
-    def __init__(self, path: Path, threads: int = 1) -> None:
+    def __init__(self, path: Path, threads: int = 1, on_file: Callable[[str], None] | None = None) -> None:
+        """``on_file(name)`` is called as each file is opened for writing (progress of a background writer)."""
         super().__init__(str(path), sync_files=False, overwrite=True, thread_count=max(1, threads))
-        self._hashing_fs = _HashingFileSystem()
+        self._hashing_fs = _HashingFileSystem(on_file)
         self.fs = self._hashing_fs
         self.written: list[FileEntry] = []
 
@@ -379,8 +384,18 @@ class RecordingWriter(FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         with crc32_off():
-            fut = super().write_data(plan, planner)
-        names = sorted({r.storage_data.relative_path for r in fut.wait()})
+            results = super().write_data(plan, planner).wait()
+        if len(results) != len(plan.items):  # DCP's extra writer threads die silently, their items unwritten
+            raise OSError(
+                f"{self.path}: DCP wrote {len(results)} of this rank's {len(plan.items)} items (a writer thread "
+                "failed, see its traceback above); the step is not saved"
+            )
+        # DCP lists results in the order its writer threads finished: sorted, ``.metadata`` depends on the
+        # state alone (a racy order would give equal states different metadata bytes).
+        results.sort(key=lambda r: (r.storage_data.relative_path, r.storage_data.offset))
+        fut: torch.futures.Future[list[Any]] = torch.futures.Future()
+        fut.set_result(results)
+        names = sorted({r.storage_data.relative_path for r in results})
         self.written = [self._hashing_fs.digests[n] for n in names]
         # DCP opens one file per writer thread even when its share of the items is empty: such a file holds
         # nothing the metadata names, so this rank removes its own empty file rather than leave it unlisted.

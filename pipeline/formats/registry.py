@@ -7,6 +7,8 @@ Each :class:`Format` answers, from the step's own files (never from a directory 
 * ``owner(rel_path)``: which rank writes a file, from its name (None: any rank may; the committer refuses a
   marker listing a file another rank owns);
 * ``world_size(step_dir, allow_pickle)``: how many ranks wrote the step, from the files;
+* ``world_of_stored(stored_files)`` (optional): the same from the set ``stored_files`` returned, for a format
+  that derives it from the file names (DCP), so the committer does not read and check the metadata twice;
 * ``consolidate(step_dir, out, on_tensor, allow_pickle)``: stream the model's full tensors into one safetensors
   file (memory bounded by the largest tensor or partition), returning the tensor count; None for a format
   without weights.
@@ -37,6 +39,14 @@ class Format:
     owner: Callable[[str], int | None]
     world_size: Callable[[Path, bool], int]
     consolidate: Callable[[Path, Path, OnTensor, bool], int] | None = None
+    world_of_stored: Callable[[set[str]], int] | None = None
+
+    def world_size_of(self, step_dir: Path, stored: set[str], allow_pickle: bool) -> int:
+        """How many ranks wrote the step whose ``stored_files`` are ``stored`` (without re-reading them if the
+        format can tell from the set)."""
+        if self.world_of_stored is not None:
+            return self.world_of_stored(stored)
+        return self.world_size(step_dir, allow_pickle)
 
 
 _DCP_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")
@@ -56,7 +66,11 @@ def _dcp_stored(step_dir: Path, _allow_pickle: bool = False) -> set[str]:
 
 
 def _dcp_world(step_dir: Path, _allow_pickle: bool = False) -> int:
-    ranks = {_dcp_owner(rel) for rel in _dcp_stored(step_dir)}
+    return _dcp_world_of(_dcp_stored(step_dir))
+
+
+def _dcp_world_of(stored: set[str]) -> int:
+    ranks = {_dcp_owner(rel) for rel in stored}
     return max((r for r in ranks if r is not None), default=0) + 1
 
 
@@ -125,7 +139,7 @@ def _torch_save_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor, allo
 
 
 FORMATS: dict[str, Format] = {
-    "torch_dcp": Format("torch_dcp", _dcp_stored, _dcp_owner, _dcp_world, _dcp_consolidate),
+    "torch_dcp": Format("torch_dcp", _dcp_stored, _dcp_owner, _dcp_world, _dcp_consolidate, _dcp_world_of),
     **{
         f"deepspeed_zero{stage}": Format(
             f"deepspeed_zero{stage}", _zero_stored, _zero_owner, _zero_world, _zero_consolidate

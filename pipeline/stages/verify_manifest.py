@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 
 from pipeline.checkpoint import retention
@@ -47,13 +48,20 @@ from pipeline.checkpoint.manifest import (
 )
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
-from pipeline.formats.registry import FORMATS
+from pipeline.formats.registry import FORMATS, Format
 from pipeline.orchestration.contract import JobRef, Resources, StageContract, TaskContext
 from pipeline.orchestration.jobs import LOCAL_CLUSTERS, job_alive
 from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
 from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, publish_dir, write_json_atomic
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind, read_record_json, verify_entries
+from pipeline.storage.integrity import (
+    FileEntry,
+    hash_file,
+    is_real_dir,
+    lstat_kind,
+    read_record_json,
+    verify_entries,
+)
 from pipeline.storage.layout import RunLayout, parse_step, step_name
 from pipeline.storage.waiting import wait_until
 
@@ -266,29 +274,23 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
     fmt = FORMATS[markers[0].format]
     files = tuple(f for m in markers for f in m.files)
     paths = [f.path for f in files]
-    dupes = sorted({p for p in paths if paths.count(p) > 1})
+    dupes = sorted(p for p, n in Counter(paths).items() if n > 1)
     if dupes:
         raise VerificationError(
             f"markers of step {step} in {staged} claim the same file(s) {dupes}: files are rank-private"
         )
-    for m in markers:
-        foreign = [f.path for f in m.files if fmt.owner(f.path) not in (None, m.rank)]
-        if foreign:
-            raise VerificationError(
-                f"{staged / f'rank_{m.rank}.done.json'} lists {foreign}, which {fmt.name} names as another rank's "
-                "files: each rank lists only the files it owns"
-            )
-        verify_entries(staged, list(m.files), str(staged / f"rank_{m.rank}.done.json"))
+    _verify_marked(staged, markers, fmt)
     # The format's own metadata (hashed above, so these are verified bytes) names every file holding data,
-    # and how many ranks wrote them.
+    # and how many ranks wrote them (read once: a DCP step's ranks follow from its file names).
     allow = ctx.cfg.import_.allow_pickle
-    unlisted = sorted(fmt.stored_files(staged, allow) - set(paths))
+    stored = fmt.stored_files(staged, allow)
+    unlisted = sorted(stored - set(paths))
     if unlisted:
         raise VerificationError(
             f"step {step} in {staged}: {unlisted} hold checkpoint data but no marker lists them (a marker that "
             "lists fewer files than its rank wrote)"
         )
-    written_by = fmt.world_size(staged, allow)
+    written_by = fmt.world_size_of(staged, stored, allow)
     if written_by != markers[0].world_size:
         raise VerificationError(
             f"step {step} in {staged}: the {fmt.name} files were written by {written_by} ranks, the markers say "
@@ -309,6 +311,27 @@ def _commit(ctx: TaskContext, step: int, markers: list[Marker]) -> str:
     write_latest(layout, step, manifest_hash)
     log.info("committed step %d (%d files) -> %s", step, len(files), layout.committed_step(step))
     return manifest_hash
+
+
+def _verify_marked(staged: Path, markers: list[Marker], fmt: Format) -> None:
+    """Each marker lists only files its rank owns, and every listed file has the size and hash it records.
+
+    Marker by marker, the first problem wins, as if each marker were checked in turn (owners, then its files);
+    the files are hashed together, several at once, up to the first marker that lists another rank's file.
+    """
+    entries: list[FileEntry] = []
+    listed_in: list[str] = []
+    for m in markers:
+        foreign = [f.path for f in m.files if fmt.owner(f.path) not in (None, m.rank)]
+        if foreign:
+            verify_entries(staged, entries, listed_in)  # the markers before it come first
+            raise VerificationError(
+                f"{staged / f'rank_{m.rank}.done.json'} lists {foreign}, which {fmt.name} names as another rank's "
+                "files: each rank lists only the files it owns"
+            )
+        entries.extend(m.files)
+        listed_in.extend([str(staged / f"rank_{m.rank}.done.json")] * len(m.files))
+    verify_entries(staged, entries, listed_in)
 
 
 def _producer_alive(ctx: TaskContext) -> bool:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import json
 import os
 import stat
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -16,11 +21,16 @@ from pipeline.errors import UnsafePathError, VerificationError
 
 HASH_ALGO = "xxh3_128"
 _CHUNK = 8 << 20
+VERIFY_READERS = 4
+"""Files :func:`verify_entries` hashes at once. One reader leaves a disk idle while it hashes and waits on one
+request at a time; a few keep its queue full (xxh3 releases the GIL on large buffers, and so does ``readinto``),
+so verifying runs at the speed of a cold read of the same files (``bench/verify_speed.py``)."""
+_buffers = threading.local()
 MAX_RECORD_BYTES = 64 << 20
 """Largest marker, manifest, ``latest`` or output marker this pipeline reads (a million-file manifest fits)."""
 
 
-def lstat_kind(path: Path) -> str | None:
+def lstat_kind(path: Path | str) -> str | None:
     """What ``path`` itself is, never following a link: ``dir``, ``file``, ``symlink``, ``other`` or None."""
     try:
         mode = os.lstat(path).st_mode
@@ -75,14 +85,33 @@ def read_record_json(path: Path, what: str) -> Any:
 
 
 def hash_file(path: Path) -> str:
-    """xxh3-128 of a file, read in 8 MiB chunks (xxh3 runs far above disk speed; see performance-baselines)."""
+    """xxh3-128 of a file, read in 8 MiB chunks (xxh3 runs far above disk speed; see performance-baselines).
+
+    The chunk buffer is allocated once per thread (zeroing 8 MiB costs more than reading a small file), and the
+    kernel is told the file is read sequentially (a larger readahead window).
+    """
     h = xxhash.xxh3_128()
-    buf = bytearray(_CHUNK)
+    buf = _chunk_buffer()
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        _advise_sequential(f.fileno())
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
+
+
+def _chunk_buffer() -> bytearray:
+    buf: bytearray | None = getattr(_buffers, "chunk", None)
+    if buf is None:
+        buf = _buffers.chunk = bytearray(_CHUNK)
+    return buf
+
+
+def _advise_sequential(fd: int) -> None:
+    advise = getattr(os, "posix_fadvise", None)  # not on macOS
+    if advise is not None:
+        with contextlib.suppress(OSError):  # a pipe or a filesystem that takes no advice: only a hint
+            advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
 
 @dataclass(frozen=True)
@@ -118,44 +147,158 @@ def safe_join(root: Path, rel: str) -> Path:
     Relative, normalised, no ``..``, no absolute paths, and no symlink anywhere from ``root`` (itself included)
     down to the file: every existing component is checked with ``lstat``, never followed.
     """
-    pure = PurePosixPath(rel)
-    too_long = len(rel.encode(errors="replace")) >= 4096 or any(
-        len(p.encode(errors="replace")) > 255 for p in pure.parts
-    )
-    control = any(ord(c) < 32 for c in rel)
-    if not rel or pure.is_absolute() or ".." in pure.parts or rel != str(pure) or "\\" in rel or control or too_long:
-        raise UnsafePathError(
-            f"unsafe path {rel[:200]!r} under {root}: paths in markers and manifests must be relative, normalised, "
-            "without control characters, and no longer than the filesystem allows"
+    return SafeRoot(root).join(rel)
+
+
+class SafeRoot:
+    """:func:`safe_join` for many paths under one ``root`` (a marker's or a manifest's files, a DCP metadata's
+    data files): the same checks, but each directory on the way is checked once per :class:`SafeRoot` rather
+    than once per file, and ``root`` and each parent directory are resolved once (a file that is no symlink
+    resolves to its resolved parent plus its name), so checking N files costs O(N), not O(N x depth) path walks.
+    Paths are handled as strings inside (pathlib costs more than the ``lstat`` calls at tens of thousands of files).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._root = os.fspath(root)
+        # How str(root / "a/b") spells a path under root: "." adds nothing, "/" adds no second slash.
+        self._base = "" if self._root == "." else self._root if self._root.endswith("/") else self._root + "/"
+        self._real_dirs: set[str] = set()  # components already seen to be real directories, not symlinks
+        self._resolved_root: str | None = None
+        self._resolved_parents: dict[str, str] = {}
+
+    def join(self, rel: str) -> Path:
+        root = self.root
+        pure = PurePosixPath(rel)
+        parts = pure.parts
+        too_long = len(rel.encode(errors="replace")) >= 4096 or any(
+            len(p.encode(errors="replace")) > 255 for p in parts
         )
-    full = root
-    for part in (None, *pure.parts):
-        full = full if part is None else full / part
-        if lstat_kind(full) == "symlink":
-            raise UnsafePathError(f"{full} is a symlink: nothing under a run's managed areas is ever followed")
-    resolved_root = root.resolve()
-    resolved = full.resolve()
-    if resolved != resolved_root and resolved_root not in resolved.parents:
-        raise UnsafePathError(f"path {rel!r} under {root} resolves to {resolved}, outside the directory (symlink?)")
-    return full
+        control = any(ord(c) < 32 for c in rel)
+        if not rel or pure.is_absolute() or ".." in parts or rel != str(pure) or "\\" in rel or control or too_long:
+            raise UnsafePathError(
+                f"unsafe path {rel[:200]!r} under {root}: paths in markers and manifests must be relative, "
+                "normalised, without control characters, and no longer than the filesystem allows"
+            )
+        full = parent = self._root
+        for i in range(len(parts) + 1):  # root itself, then every component down to the file
+            if i:
+                parent, full = full, (self._base + parts[0] if i == 1 else full + "/" + parts[i - 1])
+            if full in self._real_dirs:
+                continue
+            kind = lstat_kind(full)
+            if kind == "symlink":
+                raise UnsafePathError(f"{full} is a symlink: nothing under a run's managed areas is ever followed")
+            if kind == "dir":
+                self._real_dirs.add(full)
+        if self._resolved_root is None:
+            self._resolved_root = str(root.resolve())
+        resolved_root = self._resolved_root
+        # No component from root down is a symlink (checked above), so the path resolves to its resolved parent
+        # plus its name, as Path.resolve() would find.
+        resolved = resolved_root if not parts else os.path.join(self._resolved_parent(parent), parts[-1])
+        inside = resolved_root if resolved_root.endswith("/") else resolved_root + "/"
+        if resolved != resolved_root and not resolved.startswith(inside):
+            raise UnsafePathError(f"path {rel!r} under {root} resolves to {resolved}, outside the directory (symlink?)")
+        return Path(full)
+
+    def _resolved_parent(self, parent: str) -> str:
+        resolved = self._resolved_parents.get(parent)
+        if resolved is None:
+            resolved = self._resolved_parents[parent] = str(Path(parent).resolve())
+        return resolved
 
 
-def verify_entries(root: Path, entries: list[FileEntry], where: str) -> None:
-    """Check each entry's size, then hash; raise naming the first file that does not match."""
-    for e in entries:
-        full = safe_join(root, e.path)
+def verify_entries(root: Path, entries: Sequence[FileEntry], where: str | Sequence[str]) -> None:
+    """Check each entry's size, then hash; raise naming the first file that does not match.
+
+    ``where`` names the list in the errors (a marker, a manifest): one name for every entry, or one per entry
+    (several markers' lists checked together). Every entry's path, type and size are checked first, in order;
+    the files before the first that fails there are then hashed by up to :data:`VERIFY_READERS` threads at once.
+    The error raised is the one a file-by-file pass would raise: that of the earliest entry that fails.
+    """
+    wheres = [where] * len(entries) if isinstance(where, str) else list(where)
+    if len(wheres) != len(entries):
+        raise ValueError(f"verify_entries: {len(entries)} entries but {len(wheres)} names of where they are listed")
+    fulls: list[Path] = []
+    failed: Exception | None = None
+    under = SafeRoot(root)
+    for e, listed_in in zip(entries, wheres, strict=True):
         try:
-            st = os.lstat(full)
-        except FileNotFoundError:
-            raise VerificationError(f"{full} is listed in {where} but missing") from None
-        except NotADirectoryError:
-            raise VerificationError(f"{full} is listed in {where}, but a parent of it is not a directory") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise VerificationError(f"{full} is listed in {where} but is not a regular file")
-        size = st.st_size
-        if size != e.size:
-            raise VerificationError(f"{full}: size {size} != {e.size} recorded in {where}")
-        got = hash_file(full)
+            fulls.append(_checked_size(under, e, listed_in))
+        except Exception as exc:  # raised after the files listed before it are hashed: list order decides
+            failed = exc
+            break
+    batches = _batches(entries, fulls)
+    readers = min(VERIFY_READERS, len(batches))
+    if readers <= 1:
+        _compare(entries, wheres, fulls, itertools.chain.from_iterable(map(_hash_batch, batches)))
+    else:
+        with ThreadPoolExecutor(readers, thread_name_prefix="verify-read") as pool:
+            try:
+                _compare(entries, wheres, fulls, itertools.chain.from_iterable(pool.map(_hash_batch, batches)))
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)  # a mismatch: the files after it are not read
+    if failed is not None:
+        raise failed
+
+
+_BATCH_FILES = 64
+"""Small files are hashed in runs of up to this many (or ``_CHUNK`` bytes) per task: one task per 2 KB file would
+cost more in thread hand-offs than the reads."""
+
+
+def _batches(entries: Sequence[FileEntry], fulls: list[Path]) -> list[list[Path]]:
+    """``fulls`` in list order, cut into runs of at most ``_BATCH_FILES`` files or about ``_CHUNK`` bytes."""
+    out: list[list[Path]] = []
+    run: list[Path] = []
+    size = 0
+    for e, full in zip(entries, fulls, strict=False):
+        run.append(full)
+        size += e.size
+        if size >= _CHUNK or len(run) >= _BATCH_FILES:
+            out.append(run)
+            run, size = [], 0
+    if run:
+        out.append(run)
+    return out
+
+
+def _hash_batch(paths: list[Path]) -> list[str | Exception]:
+    """Each file's digest, in order; a file that cannot be read ends the run with its error (raised in order)."""
+    out: list[str | Exception] = []
+    for path in paths:
+        try:
+            out.append(hash_file(path))  # looked up when called: a test's patched ``hash_file`` sees every file
+        except Exception as exc:
+            out.append(exc)
+            break
+    return out
+
+
+def _compare(
+    entries: Sequence[FileEntry], wheres: list[str], fulls: list[Path], hashes: Iterator[str | Exception]
+) -> None:
+    for e, listed_in, full, got in zip(entries, wheres, fulls, hashes, strict=False):
+        if isinstance(got, Exception):
+            raise got
         if got != e.hash:
             differs = f"{HASH_ALGO} {got[:12]}.. != {e.hash[:12]}.."
-            raise VerificationError(f"{full}: content differs from {where} ({differs})")
+            raise VerificationError(f"{full}: content differs from {listed_in} ({differs})")
+
+
+def _checked_size(root: SafeRoot, e: FileEntry, where: str) -> Path:
+    """``root/e.path`` if it is a regular file (reached without a symlink) of the size ``where`` records."""
+    full = root.join(e.path)
+    try:
+        st = os.lstat(full)
+    except FileNotFoundError:
+        raise VerificationError(f"{full} is listed in {where} but missing") from None
+    except NotADirectoryError:
+        raise VerificationError(f"{full} is listed in {where}, but a parent of it is not a directory") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise VerificationError(f"{full} is listed in {where} but is not a regular file")
+    size = st.st_size
+    if size != e.size:
+        raise VerificationError(f"{full}: size {size} != {e.size} recorded in {where}")
+    return full
