@@ -6,6 +6,7 @@ Everything below the entry point sees these objects, never a ``DictConfig``.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -357,10 +358,27 @@ class CheckpointConfig:
     """How long verify-manifest waits for every rank's done-marker while the train job is still running."""
     fail_on_save_error: bool = field(default=False, metadata=MUTABLE)
     """If a shard save fails: false = log loudly and keep training (the step is never committed); true = stop."""
-    writer_threads: int = field(default=2, metadata=MUTABLE)
-    """Files each rank writes in parallel per DCP save (each fsync'd once); 1 = one file per rank. More help on
-    disks that reward parallel streams (NVMe, parallel filesystems); a rerun with another value writes other
-    file names, so keep it while a step is being saved."""
+    writer_threads: int | None = field(default=None, metadata=MUTABLE)
+    """Files each rank writes in parallel per DCP save (each fsync'd once); 1 = one file per rank; null = the
+    CPUs this rank has to itself (``SLURM_CPUS_PER_TASK``, else this machine's CPUs over the world size), at
+    most 4. More help on disks that reward parallel streams (NVMe, parallel filesystems) when cores are free."""
+    async_save: bool = field(default=False, metadata=MUTABLE)
+    """Save in the background (DDP/FSDP2): training waits only while the state is copied into a staging buffer
+    reused by every save (pinned CPU memory for GPU state); a daemon thread writes it, and the step's marker
+    only once its files are fsync'd. The next save first waits for the previous one (and so does the end of
+    training); a writer that dies or passes ``async_deadline_s`` fails that step like a failed shard save."""
+    async_deadline_s: float = field(default=600.0, metadata=MUTABLE)
+    """With ``async_save``: the longest any wait on the background writer may take (and the timeout of the
+    writer's own process group); past it the writer is given up on and named with what it was doing."""
+
+    def writer_threads_for(self, world_size: int) -> int:
+        """``writer_threads``, or the automatic choice for a rank of a ``world_size``-rank job on this machine."""
+        if self.writer_threads is not None:
+            return self.writer_threads
+        per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+        cpus = int(per_task) if per_task.isdigit() else len(os.sched_getaffinity(0)) // max(1, world_size)
+        return max(1, min(4, cpus))
+
     keep_last: int | None = field(default=None, metadata=MUTABLE)
     """Retention: keep the newest this many committed steps up to ``latest`` (null = keep every step). Older
     steps are deleted by verify-manifest after each commit; ``latest`` and steps newer than it are always kept."""
@@ -377,8 +395,10 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.every={self.every} must be >= 1")
         if not self.marker_deadline_s > 0:
             raise ConfigError(f"checkpoint.marker_deadline_s={self.marker_deadline_s} must be > 0")
-        if not 1 <= self.writer_threads <= 64:
+        if self.writer_threads is not None and not 1 <= self.writer_threads <= 64:
             raise ConfigError(f"checkpoint.writer_threads={self.writer_threads} must be between 1 and 64")
+        if not (self.async_deadline_s > 0 and math.isfinite(self.async_deadline_s)):
+            raise ConfigError(f"checkpoint.async_deadline_s={self.async_deadline_s} must be a finite number > 0")
         for key in ("keep_last", "keep_every", "keep_outputs_last"):
             value = getattr(self, key)
             if value is not None and value < 1:
@@ -452,6 +472,14 @@ class PipelineConfig:
     """Hugging Face export of the consolidated checkpoint."""
     import_: ImportConfig = field(default_factory=ImportConfig)
     """``import.*`` on the command line: import a checkpoint instead of training (see ImportConfig)."""
+
+    def __post_init__(self) -> None:
+        strategy = self.strategy if isinstance(self.strategy, StrategyConfig) else None
+        if strategy is not None and strategy.name == "deepspeed" and self.checkpoint.async_save:
+            raise ConfigError(
+                "checkpoint.async_save=true works with strategy=ddp or strategy=fsdp2, not strategy=deepspeed "
+                "(DeepSpeed saves through its own engine): set checkpoint.async_save=false"
+            )
 
 
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)

@@ -9,7 +9,9 @@ Outputs: ``checkpoints/staging/step_N/`` in DCP format (DDP/FSDP2): rank K write
 and atomically.
 Owner: each rank owns its own files and marker; nothing shared is renamed or deleted here.
 Done-marker: ``rank_<K>.done.json``. A failed save is logged loudly and never becomes a committed step;
-``checkpoint.fail_on_save_error=true`` makes it stop training instead.
+``checkpoint.fail_on_save_error=true`` makes it stop training instead. With ``checkpoint.async_save=true``
+(:func:`save_async`) the same files and marker are written by a background thread from a staged copy
+(:mod:`pipeline.checkpoint.async_save`); the marker is still written here, last.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pipeline.checkpoint.async_save import AsyncSaver, Progress
 from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
 from pipeline.checkpoint.portable import TrainState, write_train_state
 from pipeline.errors import VerificationError
@@ -60,14 +63,37 @@ class SaveResult:
 
 def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any) -> SaveResult:
     """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written."""
+    return _save(ctx, step, FORMAT, lambda staged: write_dcp(ctx, staged, state, process_group))
 
-    def write(staged: Path) -> tuple[FileEntry, ...]:
-        writer = RecordingWriter(staged, threads=ctx.cfg.checkpoint.writer_threads)
-        dcp.save(state, storage_writer=writer, process_group=process_group)
-        # Data files were hashed while written; rank 0 (DCP's coordinator) also owns the small .metadata.
-        return tuple(writer.written) + ((describe(staged, METADATA_FILE),) if ctx.rank == 0 else ())
 
-    return _save(ctx, step, FORMAT, write)
+def save_async(ctx: TaskContext, saver: AsyncSaver, step: int, state: dict[str, Any], waited_s: float) -> float:
+    """Stage ``state`` for ``step`` and persist it in the background, like :func:`save` (same files, same
+    marker, written only once the files are fsync'd); returns how long training was blocked."""
+
+    def persist(staged_state: dict[str, Any], group: Any, progress: Progress) -> int:
+        staged = prepare(ctx, step)
+        entries = write_dcp(ctx, staged, staged_state, group, progress.writer(staged))
+        progress.written(len(entries))
+        finish(ctx, staged, step, FORMAT, entries, before_marker=progress.before_marker)
+        return sum(e.size for e in entries)
+
+    return saver.start(step, state, persist, waited_s)
+
+
+def write_dcp(
+    ctx: TaskContext,
+    staged: Path,
+    state: dict[str, Any],
+    process_group: Any,
+    writer: RecordingWriter | None = None,
+) -> tuple[FileEntry, ...]:
+    """``dcp.save`` of ``state`` into ``staged`` (every file hashed while written and fsync'd on close): the
+    entries of this rank's files for its marker. ``writer`` replaces the default :class:`RecordingWriter`
+    (the async writer passes one that reports each file it opens)."""
+    writer = writer or RecordingWriter(staged, threads=ctx.cfg.checkpoint.writer_threads_for(ctx.world_size))
+    dcp.save(state, storage_writer=writer, process_group=process_group)
+    # Data files were hashed while written; rank 0 (DCP's coordinator) also owns the small .metadata.
+    return tuple(writer.written) + ((describe(staged, METADATA_FILE),) if ctx.rank == 0 else ())
 
 
 def save_deepspeed(ctx: TaskContext, step: int, engine: Any, train: TrainState, fmt: str) -> SaveResult:
@@ -80,21 +106,41 @@ def save_deepspeed(ctx: TaskContext, step: int, engine: Any, train: TrainState, 
     return _save(ctx, step, fmt, write)
 
 
-def _save(ctx: TaskContext, step: int, fmt: str, write: Callable[[Path], tuple[FileEntry, ...]]) -> SaveResult:
+def prepare(ctx: TaskContext, step: int) -> Path:
+    """The step's staging dir, created if needed, without this rank's marker from an older attempt."""
     staged = ctx.layout.staged_step(step)
     staged.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
     clear_file(marker_path(staged, ctx.rank))  # our own stale marker from an older attempt, if any
+    return staged
+
+
+def finish(
+    ctx: TaskContext,
+    staged: Path,
+    step: int,
+    fmt: str,
+    entries: tuple[FileEntry, ...],
+    before_marker: Callable[[], None] = lambda: None,
+) -> None:
+    """Check the written files' sizes, then write this rank's done-marker (last, atomically): the one place a
+    marker is written. ``before_marker`` may still refuse (raise), e.g. for a writer that was given up on."""
+    for entry in entries:
+        if (staged / entry.path).stat().st_size != entry.size:
+            raise VerificationError(f"{staged / entry.path}: {entry.size} bytes hashed while writing, size differs")
+    inject("shard_save.before_marker", rank=ctx.rank, step=step)
+    before_marker()
+    write_marker(
+        staged,
+        Marker(step=step, rank=ctx.rank, world_size=ctx.world_size, format=fmt, attempt=ctx.attempt, files=entries),
+    )
+
+
+def _save(ctx: TaskContext, step: int, fmt: str, write: Callable[[Path], tuple[FileEntry, ...]]) -> SaveResult:
+    staged = prepare(ctx, step)
     t0 = time.monotonic()
     try:
         entries = write(staged)
-        for entry in entries:
-            if (staged / entry.path).stat().st_size != entry.size:
-                raise VerificationError(f"{staged / entry.path}: {entry.size} bytes hashed while writing, size differs")
-        inject("shard_save.before_marker", rank=ctx.rank, step=step)
-        write_marker(
-            staged,
-            Marker(step=step, rank=ctx.rank, world_size=ctx.world_size, format=fmt, attempt=ctx.attempt, files=entries),
-        )
+        finish(ctx, staged, step, fmt, entries)
     except (Exception, CheckpointException) as e:  # dcp.save reports a rank's I/O error as a BaseException
         log.error(
             "SHARD SAVE FAILED: rank %d step %d into %s: %s — this step will not be committed%s",

@@ -6,7 +6,9 @@ A step written at the same world size in DCP by DDP/FSDP2 is loaded by DCP (whic
 other (another strategy, a DeepSpeed step at another world size) through its world-size-free form
 (:mod:`pipeline.checkpoint.portable`), and the change is written to ``metrics.jsonl`` (``resume`` event).
 Outputs: staged checkpoints every ``checkpoint.every`` steps and at the last step, through shard-save
-(model, optimizer, LR scheduler, step, data position, RNG state of every rank).
+(model, optimizer, LR scheduler, step, data position, RNG state of every rank); with
+``checkpoint.async_save=true`` written in the background, each save settled (every rank agreeing) before the
+next one starts and before train ends.
 Owner: each rank writes only its own staged files and marker; nothing is committed here.
 Done-marker: the last step (``train.steps``, or ``train.stop_after_step``) is committed, or staged with every
 rank's marker from the current attempt.
@@ -27,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from pipeline.checkpoint.async_save import AsyncSaver, Settled, stuck_writers
 from pipeline.checkpoint.manifest import (
     MANIFEST,
     Manifest,
@@ -379,20 +382,68 @@ def _gather_save(
     ckpt_pg: Any,
     metrics: MetricsWriter | None,
     errors: dict[int, str],
-) -> bool:
+    blocked_s: float,
+    **extra: object,
+) -> str:
     """Every rank's save of ``step`` (one all_gather), so that task 0's record tells of every rank's failure;
-    rank 0 logs the ranks that failed and writes the checkpoint event. True when every rank saved."""
+    rank 0 logs the ranks that failed and writes the checkpoint event (``blocked_s``: training blocked by it,
+    the slowest rank's). Returns "" when every rank saved, else what failed (the same text on every rank)."""
     outcomes: list[Any] = [None] * dist.get_world_size(group=ckpt_pg)
-    dist.all_gather_object(outcomes, result, group=ckpt_pg)
-    bad = [r for r, o in enumerate(outcomes) if not o.ok]
+    dist.all_gather_object(outcomes, (result, blocked_s), group=ckpt_pg)
+    bad = [r for r, (o, _) in enumerate(outcomes) if not o.ok]
+    why = "; ".join(f"rank {r}: {outcomes[r][0].error}" for r in bad)
     if bad and dist.get_rank() == 0:
         log.error("step %d was not saved by rank(s) %s; it will not be committed", step, bad)
-        errors[step] = "; ".join(f"rank {r}: {outcomes[r].error}" for r in bad)
-    staged_bytes = sum(o.bytes for o in outcomes)
-    seconds = max(o.seconds for o in outcomes)  # the ranks save in parallel: the slowest sets the time
+        errors[step] = why
+    staged_bytes = sum(o.bytes for o, _ in outcomes)
+    seconds = max(o.seconds for o, _ in outcomes)  # the ranks save in parallel: the slowest sets the time
     gbps = staged_bytes / seconds / 1e9 if seconds > 0 else 0.0
-    _event(metrics, ctx, "checkpoint", step=step, bytes=staged_bytes, seconds=seconds, gbps=gbps, ok=not bad)
-    return not bad
+    blocked = max(b for _, b in outcomes)
+    _event(
+        metrics,
+        ctx,
+        "checkpoint",
+        step=step,
+        bytes=staged_bytes,
+        seconds=seconds,
+        gbps=gbps,
+        ok=not bad,
+        blocked_s=blocked,
+        **extra,
+    )
+    return why
+
+
+def _settle(
+    ctx: TaskContext,
+    saver: AsyncSaver,
+    ckpt_pg: Any,
+    metrics: MetricsWriter | None,
+    errors: dict[int, str],
+    saved: list[int],
+    failed: list[int],
+) -> None:
+    """Wait for the pending async save (deadline-bounded, every rank leaving the wait together), then record
+    it as a sync save is recorded; after a failure every rank drops its writer, buffer and group alike and
+    either trains on without that step or stops (``checkpoint.fail_on_save_error``)."""
+    done: Settled | None = saver.wait()
+    if done is None:
+        return
+    result = shard_save.SaveResult(ok=done.ok, bytes=done.bytes, seconds=done.persist_s, error=done.error)
+    why = _gather_save(
+        ctx, done.step, result, ckpt_pg, metrics, errors, done.blocked_s, persist_s=done.persist_s, mode="async"
+    )
+    (failed if why else saved).append(done.step)
+    if not why:
+        return
+    saver.discard()
+    if ctx.cfg.checkpoint.fail_on_save_error:
+        raise PipelineError(
+            f"async save of step {done.step} failed ({why}); training stopped (checkpoint.fail_on_save_error=true): "
+            f"rerun to resume from the last committed step, or raise checkpoint.async_deadline_s if it only stalled"
+        )
+    if ctx.rank == 0:
+        log.error("step %d is not saved (%s); training continues (checkpoint.fail_on_save_error=false)", done.step, why)
 
 
 def run(ctx: TaskContext) -> dict[str, object]:
@@ -400,7 +451,11 @@ def run(ctx: TaskContext) -> dict[str, object]:
     try:
         return _train(ctx, device)
     finally:
-        dist.destroy_process_group()
+        stuck = stuck_writers()
+        if stuck:  # destroying a group under a stuck writer could hang; its daemon thread ends with the process
+            log.warning("process groups left to the process exit: %s", "; ".join(stuck))
+        else:
+            dist.destroy_process_group()
 
 
 def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
@@ -427,26 +482,21 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     save_errors: dict[int, str] = {}
     last = final_step(cfg)
     _event(metrics, ctx, "start", resume_from=resume, total=last, world_size=world, format=trainer.format)
-    for step in range(resume + 1, last + 1):
-        t0 = time.monotonic()
-        batch = stream.next_batch().to(device)
-        loss = trainer.net(input_ids=batch, labels=batch).loss
-        trainer.step(loss)
-        lr = sched.get_last_lr()[0]  # the rate this step used
-        sched.step()
-        trainer.zero_grad()
-        losses[step] = _global_mean(loss.detach(), world)
-        if rank == 0:
-            log.info("step %d loss %.4f", step, losses[step])
-        tokens = batch.numel() * world  # every rank trains on an equal batch
-        _event(metrics, ctx, "step", step=step, loss=losses[step], lr=lr, tokens=tokens, step_s=time.monotonic() - t0)
-        stop = preemptible() and _any_rank(preemption_requested(), ckpt_pg)
-        if is_save_step(cfg, step) or stop:
-            result = _save_step(ctx, trainer, sched, stream, step, device, ckpt_pg)
-            (saved if _gather_save(ctx, step, result, ckpt_pg, metrics, save_errors) else failed).append(step)
-        if stop:
-            last = step
-            break
+    saver = None
+    if cfg.checkpoint.async_save and trainer.engine is None:
+        saver = AsyncSaver(
+            rank, ckpt_pg, cfg.checkpoint.async_deadline_s, cfg.checkpoint.writer_threads_for(ctx.world_size)
+        )
+    try:
+        last = _loop(
+            ctx, trainer, sched, stream, device, ckpt_pg, metrics, saver, resume, losses, saved, failed, save_errors
+        )
+        if saver is not None:  # the last save (the final step's, or the one before a requeue) is settled too
+            _settle(ctx, saver, ckpt_pg, metrics, save_errors, saved, failed)
+    except BaseException as e:
+        if saver is not None:
+            saver.abandon(f"train failed: {type(e).__name__}")
+        raise
     probe = _probe_logits(trainer, stream, device) if last == final_step(cfg) else None
     dist.barrier()
     _event(metrics, ctx, "end", last_step=last)
@@ -466,6 +516,55 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
             raise PipelineError(f"{why}; step {last} is saved: continue with python -m pipeline run.id={layout.run_id}")
         summary["requeue"] = True
     return summary
+
+
+def _loop(
+    ctx: TaskContext,
+    trainer: _Trainer,
+    sched: Any,
+    stream: SampleStream,
+    device: torch.device,
+    ckpt_pg: Any,
+    metrics: MetricsWriter | None,
+    saver: AsyncSaver | None,
+    resume: int,
+    losses: dict[int, float],
+    saved: list[int],
+    failed: list[int],
+    save_errors: dict[int, str],
+) -> int:
+    """Train from ``resume`` to the last step, saving at checkpoint steps; returns the last step trained
+    (earlier than the final step when a preemption stopped it)."""
+    cfg, rank, world = ctx.cfg, dist.get_rank(), dist.get_world_size()
+    last = final_step(cfg)
+    for step in range(resume + 1, last + 1):
+        t0 = time.monotonic()
+        batch = stream.next_batch().to(device)
+        loss = trainer.net(input_ids=batch, labels=batch).loss
+        trainer.step(loss)
+        lr = sched.get_last_lr()[0]  # the rate this step used
+        sched.step()
+        trainer.zero_grad()
+        losses[step] = _global_mean(loss.detach(), world)
+        if rank == 0:
+            log.info("step %d loss %.4f", step, losses[step])
+        tokens = batch.numel() * world  # every rank trains on an equal batch
+        _event(metrics, ctx, "step", step=step, loss=losses[step], lr=lr, tokens=tokens, step_s=time.monotonic() - t0)
+        stop = preemptible() and _any_rank(preemption_requested(), ckpt_pg)
+        if (is_save_step(cfg, step) or stop) and saver is not None:
+            t_save = time.monotonic()  # blocked: settling the previous save, building the state, staging it
+            _settle(ctx, saver, ckpt_pg, metrics, save_errors, saved, failed)
+            state = _state(trainer.module, trainer.opt, sched, stream, step, rank)
+            shard_save.save_async(ctx, saver, step, state, waited_s=time.monotonic() - t_save)
+        elif is_save_step(cfg, step) or stop:
+            t_save = time.monotonic()
+            result = _save_step(ctx, trainer, sched, stream, step, device, ckpt_pg)
+            blocked = time.monotonic() - t_save
+            why = _gather_save(ctx, step, result, ckpt_pg, metrics, save_errors, blocked, mode="sync")
+            (failed if why else saved).append(step)
+        if stop:
+            return step
+    return last
 
 
 PROBE_TOKENS = 16
