@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.errors import CheckpointFormatError
+from pipeline.formats.dcp_metadata import TensorStorageMetadata
 from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import FileEntry, describe, read_record_json
 

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import IO, cast
 
 import torch
-from torch.distributed.checkpoint import metadata as dcp_meta
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from pipeline.errors import CheckpointFormatError, PipelineError
-from pipeline.formats.dcp import error_summary, load_into, read_metadata_safe, tensor_entries
+from pipeline.formats import dcp_metadata as dcp_meta
+from pipeline.formats.dcp_metadata import _StorageInfo, read_metadata_safe, tensor_entries
+from pipeline.formats.pickle_safety import error_summary
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.formats.torch_zip import LazyTensor, load_archive, open_archive
 from pipeline.storage.integrity import safe_join
@@ -194,6 +194,8 @@ class TensorStreamer:
         if self._buffer is None:
             self._buffer = torch.empty(max(_nbytes(m) for _, m in self.entries), dtype=torch.uint8)
         out = self._buffer[: _nbytes(meta)].view(meta.properties.dtype).view(meta.size)
+        from pipeline.formats.dcp import load_into  # noqa: PLC0415 - torch's DCP package, only for this path
+
         load_into({key: out}, self.path, no_dist=True, metadata=self.metadata)
         return out
 

@@ -60,7 +60,7 @@ def _dcp_owner(rel: str) -> int | None:
 
 
 def _dcp_stored(step_dir: Path, _allow_pickle: bool = False) -> set[str]:
-    from pipeline.formats.dcp import stored_files  # noqa: PLC0415
+    from pipeline.formats.dcp_metadata import stored_files  # noqa: PLC0415
 
     return stored_files(step_dir)
 

@@ -93,7 +93,7 @@ def probe(cfg: PipelineConfig) -> Source:
             f"import.source={path} is {'missing' if kind is None else 'a ' + kind}: give a directory or file"
         )
     if lstat_kind(path / ".metadata") == "file":
-        from pipeline.formats.dcp import stored_files  # noqa: PLC0415
+        from pipeline.formats.dcp_metadata import stored_files  # noqa: PLC0415
 
         files = sorted(stored_files(path))
         fmt = get_format("torch_dcp")

@@ -95,6 +95,7 @@ from pipeline.checkpoint.manifest import (
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import CheckpointFormatError, PipelineError, VerificationError
+from pipeline.formats import dcp_metadata
 from pipeline.formats.dcp import METADATA_FILE, load_into, read_metadata_safe
 from pipeline.orchestration.task import execute_task
 from pipeline.stages import export, train
@@ -285,7 +286,7 @@ def make_baseline(root: Path) -> Baseline:
     md = read_metadata_safe(step_dir)
     state: dict[str, Any] = {
         k: torch.zeros(tuple(m.size), dtype=m.properties.dtype)
-        if isinstance(m, dcp_meta.TensorStorageMetadata)
+        if isinstance(m, dcp_metadata.TensorStorageMetadata)
         else None
         for k, m in md.state_dict_metadata.items()
     }
@@ -1073,7 +1074,7 @@ def evil_pickles(draw: st.DrawFn, sentinel: str, real: dcp_meta.Metadata) -> tup
 
 def test_dcp_metadata_that_would_run_code_is_refused(baseline: Baseline) -> None:
     family = Family("DCP .metadata pickles that would run code or exhaust memory")
-    real = read_metadata_safe(baseline.run.committed_step(STEP))
+    real = dcp_metadata.to_torch(read_metadata_safe(baseline.run.committed_step(STEP)))
     sentinel = baseline.sentinel
 
     @hostile()
@@ -1207,7 +1208,7 @@ def misshapen_metadata(draw: st.DrawFn, real: dcp_meta.Metadata) -> tuple[str, A
 
 def test_dcp_metadata_of_the_wrong_shape_is_refused(baseline: Baseline) -> None:
     family = Family("DCP metadata of the wrong shape (types, bounds, ranges, paths)")
-    real = read_metadata_safe(baseline.run.committed_step(STEP))
+    real = dcp_metadata.to_torch(read_metadata_safe(baseline.run.committed_step(STEP)))
     real.storage_meta = None  # as written (the reader sets load_id on what it returns)
 
     @hostile(ci=200)
@@ -1510,7 +1511,7 @@ def _metadata_path_case(family: Family, base: Baseline, data: st.DataObject) -> 
     with step_copy(base) as (step_dir, scratch):
         plant_links(step_dir, scratch / "outside")
         path = str(scratch / "outside" / "__0_0.distcp") if path == "ABSOLUTE" else path
-        md = read_metadata_safe(step_dir)
+        md = dcp_metadata.to_torch(read_metadata_safe(step_dir))
         md.storage_meta = None
         for info in md.storage_data.values():
             if info.relative_path == "__0_0.distcp":
