@@ -26,8 +26,9 @@ Sections:
    torch-checkpointing's ``consolidate_hf_safetensors_checkpoint``, ``cat`` of the shard files (the copy floor)
    and ``import torch`` (the baseline). Every output is fsynced; outputs are checked tensor by tensor.
 3. ``deepspeed``: ``bench/consolidate_zero.py`` (pipeline vs ``zero_to_fp32``), folded in from its JSON.
-4. ``verify``, ``async_blocking``, ``scale``: ``run()`` of ``bench/verify_speed.py``, ``bench/async_blocking.py``
-   and ``bench/scale_commit.py`` when those files exist (skipped with a note otherwise).
+4. ``verify``, ``async_blocking``, ``scale``, ``stage_overhead``: ``run()`` of ``bench/verify_speed.py``,
+   ``bench/async_blocking.py``, ``bench/scale_commit.py`` and ``bench/stage_overhead.py`` when those files
+   exist (skipped with a note otherwise).
 
 Only the standard library is imported at module level so that the measured children import just what they use.
 """
@@ -749,6 +750,8 @@ OPTIONAL = {
     "async_blocking": ("async_blocking", lambda a: (128 if a.quick else 512, a.rounds, a.device)),
     # run(ranks_list): simulated world sizes (files + metadata only, no processes)
     "scale": ("scale_commit", lambda a: ([64, 512] if a.quick else [64, 512, 2048],)),
+    # run(rounds): each stage rerun alone as a local job, its time beyond its own work
+    "stage_overhead": ("stage_overhead", lambda a: (a.rounds,)),
 }
 MARK = "BENCH_RESULT_JSON "
 
@@ -938,7 +941,12 @@ def markdown(results: dict[str, Any]) -> str:
             L += [title, "", consolidate_zero.table(ds["results"], ds["config"]["repeat"]), ""]
         else:
             L += _md_failed(title, ds)
-    titles = {"verify": "Verify hashing", "async_blocking": "Async save blocking", "scale": "Scale"}
+    titles = {
+        "verify": "Verify hashing",
+        "async_blocking": "Async save blocking",
+        "scale": "Scale",
+        "stage_overhead": "Per-stage local overhead",
+    }
     for i, (key, title) in enumerate(titles.items(), start=4):
         if (v := results.get(key)) is None:
             continue
