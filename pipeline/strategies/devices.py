@@ -9,11 +9,13 @@ every task of a node sees all of the node's GPUs and its index on the node picks
 from __future__ import annotations
 
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline.config.schema import StrategyConfig
 from pipeline.errors import ConfigError, PipelineError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _visible() -> str:
@@ -28,6 +30,8 @@ def check_backend(strategy: StrategyConfig) -> None:
     """
     if strategy.backend != "nccl":
         return
+    import torch  # noqa: PLC0415 - only for nccl: planning and every stage job start without torch
+
     if not torch.backends.cuda.is_built():
         raise ConfigError(
             f"strategy.backend=nccl needs CUDA but torch {torch.__version__} is a CPU-only build: "
@@ -48,6 +52,8 @@ def check_backend(strategy: StrategyConfig) -> None:
 
 def claim_cuda_device(local_rank: int, rank: int) -> torch.device:
     """Make ``cuda:local_rank`` this task's current device (before the process group binds to it)."""
+    import torch  # noqa: PLC0415
+
     if not torch.cuda.is_available():
         raise PipelineError(
             f"rank {rank}: strategy.backend=nccl but this task sees no CUDA device ({_visible()}): "
@@ -72,5 +78,7 @@ def make_cuda_deterministic() -> None:
     runs of the same steps differ in the last bits. ``warn_only`` is not used: it keeps that split. cuBLAS reads
     ``CUBLAS_WORKSPACE_CONFIG`` at its first call, so this runs before any kernel (a user's value is kept).
     """
+    import torch  # noqa: PLC0415
+
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
