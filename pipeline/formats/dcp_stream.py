@@ -16,7 +16,6 @@ Three paths, chosen per tensor from the metadata:
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
 import os
@@ -31,38 +30,8 @@ from pipeline.formats import dcp_metadata as dcp_meta
 from pipeline.formats.dcp_metadata import _StorageInfo, read_metadata_safe, tensor_entries
 from pipeline.formats.pickle_safety import error_summary
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
-from pipeline.formats.torch_zip import LazyTensor, load_archive, open_archive
+from pipeline.formats.torch_zip import FileWindow, LazyTensor, load_archive, open_archive
 from pipeline.storage.integrity import safe_join
-
-
-class _FileSlice(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes at ``offset`` of an open file."""
-
-    def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
-        self.f, self.start, self.end, self.pos = f, offset, offset + length, offset
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos - self.start
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: self.start, io.SEEK_CUR: self.pos, io.SEEK_END: self.end}[whence]
-        self.pos = min(max(base + offset, self.start), self.end)
-        return self.pos - self.start
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
-        n = min(len(buffer), self.end - self.pos)
-        if n <= 0:
-            return 0
-        self.f.seek(self.pos)
-        got = self.f.readinto(memoryview(buffer)[:n])  # type: ignore[attr-defined]
-        self.pos += got
-        return int(got)
 
 
 def _nbytes(meta: dcp_meta.TensorStorageMetadata) -> int:
@@ -178,7 +147,7 @@ class TensorStreamer:
         where = f"{self.path}/{info.relative_path} bytes {info.offset}..{info.offset + info.length}"
         try:
             with open(safe_join(self.path, info.relative_path), "rb") as f:
-                stream = cast(IO[bytes], _FileSlice(f, info.offset, info.length))
+                stream = cast(IO[bytes], FileWindow(f, info.offset, info.offset + info.length))
                 return torch.load(stream, map_location="cpu", weights_only=True)
         except PipelineError:
             raise

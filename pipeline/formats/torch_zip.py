@@ -27,7 +27,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import torch
 
@@ -113,7 +113,7 @@ class TorchArchive:
         self.start = start
         size = end
         try:
-            with os.fdopen(os.dup(fd), "rb") as raw, zipfile.ZipFile(_Window(raw, start, end)) as z:
+            with os.fdopen(os.dup(fd), "rb") as raw, zipfile.ZipFile(FileWindow(raw, start, end)) as z:
                 infos = z.infolist()
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as e:
             self.close()
@@ -209,10 +209,10 @@ class TorchArchive:
             done += n
 
 
-class _Window(io.RawIOBase):
+class FileWindow(io.RawIOBase):
     """Bytes ``start..end`` of an open file as a seekable file of their own (for ``zipfile``)."""
 
-    def __init__(self, f: io.BufferedReader, start: int, end: int) -> None:
+    def __init__(self, f: IO[bytes], start: int, end: int) -> None:
         self.f, self.begin, self.end, self.pos = f, start, end, start
 
     def readable(self) -> bool:
@@ -234,7 +234,7 @@ class _Window(io.RawIOBase):
         if n <= 0:
             return 0
         self.f.seek(self.pos)
-        got = self.f.readinto(memoryview(buffer)[:n])
+        got = self.f.readinto(memoryview(buffer)[:n])  # type: ignore[attr-defined]
         self.pos += got
         return int(got)
 
