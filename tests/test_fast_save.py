@@ -114,3 +114,51 @@ def test_metadata_is_deterministic_with_parallel_writers(tmp_path: Path) -> None
             dcp.save(state, storage_writer=RecordingWriter(tmp_path / str(n), threads=3), no_dist=True)
         digests.add(hash_file(tmp_path / str(n) / ".metadata"))
     assert len(digests) == 1
+
+
+def test_the_shard_writer_itself_writes_records_without_crc32(tmp_path: Path) -> None:
+    """What RecordingWriter wrote (not only the context manager): every tensor record's CRC field is 0."""
+    import io
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.randn(50, 3)}}, storage_writer=RecordingWriter(tmp_path), no_dist=True)
+    infos = list(read_metadata_safe(tmp_path).storage_data.values())
+    assert infos
+    for info in infos:
+        raw = (tmp_path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            assert [i.CRC for i in z.infolist() if "/data/" in i.filename] == [0]
+    assert torch.serialization.get_crc32_options() is True
+
+
+def test_writer_threads_default_follows_the_cpus_a_rank_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.config.schema import CheckpointConfig
+
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    assert CheckpointConfig().writer_threads_for(world_size=8) == 3
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "32")
+    assert CheckpointConfig().writer_threads_for(world_size=8) == 4  # capped
+    assert CheckpointConfig(writer_threads=2).writer_threads_for(world_size=8) == 2  # an explicit value wins
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    assert CheckpointConfig().writer_threads_for(world_size=cpus) == 1
+    assert CheckpointConfig().writer_threads_for(world_size=cpus * 4) == 1  # never 0
+
+
+def test_readers_and_stage_jobs_start_without_torch_dcp() -> None:
+    """The committer and consolidate read DCP metadata without importing torch's DCP package, and a stage
+    job's pickle (the launcher module) loads without importing torch at all."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, launchers.submitit_launcher; t = 'torch' in sys.modules; "
+        "import pipeline.stages.verify_manifest, pipeline.stages.consolidate, pipeline.formats.dcp_stream; "
+        "print(t, 'torch.distributed.checkpoint' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"], out
