@@ -36,6 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run as run_bench  # noqa: E402 - bench/run.py: stdlib only at import
 
 from pipeline.storage.integrity import VERIFY_READERS, FileEntry, describe, verify_entries  # noqa: E402
 
@@ -59,14 +62,9 @@ def _write_files(root: Path, size_mb: int, files: int) -> list[FileEntry]:
 
 
 def drop_cache(paths: list[Path]) -> None:
-    """Evict the files' pages from the page cache (clean pages only, hence the fsync first)."""
+    """Evict the files' pages from the page cache (the same fsync + POSIX_FADV_DONTNEED as bench/run.py)."""
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        run_bench.drop_cache(p)
 
 
 def _read(path: Path) -> int:
