@@ -61,7 +61,8 @@ class _FileRecord:
         what = cls.__name__.lower()
         if not isinstance(obj, dict) or not isinstance(obj.get("files"), list):
             raise VerificationError(f"malformed {what} {where}: not an object with a 'files' list")
-        if obj.get("format_version") != FORMAT_VERSION:
+        version = obj.get("format_version")
+        if type(version) is not int or version != FORMAT_VERSION:  # JSON true == 1 in Python: exact type
             raise VerificationError(
                 f"{what} {where} has format_version {obj.get('format_version')!r}; this pipeline reads {FORMAT_VERSION}"
             )
