@@ -52,8 +52,8 @@ import json, sys
 from datetime import timedelta
 import torch, torch.nn as nn, torch.distributed as dist
 import deepspeed
-import deepspeed.comm.torch as dct
-dct.build_shm_op = lambda: None  # skips a 25 s JIT build (gloo is used)
+from pipeline.strategies.zero import disable_shm_comm_op
+disable_shm_comm_op()  # skips a 25 s JIT build (gloo is used)
 
 save_dir, stage, dim, layers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 dist.init_process_group("gloo", timeout=timedelta(seconds=600))

@@ -63,8 +63,8 @@ _SCRIPT = r"""
 import json, os, sys
 import torch, torch.nn as nn, torch.distributed as dist
 import deepspeed
-import deepspeed.comm.torch as dct
-dct.build_shm_op = lambda: None  # skips a 25 s JIT build of the shared-memory allreduce op (gloo is used)
+from pipeline.strategies.zero import disable_shm_comm_op
+disable_shm_comm_op()  # no 25 s JIT build of the shared-memory allreduce op (gloo is used)
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -45,15 +45,15 @@ from datetime import timedelta
 from pathlib import Path
 
 import deepspeed
-import deepspeed.comm.torch as dct
 import torch
 import torch.distributed as dist
 
 from pipeline.config.compose import load_config
+from pipeline.strategies.zero import disable_shm_comm_op
 from pipeline.workload.data import build_assets, load_tokenizer
 from pipeline.workload.model import build_model
 
-dct.build_shm_op = lambda: None  # no 25 s JIT build of DeepSpeed's shared-memory allreduce op (gloo is used)
+disable_shm_comm_op()  # no 25 s JIT build of DeepSpeed's shared-memory allreduce op (gloo is used)
 out_dir, assets, cases = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 deepspeed.init_distributed(dist_backend="gloo")

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from pathlib import Path
@@ -61,11 +62,21 @@ def ds_config(strategy: StrategyConfig, micro_batch: int) -> dict[str, Any]:
 
 
 def _quiet_deepspeed(strategy: StrategyConfig) -> None:
-    import deepspeed.comm.torch as ds_comm_torch  # noqa: PLC0415 - deepspeed is imported only when used
-
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if not strategy.shm_comm:
-        ds_comm_torch.build_shm_op = lambda: None  # type: ignore[assignment]  # no 25 s JIT build on CPU
+        disable_shm_comm_op()
+
+
+def disable_shm_comm_op() -> None:
+    """Keep DeepSpeed's CPU shared-memory allreduce op (``deepspeed_shm_comm``) from being built or loaded: its
+    ``TorchBackend`` calls ``build_shm_op()`` when ``init_distributed`` wraps the process group, which JIT-compiles
+    the op on first use (~25-45 s, needs a compiler) and loads it on every later run; gloo carries every collective.
+
+    The module is taken from ``importlib``, not ``import deepspeed.comm.torch as m``: that statement binds the
+    attribute ``torch`` of ``deepspeed.comm``, which ``from .comm import *`` sets to PyTorch itself, so the patch
+    would land on ``torch`` and DeepSpeed would still build the op."""
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # deepspeed is imported only when used
+    ds_comm_torch.build_shm_op = lambda: None  # type: ignore[attr-defined]
 
 
 def check_available(strategy: StrategyConfig) -> None:
