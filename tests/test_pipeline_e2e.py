@@ -142,6 +142,21 @@ def test_continue_refuses_identity_change_and_unknown_ids(ddp_run: tuple[Path, s
     assert not (root / "tiny" / "ddq").exists()
 
 
+def test_overwrite_by_prepare_dirs_alone_keeps_the_run_known(tmp_path: Path) -> None:
+    """``stage=prepare_dirs run.overwrite=true`` starts the run over, and ``run.id=<id>`` still continues it."""
+    _run(tmp_path, "o", "stage=prepare_dirs", "launcher=inprocess")
+    layout = _layout(tmp_path, "o")
+    old_step = layout.staged_step(4)
+    old_step.mkdir()
+    proc = run_cli(f"run.root={tmp_path}", "run.id=o", "stage=prepare_dirs", "run.overwrite=true", "launcher=inprocess")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not old_step.exists(), "the overwrite deleted the old run's content"
+    assert layout.run_yaml.is_file()
+    proc = run_cli(f"run.root={tmp_path}", "run.id=o", "launcher=local", "dry_run=true")
+    assert proc.returncode == 0, proc.stderr
+    assert f"plan for run o ({layout.run_dir})" in proc.stdout
+
+
 def test_force_redoes_one_stage_and_keeps_the_old_output(ddp_run: tuple[Path, str]) -> None:
     root, _ = ddp_run
     layout = _layout(root, "ddp")

@@ -2,7 +2,8 @@
 
 Inputs: the resolved config and the run id chosen by the launching process.
 Outputs: the layout (``stages/ checkpoints/{staging,quarantine}/ consolidated/ export/``) and ``assets/``
-(tokenizer + token stream, published by one rename). ``run.yaml`` is the launching process's.
+(tokenizer + token stream, published by one rename). ``run.yaml`` is the launching process's: kept by
+``run.overwrite``, like the lease, ``logs/`` and ``.hydra/``.
 Owner: this single task is the only one that deletes anything (``run.overwrite=true``), before any rank runs.
 Done-marker: the planned directories exist and ``assets/assets.json`` verifies.
 """
@@ -58,9 +59,12 @@ def run(ctx: TaskContext) -> dict[str, object]:
     layout, cfg = ctx.layout, ctx.cfg
     if cfg.run.overwrite and layout.run_dir.exists():
         # The one deletion in the pipeline. The launching process's own entries stay: its lease, logs/ (this
-        # very job's log folder is there) and .hydra/; it writes the new run.yaml once this stage succeeded.
+        # very job's log folder is there), .hydra/ and run.yaml, the run's record. run.yaml is never deleted:
+        # only the launching process writes it, and a launch that does not rewrite it (stage=prepare_dirs, or a
+        # SLURM chain the launch does not wait for) would leave a run whose id is unknown.
+        kept = layout.launch_owned() | {layout.run_yaml.name}
         for entry in layout.run_dir.iterdir():
-            if entry.name not in layout.launch_owned():
+            if entry.name not in kept:
                 remove_tree(entry) if is_real_dir(entry) else clear_file(entry)
     layout.run_dir.mkdir(parents=True, exist_ok=True)
     for d in layout.planned_dirs():
