@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 
-from pipeline.config.compose import experiments, load_config
-from pipeline.config.schema import PipelineConfig
+from pipeline.config.compose import conf_dir, experiments, load_config
+from pipeline.config.schema import ExportConfig, PipelineConfig, parse_size
 from pipeline.errors import ConfigError
 from pipeline.workload.data import SampleStream
 from tests.conftest import RunFactory, run_cli
@@ -19,6 +20,14 @@ def test_every_experiment_composes(name: str, strategy: str, launcher: str) -> N
     assert isinstance(cfg, PipelineConfig)
     assert cfg.strategy.name == strategy
     assert cfg.launcher.kind == launcher
+
+
+def test_export_shards_at_a_real_run_size_unless_the_experiment_says_otherwise() -> None:
+    """A 1B-parameter model is not cut into thousands of shards: the schema and the ``export`` group default to
+    5GB; only the toy (``+experiment=tiny``) shards small, so its export still has several shards."""
+    assert parse_size(ExportConfig().max_shard_size) == 5 * 10**9
+    assert parse_size(OmegaConf.load(conf_dir() / "export" / "hf.yaml").max_shard_size) == 5 * 10**9
+    assert load_config(["+experiment=tiny"]).export.max_shard_size == "200KB"
 
 
 def test_missing_experiment_says_what_to_do() -> None:

@@ -407,8 +407,10 @@ class CheckpointConfig:
 
 @dataclass
 class ExportConfig:
-    max_shard_size: str = "200KB"
-    """Largest safetensors shard of the export (``KB``/``MB``/``GB``, powers of 1000 as in transformers)."""
+    max_shard_size: str = "5GB"
+    """Largest safetensors shard of the export (``KB``/``MB``/``GB``, powers of 1000 as in transformers); 5GB is the
+    size Hugging Face models are commonly sharded at (a 1B-parameter fp32 model: 1 shard). ``+experiment=tiny``
+    sets 200KB, so its 2-layer model is exported in several shards."""
     dtype: str = "float32"
     """dtype of exported weights: float32, bfloat16 or float16."""
 
