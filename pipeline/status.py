@@ -15,8 +15,9 @@ from pathlib import Path
 
 from pipeline.config.overrides import DEFAULT_ROOT, LAST, RUN_YAML, newest_runs
 from pipeline.errors import PipelineError, RunNotFoundError
-from pipeline.orchestration.run_status import collect, render
-from pipeline.storage.layout import RunLayout
+from pipeline.orchestration.run_status import collect, collect_checkpoints, render
+from pipeline.storage.integrity import lstat_kind
+from pipeline.storage.layout import CheckpointLayout, RunLayout
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,20 +25,28 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m pipeline.status",
         description="Show a run's state (read-only): owner, stages, errors and logs, checkpoints, outputs.",
     )
-    p.add_argument("run", help="a run dir (holding run.yaml), a run id, or 'last' for the newest run")
+    p.add_argument(
+        "run", help="a run dir (holding run.yaml), a library checkpoint dir, a run id, or 'last' for the newest run"
+    )
     p.add_argument("--root", default=DEFAULT_ROOT, help="where runs live, as run.root (default: %(default)s)")
     p.add_argument("--experiment", help="look the id up under this experiment only (default: every experiment)")
     p.add_argument("--json", action="store_true", help="print the same data as one JSON object")
     return p
 
 
-def resolve_run(arg: str, root: str, experiment: str | None) -> RunLayout:
-    """A run dir as given, or the run ``<root>/<experiment>/<arg>`` (``last``: the newest); else RunNotFoundError."""
+def resolve_run(arg: str, root: str, experiment: str | None) -> RunLayout | CheckpointLayout:
+    """A run dir as given, a library checkpoint dir (``checkpoints/`` without ``run.yaml``), or the run
+    ``<root>/<experiment>/<arg>`` (``last``: the newest); else RunNotFoundError."""
     path = Path(arg)
     if (path / RUN_YAML).is_file():
         return RunLayout(path.resolve())
+    library = CheckpointLayout(path.resolve())
+    if lstat_kind(library.checkpoints) == "dir":
+        return library
     if "/" in arg or arg in (".", ".."):
-        raise RunNotFoundError(f"{arg} is not a run dir: it holds no {RUN_YAML}")
+        raise RunNotFoundError(
+            f"{arg} is not a run dir (no {RUN_YAML}) nor a checkpoint dir of the library (no checkpoints/)"
+        )
     base = Path(root).resolve()
     where = base / experiment if experiment else base
     runs = newest_runs(base, experiment, sys.maxsize)
@@ -61,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except (PipelineError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    status = collect(layout)
+    status = collect(layout) if isinstance(layout, RunLayout) else collect_checkpoints(layout)
     text = json.dumps(status, indent=2, default=str) if args.json else "\n".join(render(status))
     try:
         print(text, flush=True)

@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeline.stages",),
     ("pipeline.orchestration",),
     ("launchers",),
-    ("pipeline.cli", "pipeline.__main__", "pipeline.status"),
+    ("pipeline.cli", "pipeline.__main__", "pipeline.status", "pipeline.commit", "pipeline.consolidate"),
 ]
 
 
@@ -77,7 +77,8 @@ def test_layers_only_import_downwards() -> None:
 
 def test_pipeline_top_level_is_only_the_entry_point() -> None:
     loose = sorted(p.name for p in (ROOT / "pipeline").glob("*.py"))
-    assert loose == ["__init__.py", "__main__.py", "cli.py", "errors.py", "status.py"], loose
+    entry_points = ["cli.py", "commit.py", "consolidate.py", "status.py"]
+    assert loose == sorted(["__init__.py", "__main__.py", "errors.py", *entry_points]), loose
 
 
 def test_stages_do_not_import_each_other() -> None:

@@ -26,7 +26,7 @@ from pipeline.storage.integrity import (
     safe_join,
     verify_entries,
 )
-from pipeline.storage.layout import RunLayout, step_name
+from pipeline.storage.layout import CheckpointLayout, step_name
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -216,7 +216,7 @@ class Latest:
     manifest_hash: str
 
 
-def read_latest(layout: RunLayout) -> Latest | None:
+def read_latest(layout: CheckpointLayout) -> Latest | None:
     """The newest committed step, checked: its directory exists and its manifest hash matches.
 
     Every malformation (not JSON, wrong fields, a symlink, a step dir that is a link) is a VerificationError;
@@ -239,5 +239,5 @@ def read_latest(layout: RunLayout) -> Latest | None:
     return Latest(step=step, manifest_hash=digest)
 
 
-def write_latest(layout: RunLayout, step: int, manifest_hash: str) -> None:
+def write_latest(layout: CheckpointLayout, step: int, manifest_hash: str) -> None:
     write_json_atomic(layout.latest, {"step": step, "dir": step_name(step), "manifest_hash": manifest_hash})

@@ -8,16 +8,16 @@ A previous output that is forced or fails verification is moved to ``<area>/.ret
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.manifest import Latest, read_latest, verify_committed
+from pipeline.checkpoint.manifest import Latest, read_latest, read_manifest, verify_committed
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import clear_file, move_aside, publish_dir, remove_tree, write_json_atomic
 from pipeline.storage.integrity import FileEntry, describe, lstat_kind, read_record_json, verify_entries
-from pipeline.storage.layout import RunLayout
+from pipeline.storage.layout import CheckpointLayout, step_name
 
 CONSOLIDATED_MARKER = "consolidated.json"
 """Done-marker of ``consolidated/step_N/`` (written by consolidate, read by export)."""
@@ -25,7 +25,7 @@ CONSOLIDATED_WEIGHTS = "model.safetensors"
 """The full-tensor weights file in ``consolidated/step_N/``."""
 
 
-def source_step(layout: RunLayout, verify: bool) -> Latest:
+def source_step(layout: CheckpointLayout, verify: bool) -> Latest:
     """The committed step that downstream stages read: ``latest`` (its manifest hash checked).
 
     ``verify=True`` also checks every file against the manifest: done once per job, in ``check_inputs``.
@@ -90,3 +90,30 @@ def finish(
     if lstat_kind(final) is not None:
         move_aside(final, final.parent / ".retired", f"{final.name}.{int(time.time())}")
     publish_dir(staging, final)
+
+
+def consolidate_step(
+    step_dir: Path, out: Path, on_tensor: Callable[[str], None] | None = None, allow_pickle: bool = False
+) -> int:
+    """Stream a committed step's model weights into ``out`` with the reader its manifest's format names."""
+    from pipeline.formats.registry import get_format  # noqa: PLC0415 - readers import torch; listings do not
+
+    manifest = read_manifest(step_dir)
+    fmt = get_format(manifest.format, step_dir / "manifest.json")
+    if fmt.consolidate is None:
+        raise PipelineError(f"{step_dir}: format {fmt.name} holds no model weights to consolidate")
+    return fmt.consolidate(step_dir, out, on_tensor, allow_pickle)
+
+
+def consolidate_latest(layout: CheckpointLayout, allow_pickle: bool = False, verify: bool = True) -> dict[str, Any]:
+    """``latest``'s step as ``consolidated/step_N/model.safetensors`` (full tensors, streamed; published with
+    its done-marker naming the step's manifest hash). Skipped, saying so, when that output already verifies."""
+    latest = source_step(layout, verify=verify)
+    source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
+    final = layout.consolidated_step(latest.step)
+    if verified_output(final, CONSOLIDATED_MARKER, source):
+        return {"step": latest.step, "out": str(final), "skipped": True}
+    with staging_dir(layout.consolidated, step_name(latest.step)) as staging:
+        count = consolidate_step(layout.committed_step(latest.step), staging / CONSOLIDATED_WEIGHTS, None, allow_pickle)
+        finish(staging, final, CONSOLIDATED_MARKER, source, [CONSOLIDATED_WEIGHTS], {"tensors": count})
+    return {"step": latest.step, "tensors": count, "out": str(final)}

@@ -30,16 +30,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pipeline.checkpoint.manifest import MANIFEST
 from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER
-from pipeline.config.schema import CheckpointConfig
 from pipeline.errors import VerificationError
 from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, remove_tree, write_json_atomic
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import is_real_dir, lstat_kind, read_record_json
-from pipeline.storage.layout import RunLayout, parse_step, step_name
+from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +48,18 @@ RECORD = "retention.json"
 """``checkpoints/retention.json``: the last decision that changed something (time, policy, kept, removed)."""
 EXPORT_MARKER = "provenance.json"
 """Done-marker of ``export/step_N/`` (``pipeline.stages.export.MARKER``; a stage cannot be imported from here)."""
+
+
+class Policy(Protocol):
+    """What to keep (the app's ``CheckpointConfig`` and the library's ``CommitPolicy`` both are one)."""
+
+    @property
+    def keep_last(self) -> int | None: ...
+    @property
+    def keep_every(self) -> int | None: ...
+    @property
+    def keep_outputs_last(self) -> int | None: ...
+
 
 NO_POLICY = "no retention policy"
 NO_LATEST = "no latest"
@@ -158,7 +169,7 @@ def _apply_area(
     return decision
 
 
-def output_areas(layout: RunLayout) -> dict[str, tuple[Path, str]]:
+def output_areas(layout: CheckpointLayout) -> dict[str, tuple[Path, str]]:
     """Output kind -> (area, done-marker) that ``checkpoint.keep_outputs_last`` governs."""
     return {
         "consolidated": (layout.consolidated, CONSOLIDATED_MARKER),
@@ -166,11 +177,11 @@ def output_areas(layout: RunLayout) -> dict[str, tuple[Path, str]]:
     }
 
 
-def record_path(layout: RunLayout) -> Path:
+def record_path(layout: CheckpointLayout) -> Path:
     return layout.checkpoints / RECORD
 
 
-def _sweep_record_temps(layout: RunLayout) -> None:
+def _sweep_record_temps(layout: CheckpointLayout) -> None:
     """Temp files of a record write that a crash interrupted: never content."""
     if not is_real_dir(layout.checkpoints):
         return
@@ -179,7 +190,7 @@ def _sweep_record_temps(layout: RunLayout) -> None:
             clear_file(p)
 
 
-def read_record(layout: RunLayout) -> dict[str, Any] | None:
+def read_record(layout: CheckpointLayout) -> dict[str, Any] | None:
     """The recorded decision (for ``status``), or None if there is none or it cannot be read."""
     try:
         obj = read_record_json(record_path(layout), "retention record")
@@ -188,7 +199,7 @@ def read_record(layout: RunLayout) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def apply(layout: RunLayout, cfg: CheckpointConfig, *, latest_step: int | None) -> Decision:
+def apply(layout: CheckpointLayout, cfg: Policy, *, latest_step: int | None) -> Decision:
     """Carry out retention for ``checkpoints/`` (``keep_last``, ``keep_every``) and the output areas
     (``keep_outputs_last``); return the decision for ``checkpoints/``.
 

@@ -24,8 +24,9 @@ from pipeline.orchestration.lease import read_lease
 from pipeline.orchestration.progress import format_bytes, format_duration
 from pipeline.orchestration.records import pid_alive, resume_command, stage_alive
 from pipeline.stages import ORDER
+from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.integrity import lstat_kind, read_record_json
-from pipeline.storage.layout import RunLayout, parse_step
+from pipeline.storage.layout import CheckpointLayout, RunLayout, parse_step
 
 Status = dict[str, Any]
 
@@ -130,7 +131,7 @@ def _judge_running(layout: RunLayout, st: Status, slurm: dict[str, str]) -> None
         st["state"] = "died"
 
 
-def _committed(layout: RunLayout, latest_step: int | None) -> list[Status]:
+def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status]:
     out = []
     for name, step in _step_entries(layout.checkpoints):
         entry: Status = {"step": step, "latest": step == latest_step}
@@ -155,7 +156,7 @@ def _step_entries(area: Path) -> list[tuple[str, int]]:
     return sorted(((n, s) for n in names if (s := parse_step(n)) is not None), key=lambda e: e[1])
 
 
-def _staged(layout: RunLayout, world_size: int | None) -> list[Status]:
+def _staged(layout: CheckpointLayout, world_size: int | None) -> list[Status]:
     out = []
     for name, step in _step_entries(layout.staging):
         path = layout.staging / name
@@ -170,7 +171,7 @@ def _staged(layout: RunLayout, world_size: int | None) -> list[Status]:
     return out
 
 
-def _quarantined(layout: RunLayout) -> list[Status]:
+def _quarantined(layout: CheckpointLayout) -> list[Status]:
     try:
         names = sorted(p.name for p in layout.quarantine.iterdir()) if lstat_kind(layout.quarantine) == "dir" else []
     except OSError:
@@ -200,7 +201,7 @@ def _outputs(area: Path, marker: str) -> list[Status]:
     ]
 
 
-def _checkpoints(layout: RunLayout, world_size: int | None) -> Status:
+def _checkpoints(layout: CheckpointLayout, world_size: int | None) -> Status:
     latest: Status | None = None
     latest_error = None
     if lstat_kind(layout.latest) is not None:
@@ -406,8 +407,32 @@ def _outputs_text(items: list[Status]) -> str:
     return ", ".join(f"step {o['step']}" + ("" if o["complete"] else " (no done-marker)") for o in items) or "none"
 
 
+def collect_checkpoints(layout: CheckpointLayout) -> Status:
+    """A checkpoint dir written by the library (a ``torchrun`` script's ``Checkpointer``): no run.yaml, no stage
+    records; its checkpoints and outputs as the run view shows them."""
+    return {
+        "run_id": layout.run_id,
+        "run_dir": str(layout.run_dir),
+        "library": True,
+        "committer_running": held_elsewhere(layout.committer_lock),
+        "checkpoints": _checkpoints(layout, None),
+        "consolidated": _outputs(*output_areas(layout)["consolidated"]),
+        "exported": _outputs(*output_areas(layout)["export"]),
+        "resume": "run the training script again (Checkpointer.load_latest resumes from latest)",
+    }
+
+
 def render(status: Status) -> list[str]:
-    """The terminal view of :func:`collect`'s dict."""
+    """The terminal view of :func:`collect`'s (or :func:`collect_checkpoints`') dict."""
+    if status.get("library"):
+        lines = [
+            f"checkpoints: {status['run_dir']} (written by the library's Checkpointer)",
+            f"committer:  {'running (holds the committer lock)' if status['committer_running'] else 'not running'}",
+        ]
+        lines += _checkpoint_lines(status["checkpoints"])
+        lines.append(f"consolidated: {_outputs_text(status['consolidated'])}")
+        lines.append(f"resume:       {status['resume']}")
+        return lines
     lines = [
         f"run:        {status['run_id']}",
         f"dir:        {status['run_dir']}",

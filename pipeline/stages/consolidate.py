@@ -12,24 +12,20 @@ for tensor, to DeepSpeed's ``zero_to_fp32``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-
-from pipeline.checkpoint.manifest import read_latest, read_manifest
+from pipeline.checkpoint.manifest import read_latest
 from pipeline.checkpoint.outputs import (
     CONSOLIDATED_MARKER,
     CONSOLIDATED_WEIGHTS,
-    finish,
+    consolidate_latest,
+    consolidate_step,
     source_step,
-    staging_dir,
     verified_output,
 )
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import PipelineError, VerificationError
+from pipeline.errors import VerificationError
 from pipeline.formats.dcp_stream import consolidate_dcp
-from pipeline.formats.registry import get_format
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.storage.layout import RunLayout, step_name
+from pipeline.storage.layout import RunLayout
 
 CONTRACT = StageContract(
     name="consolidate",
@@ -62,26 +58,8 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     return None
 
 
-def consolidate_step(
-    step_dir: Path, out: Path, on_tensor: Callable[[str], None] | None = None, allow_pickle: bool = False
-) -> int:
-    """Stream a committed step's model weights into ``out`` with the reader its manifest's format names
-    (``allow_pickle``: ``import.allow_pickle`` of an import run)."""
-    manifest = read_manifest(step_dir)
-    fmt = get_format(manifest.format, step_dir / "manifest.json")
-    if fmt.consolidate is None:
-        raise PipelineError(f"{step_dir}: format {fmt.name} holds no model weights to consolidate")
-    return fmt.consolidate(step_dir, out, on_tensor, allow_pickle)
-
-
 def run(ctx: TaskContext) -> dict[str, object]:
-    layout = ctx.layout
-    latest = source_step(layout, verify=False)  # check_inputs verified its files when this job started
-    source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
-    final = layout.consolidated_step(latest.step)
-    with staging_dir(layout.consolidated, step_name(latest.step)) as staging:
-        count = consolidate_step(
-            layout.committed_step(latest.step), staging / WEIGHTS, allow_pickle=ctx.cfg.import_.allow_pickle
-        )
-        finish(staging, final, MARKER, source, [WEIGHTS], {"tensors": count})
-    return {"step": latest.step, "tensors": count, "out": str(final)}
+    # check_inputs verified the step's files when this job started; is_done said the output needs building
+    out = consolidate_latest(ctx.layout, allow_pickle=ctx.cfg.import_.allow_pickle, verify=False)
+    out.pop("skipped", None)
+    return out

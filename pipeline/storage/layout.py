@@ -31,18 +31,78 @@ def parse_step(name: str) -> int | None:
 
 
 @dataclass(frozen=True)
-class RunLayout:
-    """``outputs/<experiment>/<run_id>/`` and everything under it (see README, "Run layout")."""
+class CheckpointLayout:
+    """The checkpoint protocol's names under one directory: everything a rank, the committer and a reader need.
+
+    ``<dir>/checkpoints/{staging/step_N, step_N, latest, quarantine}``. The library (a plain ``torchrun`` script's
+    :class:`~pipeline.checkpoint.Checkpointer`) uses exactly this; the app's :class:`RunLayout` adds its own
+    entries (``run.yaml``, records, assets, outputs) around the same names, so every reader works on both.
+    """
 
     run_dir: Path
-
-    @staticmethod
-    def for_run(root: str | Path, experiment: str, run_id: str) -> RunLayout:
-        return RunLayout(Path(root).resolve() / experiment / run_id)
 
     @property
     def run_id(self) -> str:
         return self.run_dir.name
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def staging(self) -> Path:
+        return self.checkpoints / "staging"
+
+    def staged_step(self, step: int) -> Path:
+        return self.staging / step_name(step)
+
+    def committed_step(self, step: int) -> Path:
+        return self.checkpoints / step_name(step)
+
+    @property
+    def latest(self) -> Path:
+        return self.checkpoints / "latest"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.checkpoints / "quarantine"
+
+    @property
+    def committer_lock(self) -> Path:
+        """flock'ed by the one committer of these checkpoints while it runs (never deleted)."""
+        return self.checkpoints / ".committer.lock"
+
+    @property
+    def metrics(self) -> Path:
+        """Per-step metrics (JSON lines), appended by rank 0 across attempts."""
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def consolidated(self) -> Path:
+        return self.run_dir / "consolidated"
+
+    def consolidated_step(self, step: int) -> Path:
+        return self.consolidated / step_name(step)
+
+    @property
+    def export(self) -> Path:
+        return self.run_dir / "export"
+
+    def export_step(self, step: int) -> Path:
+        return self.export / step_name(step)
+
+    def checkpoint_dirs(self) -> list[Path]:
+        """What must exist before any rank saves: created once (idempotent ``mkdir``)."""
+        return [self.checkpoints, self.staging, self.quarantine]
+
+
+@dataclass(frozen=True)
+class RunLayout(CheckpointLayout):
+    """``outputs/<experiment>/<run_id>/`` and everything under it (see README, "Run layout")."""
+
+    @staticmethod
+    def for_run(root: str | Path, experiment: str, run_id: str) -> RunLayout:
+        return RunLayout(Path(root).resolve() / experiment / run_id)
 
     @property
     def run_yaml(self) -> Path:
@@ -84,50 +144,9 @@ class RunLayout:
         return self.run_dir / "logs"
 
     @property
-    def metrics(self) -> Path:
-        """Per-step metrics (JSON lines), appended by train's rank 0 across attempts."""
-        return self.run_dir / "metrics.jsonl"
-
-    @property
     def assets(self) -> Path:
         """Tokenizer and tokenized data, written once by prepare-dirs."""
         return self.run_dir / "assets"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    @property
-    def staging(self) -> Path:
-        return self.checkpoints / "staging"
-
-    def staged_step(self, step: int) -> Path:
-        return self.staging / step_name(step)
-
-    def committed_step(self, step: int) -> Path:
-        return self.checkpoints / step_name(step)
-
-    @property
-    def latest(self) -> Path:
-        return self.checkpoints / "latest"
-
-    @property
-    def quarantine(self) -> Path:
-        return self.checkpoints / "quarantine"
-
-    @property
-    def consolidated(self) -> Path:
-        return self.run_dir / "consolidated"
-
-    def consolidated_step(self, step: int) -> Path:
-        return self.consolidated / step_name(step)
-
-    @property
-    def export(self) -> Path:
-        return self.run_dir / "export"
-
-    def export_step(self, step: int) -> Path:
-        return self.export / step_name(step)
 
     def planned_dirs(self) -> list[Path]:
         """Directories prepare-dirs creates before any other job starts.

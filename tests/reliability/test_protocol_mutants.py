@@ -341,10 +341,11 @@ def mutant_verification_noop(mp: pytest.MonkeyPatch) -> None:
 
 def mutant_latest_before_publish(mp: pytest.MonkeyPatch) -> None:
     """The commit's last two steps swapped: ``latest`` is replaced, then the step directory is published."""
-    from pipeline.stages import verify_manifest  # noqa: PLC0415
+    from pipeline.checkpoint import committer  # noqa: PLC0415
+    from pipeline.storage.backend import PosixStorage  # noqa: PLC0415
 
     pending: list[tuple[Any, ...]] = []
-    real_publish, real_latest = verify_manifest.publish_dir, verify_manifest.write_latest
+    real_publish, real_latest = PosixStorage.publish, committer.write_latest
 
     def deferred_publish(*args: Any) -> None:
         pending.append(args)
@@ -354,8 +355,8 @@ def mutant_latest_before_publish(mp: pytest.MonkeyPatch) -> None:
         while pending:
             real_publish(*pending.pop(0))
 
-    mp.setattr(verify_manifest, "publish_dir", deferred_publish)
-    mp.setattr(verify_manifest, "write_latest", latest_then_publish)
+    mp.setattr(PosixStorage, "publish", deferred_publish)
+    mp.setattr(committer, "write_latest", latest_then_publish)
 
 
 def mutant_in_place_overwrite(mp: pytest.MonkeyPatch) -> None:

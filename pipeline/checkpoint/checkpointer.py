@@ -1,0 +1,321 @@
+"""``Checkpointer``: the pipeline's guarantees for any ``torchrun`` training script, with no config and no app.
+
+    ckpt = Checkpointer("runs/my-run", every_steps=100, keep_last=3)
+    start = ckpt.load_latest(into=state)            # the resume step, decided once by rank 0, same on every rank
+    for step in range(start + 1, steps + 1):
+        ...                                          # the user's own forward/backward/optimizer step
+        if ckpt.should_save(step) or ckpt.reached_preemption(step):
+            ckpt.save(step, state)                   # or save_async(step, state)
+        if ckpt.reached_preemption(step):
+            break
+    ckpt.close()
+
+``state`` maps names to ``nn.Module`` / ``Optimizer`` (under ``model`` / ``optim``: saved with torch's
+``get_state_dict``, so DDP and FSDP2 checkpoints reshard on load and consolidate like the app's), DCP
+``Stateful`` objects (an LR scheduler, a ``torchdata`` ``StatefulDataLoader``, :class:`RankRNG`), or plain state
+dicts. Every save is the app's shard-save (rank-private DCP files hashed while written, then a done-marker);
+exactly one committer verifies and publishes each step and only then moves ``latest``: by default a background
+thread of rank 0 that never blocks training (``committer="thread"``), or ``python -m pipeline.commit <dir>
+--follow`` beside the job (``committer="external"``). The layout is the app's (``<dir>/checkpoints/...``), so
+``python -m pipeline.status <dir>``, ``python -m pipeline.consolidate <dir>`` and the app's import read it.
+
+Collectives: the constructor, :meth:`save`, :meth:`save_async`, :meth:`wait`, :meth:`load_latest`,
+:meth:`should_save` (with ``every_minutes``), :meth:`reached_preemption` and :meth:`close` are called by every rank
+at the same point, on a gloo group of the checkpointer's own (timeout ``deadline_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.checkpoint import rank_save
+from pipeline.checkpoint.async_save import AsyncSaver, stuck_writers
+from pipeline.checkpoint.background import BackgroundCommitter
+from pipeline.checkpoint.committer import CommitPolicy, staged_uncommitted
+from pipeline.checkpoint.manifest import read_latest, read_manifest, verify_committed
+from pipeline.checkpoint.rank_save import RankTarget, SaveResult
+from pipeline.checkpoint.state import STEP_KEY, load_state, save_state
+from pipeline.errors import DeadlineError, PipelineError, VerificationError
+from pipeline.storage.backend import held_elsewhere
+from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.waiting import wait_until
+
+log = logging.getLogger(__name__)
+
+COMMITTERS = ("thread", "external")
+_EXTERNAL_START_S = 60.0
+"""How long a resuming rank 0 gives an external committer to appear before it counts as gone."""
+
+
+class Checkpointer:
+    """Save, commit and resume one training run's checkpoints under ``directory``."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        every_steps: int | None = None,
+        every_minutes: float | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        committer: str = "thread",
+        deadline_s: float = 600.0,
+        writer_threads: int = 1,
+        fail_on_save_error: bool = False,
+        preemption_signals: tuple[int, ...] = (signal.SIGUSR2,),
+        poll_interval_s: float = 0.5,
+    ) -> None:
+        """Every rank constructs it alike (a collective).
+
+        ``every_steps`` / ``every_minutes``: when :meth:`should_save` says yes (either may be None).
+        ``keep_last`` / ``keep_every``: retention, done by the committer (``latest``'s step always stays).
+        ``committer``: ``thread`` (rank 0 commits in the background) or ``external`` (``python -m
+        pipeline.commit <dir> --follow`` runs beside the job). ``deadline_s`` bounds every wait: markers,
+        async writers, the committer's last pass, the checkpoint group's collectives.
+        ``preemption_signals``: signals that set the preemption flag (SLURM's ``--signal=USR2@...``); installed
+        only from the main thread.
+        """
+        if committer not in COMMITTERS:
+            raise PipelineError(f"committer={committer!r}: choose one of {', '.join(COMMITTERS)}")
+        for name, value in (("every_steps", every_steps), ("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise PipelineError(f"{name}={value!r}: must be a positive integer or None")
+        if every_minutes is not None and not every_minutes > 0:
+            raise PipelineError(f"every_minutes={every_minutes!r}: must be positive or None")
+        if not dist.is_available() or not dist.is_initialized():
+            raise PipelineError(
+                "Checkpointer needs torch.distributed initialised first (dist.init_process_group; torchrun sets "
+                "the environment): every rank constructs it"
+            )
+        self.layout = CheckpointLayout(Path(directory).resolve())
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self.deadline_s = deadline_s
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # Checkpoint collectives never share the training group (NCCL or gloo): a gloo group of its own.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=deadline_s))
+        self._preempted = threading.Event()
+        self._install_signals(preemption_signals)
+        self._committer: BackgroundCommitter | None = None
+        self._external = committer == "external"
+        opened = self._open(keep_last, keep_every, poll_interval_s) if self.rank == 0 else None
+        decided = self._broadcast(opened)
+        if not isinstance(decided, tuple):
+            self._stop_committer()
+            raise PipelineError(str(decided))
+        self.attempt = decided[0]
+        self.target = RankTarget(
+            self.layout, self.rank, self.world_size, self.attempt, writer_threads, fail_on_save_error
+        )
+        self._saver: AsyncSaver | None = None
+        self._last_save = time.monotonic()
+        self._closed = False
+
+    # -- set-up (rank 0) ---------------------------------------------------------------------------------------
+
+    def _open(self, keep_last: int | None, keep_every: int | None, poll_s: float) -> tuple[str] | str:
+        """Rank 0: create the layout, decide this launch's attempt, start the committer; or why it cannot."""
+        try:
+            for d in self.layout.checkpoint_dirs():
+                d.mkdir(parents=True, exist_ok=True)
+            if not self._external:
+                policy = CommitPolicy(
+                    world_size=self.world_size,
+                    marker_deadline_s=self.deadline_s,
+                    poll_interval_s=poll_s,
+                    keep_last=keep_last,
+                    keep_every=keep_every,
+                )
+                self._committer = BackgroundCommitter(self.layout, policy)
+                self._committer.start()
+        except (PipelineError, OSError) as e:
+            return f"cannot open checkpoints in {self.layout.checkpoints}: {e}"
+        return (time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3),)
+
+    def _broadcast(self, value: Any) -> Any:
+        box = [value if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _install_signals(self, signums: tuple[int, ...]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            log.warning("received %s: saving at the next reached_preemption()", signal.Signals(signum).name)
+            self._preempted.set()
+
+        for signum in signums:
+            signal.signal(signum, handler)
+
+    # -- when to save ------------------------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Every ``every_steps`` steps, and/or when ``every_minutes`` passed since the last save (rank 0's clock
+        decides, so every rank answers alike)."""
+        due = self.every_steps is not None and step % self.every_steps == 0
+        if self.every_minutes is not None:
+            late = time.monotonic() - self._last_save >= self.every_minutes * 60
+            due = self._any_rank(late) or due
+        return due
+
+    def request_preemption(self) -> None:
+        """Set the preemption flag from code (what the signal handler does)."""
+        self._preempted.set()
+
+    def reached_preemption(self, step: int) -> bool:
+        """True on every rank, at the same step, once any rank received a preemption signal: save ``step`` and
+        stop (a requeued job resumes from it)."""
+        return self._any_rank(self._preempted.is_set())
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    # -- save --------------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any]) -> SaveResult:
+        """Save ``state`` as ``step`` (blocking); returns how this rank's save went, with every rank agreeing on
+        ``ok``. A step a rank could not save is never committed; training may go on (or, with
+        ``fail_on_save_error``, this raises)."""
+        self._check_open()
+        self.wait()
+        sd = save_state(state, step, self.rank)
+        result = rank_save.save_dcp(self.target, step, sd, self.group)
+        self._last_save = time.monotonic()
+        return self._agree(step, result)
+
+    def save_async(self, step: int, state: dict[str, Any]) -> float:
+        """Copy ``state`` into a reused staging buffer and persist it in the background (same files and marker
+        as :meth:`save`); returns the seconds training was blocked. The previous async save is settled first."""
+        self._check_open()
+        t0 = time.monotonic()
+        self.wait()
+        if self._saver is None:
+            self._saver = AsyncSaver(self.rank, self.group, self.deadline_s, self.target.writer_threads)
+        sd = save_state(state, step, self.rank)
+        self._last_save = time.monotonic()
+        return self._saver.start(step, sd, rank_save.dcp_persist(self.target, step), time.monotonic() - t0)
+
+    def wait(self) -> SaveResult | None:
+        """Settle the pending async save (at most ``deadline_s``, polling the writer's liveness); None if none."""
+        if self._saver is None or self._saver.pending_step is None:
+            return None
+        done = self._saver.wait()
+        if done is None:
+            return None
+        result = self._agree(done.step, SaveResult(done.ok, done.bytes, done.persist_s, done.error))
+        if not result.ok:
+            self._saver.discard()
+            if self.target.fail_on_error:
+                raise PipelineError(f"async save of step {done.step} failed: {result.error}")
+        return result
+
+    def _agree(self, step: int, result: SaveResult) -> SaveResult:
+        """Every rank's outcome of ``step`` (one all_gather): ok only if every rank saved."""
+        outcomes: list[Any] = [None] * self.world_size
+        dist.all_gather_object(outcomes, result, group=self.group)
+        bad = {r: o.error for r, o in enumerate(outcomes) if not o.ok}
+        if not bad:
+            return result
+        why = "; ".join(f"rank {r}: {e}" for r, e in bad.items())
+        if self.rank == 0:
+            log.error("step %d was not saved by rank(s) %s; it will not be committed: %s", step, sorted(bad), why)
+        return SaveResult(False, result.bytes, result.seconds, why)
+
+    # -- resume ------------------------------------------------------------------------------------------------
+
+    def load_latest(self, into: dict[str, Any]) -> int:
+        """Load the newest committed step into ``into`` (same keys as saved) and return it; 0 when there is
+        none. Rank 0 first lets every completely staged step be committed (a step saved before a kill is never
+        lost nor trained again), verifies the step against its manifest, and hands its choice to every rank."""
+        self._check_open()
+        decided = self._broadcast(self._resume_step() if self.rank == 0 else None)
+        if isinstance(decided, str):
+            raise VerificationError(decided)
+        step = int(decided)
+        if step == 0:
+            return 0
+        step_dir = self.layout.committed_step(step)
+        manifest = read_manifest(step_dir)  # rank 0 verified the files against it
+        recorded = load_state(into, step_dir, self.group, self.rank, same_world=manifest.world_size == self.world_size)
+        if recorded != step:
+            raise VerificationError(f"{step_dir} records step {recorded} under {STEP_KEY!r}, not {step}")
+        log.info("rank %d resumed from step %d (%s)", self.rank, step, step_dir)
+        self._last_save = time.monotonic()
+        return step
+
+    def _resume_step(self) -> int | str:
+        start = time.monotonic()
+
+        def committer_alive() -> bool:
+            if self._committer is not None:
+                return self._committer.alive()
+            return held_elsewhere(self.layout.committer_lock) or time.monotonic() - start < _EXTERNAL_START_S
+
+        try:
+            wait_until(
+                lambda: None if staged_uncommitted(self.layout, self.world_size) else True,
+                deadline_s=self.deadline_s,
+                what=lambda: (
+                    f"step(s) {staged_uncommitted(self.layout, self.world_size)} in {self.layout.staging} have every "
+                    "rank's marker but are not committed (is the committer running? python -m pipeline.commit "
+                    f"{self.layout.run_dir})"
+                ),
+                alive=committer_alive,
+                interval_s=0.2,
+            )
+            latest = read_latest(self.layout)
+            if latest is None:
+                return 0
+            verify_committed(self.layout.committed_step(latest.step), latest.step)
+        except (DeadlineError, VerificationError) as e:
+            return f"cannot resume from {self.layout.checkpoints}: {e}"
+        return latest.step
+
+    # -- end ---------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Settle a pending async save, then let the committer commit what is complete and stop; every wait is
+        bounded by ``deadline_s``. Never destroys a group a stuck writer may still use."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+            dist.barrier(group=self.group)  # every rank's last marker is written before the last pass
+        finally:
+            self._closed = True
+            self._stop_committer()
+            if not stuck_writers():
+                dist.destroy_process_group(self.group)
+
+    def _stop_committer(self) -> None:
+        if self._committer is not None:
+            self._committer.stop(self.deadline_s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineError(f"the Checkpointer of {self.layout.run_dir} is closed")
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # a failing training: no collective (other ranks may be gone); the committer still finishes
+            self._closed = True
+            if self._saver is not None:
+                self._saver.abandon(f"training failed: {getattr(exc[0], '__name__', exc[0])}")
+            self._stop_committer()

@@ -1,0 +1,158 @@
+"""One rank's save of one step: its rank-private files, then its done-marker, written last and atomically.
+
+Inputs: the rank's state (a DCP state dict, or files a strategy writes itself) and a :class:`RankTarget`
+(checkpoint dir, rank, world size, the attempt every rank of this launch shares, writer threads).
+Outputs: ``checkpoints/staging/step_N/``: this rank's files (``__K_*.distcp``; rank 0 also DCP's ``.metadata``,
+as DCP's coordinator), then ``rank_K.done.json`` listing them with sizes and xxh3-128 hashes.
+Owner: each rank owns its own files and marker; nothing shared is renamed or deleted here.
+
+Used by the library's :class:`~pipeline.checkpoint.Checkpointer` and by the app's shard-save stage alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from pipeline.checkpoint.async_save import Persist, Progress
+from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
+from pipeline.errors import VerificationError
+from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
+from pipeline.storage.atomic import clear_file
+from pipeline.storage.faults import inject
+from pipeline.storage.integrity import FileEntry, describe
+from pipeline.storage.layout import CheckpointLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankTarget:
+    """Where and as whom a rank saves."""
+
+    layout: CheckpointLayout
+    rank: int
+    world_size: int
+    attempt: str
+    """The same on every rank of one launch (decided once, by rank 0 or the launcher): markers mixing attempts
+    never make a step."""
+    writer_threads: int = 1
+    fail_on_error: bool = False
+    """Raise a failed save instead of returning ``ok=False`` (training goes on without that step)."""
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """One rank's save of one step: ``ok`` once its marker is written; the bytes of its files and the time."""
+
+    ok: bool
+    bytes: int
+    seconds: float
+    error: str = ""
+    """Why the save failed (first line of the error, its root cause for DCP's CheckpointException)."""
+
+
+def prepare(t: RankTarget, step: int) -> Path:
+    """The step's staging dir, created if needed, without this rank's marker from an older attempt."""
+    staged = t.layout.staged_step(step)
+    staged.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
+    clear_file(marker_path(staged, t.rank))  # our own stale marker from an older attempt, if any
+    return staged
+
+
+def finish(
+    t: RankTarget,
+    staged: Path,
+    step: int,
+    fmt: str,
+    entries: tuple[FileEntry, ...],
+    before_marker: Callable[[], None] = lambda: None,
+) -> None:
+    """Check the written files' sizes, then write this rank's done-marker (last, atomically): the one place a
+    marker is written. ``before_marker`` may still refuse (raise), e.g. for a writer that was given up on."""
+    for entry in entries:
+        if (staged / entry.path).stat().st_size != entry.size:
+            raise VerificationError(f"{staged / entry.path}: {entry.size} bytes hashed while writing, size differs")
+    inject("shard_save.before_marker", rank=t.rank, step=step)
+    before_marker()
+    write_marker(
+        staged,
+        Marker(step=step, rank=t.rank, world_size=t.world_size, format=fmt, attempt=t.attempt, files=entries),
+    )
+
+
+def write_dcp(
+    t: RankTarget, staged: Path, state: dict[str, Any], process_group: Any, writer: RecordingWriter | None = None
+) -> tuple[FileEntry, ...]:
+    """``dcp.save`` of ``state`` into ``staged`` (every file hashed while written and fsync'd on close): the
+    entries of this rank's files for its marker. ``writer`` replaces the default :class:`RecordingWriter`
+    (the async writer passes one that reports each file it opens)."""
+    writer = writer or RecordingWriter(staged, threads=t.writer_threads)
+    dcp.save(state, storage_writer=writer, process_group=process_group)
+    # Data files were hashed while written; rank 0 (DCP's coordinator) also owns the small .metadata.
+    return tuple(writer.written) + ((describe(staged, METADATA_FILE),) if t.rank == 0 else ())
+
+
+def save_dcp(t: RankTarget, step: int, state: dict[str, Any], process_group: Any) -> SaveResult:
+    """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written."""
+    return save_files(t, step, FORMAT, lambda staged: write_dcp(t, staged, state, process_group))
+
+
+def dcp_persist(t: RankTarget, step: int) -> Persist:
+    """What a background writer runs for ``step``: the same files and marker as :func:`save_dcp`, the marker
+    only once the files are fsync'd."""
+
+    def persist(staged_state: dict[str, Any], group: Any, progress: Progress) -> int:
+        staged = prepare(t, step)
+        entries = write_dcp(t, staged, staged_state, group, progress.writer(staged))
+        progress.written(len(entries))
+        finish(t, staged, step, FORMAT, entries, before_marker=progress.before_marker)
+        return sum(e.size for e in entries)
+
+    return persist
+
+
+def save_files(t: RankTarget, step: int, fmt: str, write: Callable[[Path], tuple[FileEntry, ...]]) -> SaveResult:
+    """Run ``write`` (this rank's files into the staged dir, returning their entries) and write the marker."""
+    staged = prepare(t, step)
+    t0 = time.monotonic()
+    try:
+        entries = write(staged)
+        finish(t, staged, step, fmt, entries)
+    except (Exception, CheckpointException) as e:  # dcp.save reports a rank's I/O error as a BaseException
+        log.error(
+            "SHARD SAVE FAILED: rank %d step %d into %s: %s — this step will not be committed%s",
+            t.rank,
+            step,
+            staged,
+            e,
+            "" if t.fail_on_error else "; training continues",
+        )
+        if t.fail_on_error:
+            raise
+        return SaveResult(ok=False, bytes=0, seconds=time.monotonic() - t0, error=first_cause(e))
+    seconds = time.monotonic() - t0
+    log.info("rank %d saved step %d (%d files) in %.2fs", t.rank, step, len(entries), seconds)
+    return SaveResult(ok=True, bytes=sum(e.size for e in entries), seconds=seconds)
+
+
+def first_cause(e: BaseException) -> str:
+    """One line: the deepest OSError in ``e``'s chain (or DCP's per-rank failures), else ``e`` itself."""
+    seen: list[BaseException] = [e]
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+    if isinstance(failures, dict):
+        seen += [f for f in failures.values() if isinstance(f, BaseException)]
+    while seen[-1].__cause__ is not None or seen[-1].__context__ is not None:
+        seen.append(seen[-1].__cause__ or seen[-1].__context__)  # type: ignore[arg-type]
+        if len(seen) > 20:
+            break
+    chosen = next((x for x in seen if isinstance(x, OSError)), e)
+    text = str(chosen).strip().splitlines()
+    return f"{type(chosen).__name__}: {text[0] if text else ''}"[:300]

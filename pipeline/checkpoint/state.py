@@ -1,0 +1,116 @@
+"""The state-dict key schema: how a training state becomes a DCP state dict and comes back.
+
+Keys (the app's train stage writes the same; :mod:`pipeline.checkpoint.portable` and consolidation read them):
+
+* ``model``: the model's state dict from torch's ``get_state_dict`` (DDP's ``module.`` prefix stripped, FSDP2's
+  DTensors kept sharded), so a step reshards on load and consolidates to full tensors (``model.<name>``);
+* ``optim``: the optimizer's, keyed by parameter name (``optim.state.<name>.exp_avg``...);
+* ``checkpointer``: ``{"step": tensor}``, the step the state was saved at (checked on load);
+* any other key: a DCP ``Stateful`` (``state_dict``/``load_state_dict``: an LR scheduler, a ``torchdata``
+  ``StatefulDataLoader``) or a plain state dict. Values that differ per rank go under :class:`RankLocal` (rank
+  ``K``'s under ``rank_K``): DCP keeps one copy of a key that every rank has.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from pipeline.errors import PipelineError
+from pipeline.formats.dcp import load_into
+
+log = logging.getLogger(__name__)
+
+MODEL, OPTIM, STEP_KEY = "model", "optim", "checkpointer"
+
+
+class RankLocal:
+    """A value that differs per rank (a data loader's position, a sampler): saved under ``rank_<K>``.
+
+    On load at another world size a rank the step did not have keeps its current state (and says so).
+    """
+
+    def __init__(self, obj: Any, rank: int) -> None:
+        self.obj, self.rank = obj, rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank_{self.rank}": self.obj.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.obj.load_state_dict(sd[f"rank_{self.rank}"])
+
+
+class _RNG:
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = torch.cuda.get_rng_state()
+        return out
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(sd["cpu"])
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["cuda"])
+
+
+def RankRNG(rank: int) -> RankLocal:  # noqa: N802 - a constructor
+    """This rank's torch generators (CPU, and the current CUDA device's), as a per-rank state value."""
+    return RankLocal(_RNG(), rank)
+
+
+def save_state(state: dict[str, Any], step: int, rank: int) -> dict[str, Any]:
+    """``state`` as the DCP state dict to save (or to load into: the same structure)."""
+    if STEP_KEY in state:
+        raise PipelineError(f"state key {STEP_KEY!r} is the checkpointer's own: rename yours")
+    out: dict[str, Any] = {}
+    model, opt = state.get(MODEL), state.get(OPTIM)
+    if isinstance(model, torch.nn.Module):
+        if isinstance(opt, torch.optim.Optimizer):
+            out[MODEL], out[OPTIM] = get_state_dict(model, opt)
+        else:
+            out[MODEL] = get_model_state_dict(model)
+    for key, value in state.items():
+        if key in out:
+            continue
+        if isinstance(value, torch.nn.Module | torch.optim.Optimizer):
+            raise PipelineError(
+                f"state[{key!r}] is a {type(value).__name__}: put the model under {MODEL!r} and its optimizer "
+                f"under {OPTIM!r} (they are saved together, by parameter name)"
+            )
+        out[key] = value.state_dict() if isinstance(value, Stateful) else value
+    out[STEP_KEY] = {"step": torch.tensor(step)}
+    return out
+
+
+def load_state(into: dict[str, Any], step_dir: Path, group: Any, rank: int, same_world: bool) -> int:
+    """Load the step at ``step_dir`` into ``into`` (through the restricted reader: nothing is unpickled beyond
+    tensors and plain containers); returns the step it records. At another world size, per-rank values of
+    ranks the step did not have are left as they are."""
+    skipped = [k for k, v in into.items() if isinstance(v, RankLocal)] if not same_world else []
+    if skipped:
+        log.warning("rank %d: %s not restored: the step was saved at another world size", rank, ", ".join(skipped))
+    wanted = {k: v for k, v in into.items() if k not in skipped}
+    target = save_state(wanted, 0, rank)
+    load_into(target, step_dir, process_group=group)
+    model, opt = wanted.get(MODEL), wanted.get(OPTIM)
+    if isinstance(model, torch.nn.Module):
+        if isinstance(opt, torch.optim.Optimizer):
+            set_state_dict(model, opt, model_state_dict=target[MODEL], optim_state_dict=target[OPTIM])
+        else:
+            set_model_state_dict(model, target[MODEL])
+    for key, value in wanted.items():
+        if key in (MODEL, OPTIM) and isinstance(model, torch.nn.Module):
+            continue  # set above, by parameter name
+        if isinstance(value, Stateful):
+            value.load_state_dict(target[key])
+    return int(target[STEP_KEY]["step"])

@@ -1,0 +1,92 @@
+"""``python -m pipeline.commit <dir> [--follow] [--world-size N] [--keep-last N] [--keep-every N]``
+
+The one committer of a checkpoint dir written by the library's ``Checkpointer(..., committer="external")`` (or
+to finish what a killed job staged): verifies each completely staged step, publishes it, then moves ``latest``.
+Without ``--follow`` it makes one pass and exits; with it, it commits each step as it completes until
+interrupted (Ctrl-C or SIGTERM: one last pass, then exit 0) or until ``--idle-exit`` seconds pass with nothing
+staged. Exit 0 on success, 1 when a step was quarantined, 2 for bad arguments or when another committer holds
+the dir (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, latest_step
+from pipeline.errors import PipelineError
+from pipeline.storage.integrity import lstat_kind
+from pipeline.storage.layout import CheckpointLayout
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline.commit", description=__doc__.splitlines()[2].strip())
+    p.add_argument("dir", help="the checkpoint dir (the Checkpointer's directory, holding checkpoints/)")
+    p.add_argument("--follow", action="store_true", help="keep committing as steps complete, until interrupted")
+    p.add_argument("--world-size", type=int, default=1, help="markers a step needs when its rank-0 marker is absent")
+    p.add_argument("--keep-last", type=int, default=None, help="retention: keep the newest N committed steps")
+    p.add_argument("--keep-every", type=int, default=None, help="retention: also keep every step divisible by N")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default: %(default)s)")
+    p.add_argument("--idle-exit", type=float, default=None, help="with --follow: exit after S seconds idle")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    layout = CheckpointLayout(Path(args.dir).resolve())
+    if lstat_kind(layout.checkpoints) != "dir":
+        print(f"error: {layout.checkpoints} is not a directory: not a checkpoint dir", file=sys.stderr)
+        return 2
+    policy = CommitPolicy(
+        world_size=args.world_size,
+        poll_interval_s=args.interval,
+        keep_last=args.keep_last,
+        keep_every=args.keep_every,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    committer = Committer(layout, policy)
+    try:
+        with committer.hold():
+            committer.recover()
+            if args.follow:
+                idle_since = [time.monotonic()]
+
+                def alive() -> bool:
+                    if committer.pending():
+                        idle_since[0] = time.monotonic()
+                    return args.idle_exit is None or time.monotonic() - idle_since[0] < args.idle_exit
+
+                committer.follow(alive=alive, stop=stop.is_set)
+            else:
+                committer.commit_ready()
+    except CommitterBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (PipelineError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    report = committer.report
+    print(f"committed: {sorted(report.committed) or 'nothing new'}; latest = step {latest_step(layout) or 'none'}")
+    for line in report.quarantined:
+        print(f"quarantined: {line}", file=sys.stderr)
+    return 1 if report.quarantined else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

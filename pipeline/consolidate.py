@@ -1,0 +1,45 @@
+"""``python -m pipeline.consolidate <dir>``: the newest committed step of a checkpoint dir as full tensors.
+
+Works on a library checkpoint dir (a ``torchrun`` script's ``Checkpointer``) and on an app run dir alike: the
+step ``latest`` names is verified against its manifest, then streamed (memory bounded by the largest tensor) into
+``<dir>/consolidated/step_N/model.safetensors`` with a done-marker naming the step's manifest hash. Skipped when
+that output already verifies. Exit 0, 1 when the step does not verify, 2 for bad arguments (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipeline.checkpoint.outputs import consolidate_latest
+from pipeline.errors import PipelineError
+from pipeline.storage.integrity import lstat_kind
+from pipeline.storage.layout import CheckpointLayout
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.consolidate", description=__doc__.splitlines()[0])
+    p.add_argument("dir", help="a checkpoint dir (holding checkpoints/) or a run dir")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    layout = CheckpointLayout(Path(args.dir).resolve())
+    if lstat_kind(layout.checkpoints) != "dir":
+        print(f"error: {layout.checkpoints} is not a directory: not a checkpoint dir", file=sys.stderr)
+        return 2
+    try:
+        out = consolidate_latest(layout)
+    except (PipelineError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    if out.get("skipped"):
+        print(f"step {out['step']}: {out['out']} already verifies")
+    else:
+        print(f"step {out['step']}: {out['tensors']} tensors -> {out['out']}/model.safetensors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
