@@ -70,7 +70,7 @@ def test_layers_only_import_downwards() -> None:
         module = _module_name(path)
         own = _layer(module)
         assert own is not None, f"{module} belongs to no layer: add it to LAYERS in tests/test_structure.py"
-        for imported in _imports(path, runtime_only=True):
+        for imported in _imports(path):  # TYPE_CHECKING imports count: they are dependencies too
             other = _layer(imported)
             assert other is None or other <= own, f"{module} (layer {own}) imports {imported} (layer {other})"
 
@@ -113,3 +113,77 @@ def test_every_stage_declares_a_contract() -> None:
         contract = module.CONTRACT
         assert contract.name == name and contract.produces and contract.marker and module.__doc__
         assert all(n in ORDER for n in contract.needs)
+
+
+LIBRARY = ("pipeline.checkpoint", "pipeline.storage", "pipeline.formats", "pipeline.errors")
+"""The checkpoint library: what a torchrun script imports. It knows nothing of the app."""
+APP_OR_FRAMEWORK = (
+    "pipeline.config",
+    "pipeline.orchestration",
+    "pipeline.stages",
+    "pipeline.workload",
+    "pipeline.strategies",
+    "pipeline.cli",
+    "launchers",
+    "hydra",
+    "omegaconf",
+    "submitit",
+)
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every import of a module: top level, ``TYPE_CHECKING`` blocks and inside functions alike."""
+    return _imports(path, runtime_only=False)
+
+
+def test_library_imports_nothing_from_the_app_hydra_or_submitit() -> None:
+    files = [p for p in (ROOT / "pipeline").rglob("*.py") if _module_name(p).startswith(LIBRARY)]
+    assert len(files) > 20, "the library's modules were not found"
+    for path in files:
+        bad = sorted(
+            m for m in _all_imports(path) if any(m == a or m.startswith(a + ".") for a in APP_OR_FRAMEWORK)
+        )
+        assert not bad, f"{_module_name(path)} (library) imports {bad}"
+
+
+def test_library_runtime_loads_no_app_module() -> None:
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = (
+        "import sys\n"
+        "from pipeline.checkpoint import Checkpointer, Committer, RankRNG\n"
+        "import pipeline.commit, pipeline.consolidate\n"
+        f"bad = sorted(m for m in sys.modules if m.startswith({APP_OR_FRAMEWORK!r}))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def _import_graph() -> dict[str, set[str]]:
+    files = list((ROOT / "pipeline").rglob("*.py")) + list((ROOT / "launchers").rglob("*.py"))
+    modules = {_module_name(p): p for p in files}
+    return {m: {d for d in _all_imports(p) if d in modules and d != m} for m, p in modules.items()}
+
+
+def test_no_import_cycles_including_type_checking_and_function_imports() -> None:
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(mod: str) -> None:
+        state[mod] = 1
+        path.append(mod)
+        for dep in sorted(graph[mod]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep) :] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod)

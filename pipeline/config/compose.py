@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
@@ -13,12 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from pipeline.config.docs import all_keys, cli_key, did_you_mean
+from pipeline.config.location import conf_dir
 from pipeline.config.schema import PipelineConfig, register_configs, schema_key
 from pipeline.errors import ConfigError, PipelineError
-
-
-def conf_dir() -> Path:
-    return Path(os.environ.get("PIPELINE_CONF_DIR", Path(__file__).resolve().parents[2] / "conf"))
 
 
 def experiments() -> list[str]:

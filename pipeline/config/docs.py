@@ -7,8 +7,8 @@ union of the dataclasses registered in the ConfigStore group of the same name, e
 them marked with the launchers it belongs to.
 
 Groups and options are the YAML files under ``conf/<group>/``; experiments are ``conf/experiment/*.yaml``.
-``pipeline.config.compose`` imports this module for its error hints, so this module imports ``compose`` only
-inside functions.
+``pipeline.config.compose`` imports this module for its error hints; both find ``conf/`` through
+:mod:`pipeline.config.location`, so neither imports the other back.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from pipeline.config import schema
+from pipeline.config.location import conf_dir
 
 PROG = "python -m pipeline"
 WIDTH = 110  # help lines are wrapped to this many characters
@@ -192,7 +193,6 @@ def section_docs() -> dict[str, str]:
 
 
 def _conf_dir() -> Path:
-    from pipeline.config.compose import conf_dir  # here, not at the top: compose imports this module
 
     return Path(conf_dir())
 

@@ -1,0 +1,168 @@
+"""The examples a user copies (``examples/*.py``), launched with ``torchrun`` as a user would, on 2 CPU ranks.
+
+Each is run once uninterrupted (the reference) and once with a rank SIGKILLed mid-run (rank 1 of the DDP
+example, rank 0 — which hosts the committer thread — of the FSDP2 one), then relaunched: ``latest`` only ever
+names a step that verifies (a watcher checks every value it takes), the relaunch resumes from it with
+bit-identical losses, and ``python -m pipeline.status`` / ``pipeline.consolidate`` read the checkpoints, whose
+consolidated weights equal the reference run's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from pipeline.checkpoint.manifest import read_latest, verify_committed
+from pipeline.errors import VerificationError
+from pipeline.storage.layout import CheckpointLayout
+from tests.conftest import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+STEPS, EVERY = 24, 4
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def _cmd(example: str, out: Path, *extra: str) -> list[str]:
+    return [
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        f"examples/{example}",
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--every",
+        str(EVERY),
+        *extra,
+    ]
+
+
+def _losses(text: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M)}
+
+
+def _run(example: str, out: Path, *extra: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(_cmd(example, out, *extra), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+class LatestWatcher(threading.Thread):
+    """Reads ``latest`` over and over; every step it names must verify against its manifest at that moment."""
+
+    def __init__(self, layout: CheckpointLayout) -> None:
+        super().__init__(daemon=True)
+        self.layout, self.seen, self.bad = layout, set[int](), list[str]()
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                latest = read_latest(self.layout)
+                if latest is not None and latest.step not in self.seen:
+                    verify_committed(self.layout.committed_step(latest.step), latest.step)
+                    self.seen.add(latest.step)
+            except FileNotFoundError:
+                pass  # a step retention removed after latest moved on (keep_last=3): not what latest names now
+            except VerificationError as e:
+                if read_latest(self.layout) == latest:  # still named: a real violation, not a race with a commit
+                    self.bad.append(str(e))
+            time.sleep(0.01)
+
+
+def _rank_pid(torchrun: psutil.Process, rank: int) -> int:
+    for child in torchrun.children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank):
+                return child.pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no rank {rank} under torchrun {torchrun.pid}")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[int, str], Path]]:
+    """Each example run once, uninterrupted: its losses and its directory."""
+    out = {}
+    for example in ("ddp_train.py", "fsdp2_train.py"):
+        d = tmp_path_factory.mktemp(example.split("_")[0])
+        out[example] = (_losses(_run(example, d)), d)
+    return out
+
+
+@pytest.mark.parametrize(("example", "victim"), [("ddp_train.py", 1), ("fsdp2_train.py", 0)])
+def test_example_killed_mid_run_resumes_bit_identically(
+    example: str, victim: int, references: dict[str, tuple[dict[int, str], Path]], tmp_path: Path
+) -> None:
+    ref_losses, ref_dir = references[example]
+    assert sorted(ref_losses) == list(range(1, STEPS + 1))
+    out = tmp_path / "run"
+    layout = CheckpointLayout(out)
+    watcher = LatestWatcher(layout)
+    watcher.start()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        _cmd(example, out, "--sleep", "0.15"), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while (latest := _safe_latest(layout)) < 2 * EVERY:
+            assert proc.poll() is None and time.monotonic() < deadline, "the example ended before the kill"
+            time.sleep(0.05)
+        os.kill(_rank_pid(psutil.Process(proc.pid), victim), signal.SIGKILL)
+        first_out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, "torchrun should report the killed rank"
+    killed_at = _safe_latest(layout)
+    assert killed_at >= latest and killed_at < STEPS
+    verify_committed(layout.committed_step(killed_at), killed_at)
+
+    second = _run(example, out)
+    watcher.halt.set()
+    watcher.join(5)
+    assert not watcher.bad, watcher.bad
+    resumed = _losses(second)
+    start = min(resumed) - 1
+    assert start >= killed_at, f"resumed from {start}, but step {killed_at} was committed"
+    assert resumed == {s: ref_losses[s] for s in range(start + 1, STEPS + 1)}, "losses differ after the resume"
+    assert {k: v for k, v in _losses(first_out.decode()).items() if k <= start} == {
+        s: ref_losses[s] for s in range(1, start + 1)
+    }
+    assert read_latest(layout).step == STEPS  # type: ignore[union-attr]
+
+    status = subprocess.run(
+        [sys.executable, "-m", "pipeline.status", str(out)], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert status.returncode == 0 and f"latest: step {STEPS}" in status.stdout, status.stdout + status.stderr
+    for d in (out, ref_dir):
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeline.consolidate", str(d)], cwd=ROOT, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+    mine = load_file(layout.consolidated_step(STEPS) / "model.safetensors")
+    theirs = load_file(CheckpointLayout(ref_dir).consolidated_step(STEPS) / "model.safetensors")
+    assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
+
+
+def _safe_latest(layout: CheckpointLayout) -> int:
+    try:
+        latest = read_latest(layout)
+    except (VerificationError, OSError):
+        return 0
+    return latest.step if latest else 0
