@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from launchers.resources import sbatch_lines
 from pipeline.config.compose import conf_dir, load_config, to_typed, to_yaml
 from pipeline.config.docs import hydra_template, render_help
+from pipeline.config.identity import kept_global_batch
 from pipeline.config.overrides import check_hydra_overrides, find_run, merge, parse, value_of
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, register_configs, schema_key
 from pipeline.errors import ConfigError, PipelineError
@@ -43,6 +44,8 @@ class Prepared:
     overrides: list[str]
     cfg: PipelineConfig
     plan: Plan
+    notes: tuple[str, ...] = ()
+    """Lines to show before the launch runs (what the launch decided for the user)."""
 
 
 def prepare(overrides: list[str], *, fix_new_id: bool = True) -> Prepared:
@@ -58,10 +61,21 @@ def prepare(overrides: list[str], *, fix_new_id: bool = True) -> Prepared:
             raise ConfigError(f"stage={value_of(parsed, 'stage')} reruns one stage of an existing run: add run.id=<id>")
         effective.append(f"run.id={new_run_id()}")
     cfg = load_config(effective)
+    notes: list[str] = []
+    if ref.record is not None and ref.run_dir is not None and not cfg.run.overwrite:
+        kept = kept_global_batch(cfg, ref.record.config)
+        if kept is not None:  # recorded with the run from now on: every later launch keeps it too
+            effective.append(f"train.global_batch_size={kept}")
+            cfg = load_config(effective)
+            notes.append(
+                f"run {ref.run_dir.name} keeps its global batch of {kept} samples per step: "
+                f"{kept // cfg.strategy.world_size} per rank on strategy.world_size={cfg.strategy.world_size} "
+                f"(train.global_batch_size={kept})"
+            )
     layout = RunLayout.for_run(cfg.run.root, cfg.experiment, cfg.run.id or new_run_id())
     _check_writable(layout.run_dir)
     check_identity(cfg, layout)
-    return Prepared(effective, cfg, make_plan(cfg, layout))
+    return Prepared(effective, cfg, make_plan(cfg, layout), tuple(notes))
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -189,6 +203,8 @@ def main(argv: list[str]) -> int:
         if prepared.cfg.status:
             print("\n".join(status_lines(prepared.plan)))
             return 0
+        for note in prepared.notes:
+            print(note)
         if prepared.cfg.dry_run:
             _print_plan(prepared)
             return 0

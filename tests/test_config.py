@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
+from pipeline.cli import prepare
 from pipeline.config.compose import conf_dir, experiments, load_config
-from pipeline.config.schema import ExportConfig, PipelineConfig, parse_size
+from pipeline.config.identity import write_run_record
+from pipeline.config.schema import ExportConfig, PipelineConfig, parse_size, rank_batch_size
 from pipeline.errors import ConfigError
+from pipeline.storage.layout import RunLayout
 from pipeline.workload.data import SampleStream
 from tests.conftest import RunFactory, run_cli
 
@@ -28,6 +33,34 @@ def test_export_shards_at_a_real_run_size_unless_the_experiment_says_otherwise()
     assert parse_size(ExportConfig().max_shard_size) == 5 * 10**9
     assert parse_size(OmegaConf.load(conf_dir() / "export" / "hf.yaml").max_shard_size) == 5 * 10**9
     assert load_config(["+experiment=tiny"]).export.max_shard_size == "200KB"
+
+
+def _recorded_run(root: Path, *overrides: str) -> RunLayout:
+    """A run dir with only the ``run.yaml`` its creating launch (``+experiment=tiny *overrides``) wrote."""
+    given = ["+experiment=tiny", *overrides]
+    cfg = load_config([*given, f"run.root={root}", "run.id=r"])
+    layout = RunLayout.for_run(root, "tiny", "r")
+    layout.run_dir.mkdir(parents=True)
+    write_run_record(layout, cfg, given)
+    return layout
+
+
+def test_continuing_at_another_world_size_keeps_the_global_batch(tmp_path: Path) -> None:
+    """A run whose global batch was derived (4 per rank x 2 ranks = 8) keeps 8 samples per step at 4 ranks, says
+    so in one line, and records it; a world size that cannot split it is refused naming the key."""
+    _recorded_run(tmp_path)
+    p = prepare([f"run.root={tmp_path}", "run.id=r", "strategy.world_size=4"])
+    assert p.cfg.train.global_batch_size == 8 and rank_batch_size(p.cfg.train, 4) == 2
+    assert "train.global_batch_size=8" in p.overrides, "replayed by every later launch of the run"
+    assert p.notes == (
+        "run r keeps its global batch of 8 samples per step: 2 per rank on strategy.world_size=4 "
+        "(train.global_batch_size=8)",
+    )
+    assert prepare([f"run.root={tmp_path}", "run.id=r"]).notes == (), "same world size: nothing to keep"
+    with pytest.raises(ConfigError, match=r"^the run trains on a global batch of 8 .*strategy.world_size=3 does not"):
+        prepare([f"run.root={tmp_path}", "run.id=r", "strategy.world_size=3"])
+    with pytest.raises(ConfigError, match="train.global_batch_size: the run was created with 8, this launch gives 16"):
+        prepare([f"run.root={tmp_path}", "run.id=r", "strategy.world_size=4", "train.global_batch_size=16"])
 
 
 def test_missing_experiment_says_what_to_do() -> None:

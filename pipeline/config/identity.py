@@ -8,7 +8,10 @@ launch changes a recorded, non-identity value (``train.steps=16`` extends a run)
   has to be repeated. Per-launch keys (``stage``, ``force``, ``run.*``, ``train.stop_after_step``...) are left out.
 
 Which fields are identity, recorded-but-mutable, or per-launch is marked on the dataclass fields themselves
-(:data:`pipeline.config.schema.MUTABLE`, :data:`~pipeline.config.schema.PER_LAUNCH`).
+(:data:`pipeline.config.schema.MUTABLE`, :data:`~pipeline.config.schema.PER_LAUNCH`). The global batch is
+identity as the number of samples per step, however it was given: ``train.global_batch_size``, or when that is
+null ``train.micro_batch_size`` x ``strategy.world_size``. So a continuation at another world size keeps it
+(:func:`kept_global_batch`): ``strategy.*`` may change, the optimisation may not.
 """
 
 from __future__ import annotations
@@ -76,8 +79,45 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+GLOBAL_BATCH = "train.global_batch_size"
+
+
+def global_batch(cfg_dict: dict[str, Any]) -> int | None:
+    """Samples per optimizer step over all ranks: ``train.global_batch_size``, or when that is null (each rank
+    takes ``train.micro_batch_size``) the micro batch times ``strategy.world_size``; None if neither is known."""
+    train, strategy = cfg_dict.get("train") or {}, cfg_dict.get("strategy") or {}
+    given = train.get("global_batch_size")
+    if given is not None:
+        return int(given)
+    micro, world = train.get("micro_batch_size"), strategy.get("world_size")
+    return micro * world if isinstance(micro, int) and isinstance(world, int) else None
+
+
 def identity(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in _flatten(cfg_dict).items() if is_identity(k)}
+    out = {k: v for k, v in _flatten(cfg_dict).items() if is_identity(k)}
+    if GLOBAL_BATCH in out:
+        out[GLOBAL_BATCH] = global_batch(cfg_dict)  # null and micro x world size: the same run
+    return out
+
+
+def kept_global_batch(cfg: PipelineConfig, recorded: dict[str, Any]) -> int | None:
+    """The ``train.global_batch_size`` a continuation must be given to keep the run's global batch, or None when
+    it keeps it already. That is the case to catch: the run's global batch was derived (``train.global_batch_size``
+    null: micro batch x world size) and this launch changes ``strategy.world_size``, which would silently change
+    the batch, the loss curve and the meaning of ``train.lr``. Refused when the new world size cannot split it."""
+    if cfg.train.global_batch_size is not None:
+        return None  # given: the identity check compares it
+    old, world = global_batch(recorded), cfg.strategy.world_size
+    if old is None or old == cfg.train.micro_batch_size * world:
+        return None
+    if old % world:
+        old_world = (recorded.get("strategy") or {}).get("world_size")
+        raise ConfigError(
+            f"the run trains on a global batch of {old} samples per step (train.global_batch_size, derived from "
+            f"train.micro_batch_size x strategy.world_size={old_world}), which strategy.world_size={world} does not "
+            f"split evenly: choose a world size that divides {old}, or start a new run"
+        )
+    return old
 
 
 def differences(cfg: PipelineConfig, recorded: dict[str, Any]) -> list[str]:

@@ -291,8 +291,9 @@ class TrainConfig:
     micro_batch_size: int = 4
     """Samples per rank per step (when ``global_batch_size`` is null)."""
     global_batch_size: int | None = None
-    """Samples per step over all ranks; each rank takes ``global_batch_size / strategy.world_size``. Set it to keep
-    the training arithmetic (batches, loss curve) the same when a run continues at another world size."""
+    """Samples per step over all ranks; each rank takes ``global_batch_size / strategy.world_size``. Null: the
+    micro batch x the world size the run was created at; a continuation at another world size keeps that number
+    (it sets this key to it), so the training arithmetic (batches, loss curve) does not change with the ranks."""
     lr: float = 3e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 2
