@@ -1,6 +1,11 @@
-"""Error hierarchy. Every message says what failed, where, and how to fix it."""
+"""Error hierarchy. Every message says what failed, where, and how to fix it (:func:`plural` words its counts)."""
 
 from __future__ import annotations
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 rank``, ``2 ranks``, ``0 files`` (``nouns`` for an irregular plural): no message says "1 ranks"."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
 
 
 class PipelineError(Exception):

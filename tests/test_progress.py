@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pipeline.checkpoint.manifest import Manifest, write_manifest
+from pipeline.errors import plural
 from pipeline.orchestration.progress import (
     StageProgress,
     commit_lines,
@@ -127,8 +128,8 @@ class Train:
     def event(self, event: str, **fields: Any) -> None:
         self.writer.append({"event": event, "attempt": self.attempt, **fields})
 
-    def start(self, total: int, resume: int = 0) -> None:
-        self.event("start", resume_from=resume, total=total, world_size=2, time=self.t0)
+    def start(self, total: int, resume: int = 0, world_size: int = 2) -> None:
+        self.event("start", resume_from=resume, total=total, world_size=world_size, time=self.t0)
 
     def steps(self, first: int, last: int, loss: float = 3.2141) -> None:
         for k in range(first, last + 1):
@@ -241,6 +242,18 @@ def test_close_shows_where_an_interrupted_attempt_stopped(tmp_path: Path) -> Non
     progress.close()
     progress.poll()
     assert lines[-1].startswith("train: step 3/8"), "nothing after close"
+
+
+def test_counts_agree_with_their_noun(tmp_path: Path) -> None:
+    """A single-rank train is "on 1 rank", not "on 1 ranks" (and every count line uses the same rule)."""
+    layout = RunLayout(tmp_path)
+    lines: list[str] = []
+    progress = _progress(layout, lines, Clock())
+    Train(layout, "a1").start(total=4, world_size=1)
+    progress.poll()
+    assert lines == ["train: steps 1..4 on 1 rank"]
+    assert [plural(n, "rank") for n in (0, 1, 2)] == ["0 ranks", "1 rank", "2 ranks"]
+    assert plural(1, "child", "children") == "1 child" and plural(3, "child", "children") == "3 children"
 
 
 def test_stages_without_metrics_show_nothing(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import CheckpointFormatError, PipelineError
+from pipeline.errors import CheckpointFormatError, PipelineError, plural
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.formats.torch_zip import LazyTensor, TorchArchive, load_archive, open_archive
 from pipeline.storage.atomic import is_temp_name
@@ -344,8 +344,8 @@ class ZeroCheckpoint:
         if missing:
             raise CheckpointFormatError(
                 f"{self.step_dir}: the optimizer-state file of rank {missing[0]} ({optim_file(missing[0], self.bf16)})"
-                f" is missing ({len(optim)} of {world} ranks present, partition_count {world}); the save did not"
-                " finish on every rank: restore the step from an intact copy or use an earlier step"
+                f" is missing ({len(optim)} of {plural(world, 'rank')} present, partition_count {world}); the save"
+                " did not finish on every rank: restore the step from an intact copy or use an earlier step"
             )
         self._optim_files = [optim[r] for r in range(world)]
         if self.stage <= 2:

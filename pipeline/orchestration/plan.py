@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, rank_batch_size
-from pipeline.errors import ConfigError, RunNotFoundError
+from pipeline.errors import ConfigError, RunNotFoundError, plural
 from pipeline.orchestration.contract import Resources, StageContract
 from pipeline.stages import INSIDE, ORDER, get_stage
 from pipeline.storage.layout import RunLayout
@@ -60,7 +60,7 @@ class PlannedStage:
         gpus += f" nodes={r.nodes}" if r.nodes > 1 else ""
         deps = self.dependencies()
         return (
-            f"run  {self.name} ({self.tasks} task{'s' if self.tasks != 1 else ''}; cpus/task={r.cpus_per_task} "
+            f"run  {self.name} ({plural(self.tasks, 'task')}; cpus/task={r.cpus_per_task} "
             f"mem/task={r.mem_gb:g}GB time={r.timeout_min}min{gpus}; after {deps})"
         )
 
@@ -178,7 +178,7 @@ def check_machine(plan: Plan) -> None:
     if kind != "slurm" and any(s.resources.nodes > 1 for s in to_run):
         raise ConfigError("launcher.stages.train.nodes > 1 needs launcher=slurm: a local launch is one machine")
     if kind == "inprocess":
-        multi = [f"{s.name} ({s.tasks} task(s) in a process group)" for s in to_run if s.contract.distributed]
+        multi = [f"{s.name} ({plural(s.tasks, 'task')} in a process group)" for s in to_run if s.contract.distributed]
         if multi:
             raise ConfigError(
                 f"launcher=inprocess runs single-task stages in this process and cannot run {', '.join(multi)}: "

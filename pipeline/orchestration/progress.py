@@ -22,7 +22,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from pipeline.checkpoint.manifest import read_manifest
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, plural
 from pipeline.storage.layout import RunLayout
 from pipeline.storage.metrics import MetricsTail
 
@@ -78,7 +78,7 @@ def commit_lines(layout: RunLayout, summary: dict[str, Any]) -> list[str]:
             lines.append(f"verify_manifest: committed step {step}")
             continue
         size = format_bytes(sum(f.size for f in manifest.files))
-        lines.append(f"verify_manifest: committed step {step} ({len(manifest.files)} files, {size})")
+        lines.append(f"verify_manifest: committed step {step} ({plural(len(manifest.files), 'file')}, {size})")
     return lines
 
 
@@ -153,8 +153,9 @@ class StageProgress:
             self._total, self._resume = int(event["total"]), int(event["resume_from"])
             self._window.clear()
             resumed = f" (resumed from step {self._resume})" if self._resume else ""
-            ranks = event.get("world_size", "?")
-            self._line(f"{self.stage}: steps {self._resume + 1}..{self._total}{resumed} on {ranks} ranks")
+            world = event.get("world_size")
+            ranks = plural(world, "rank") if isinstance(world, int) else "? ranks"
+            self._line(f"{self.stage}: steps {self._resume + 1}..{self._total}{resumed} on {ranks}")
             if self.tty:
                 self._open_bar()
         elif kind == "checkpoint":

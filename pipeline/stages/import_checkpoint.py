@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, read_latest, step_markers, write_marker
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError
+from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError, plural
 from pipeline.formats.registry import TORCH_SAVE, get_format
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.storage.atomic import clear_file, copy_file_atomic
@@ -176,7 +176,8 @@ def run(ctx: TaskContext) -> dict[str, object]:
         rank = 0 if owner is None else owner
         if rank not in by_rank:
             raise CheckpointFormatError(
-                f"{source.root / src_rel} belongs to rank {rank}, but the checkpoint has {source.world_size} ranks"
+                f"{source.root / src_rel} belongs to rank {rank}, "
+                f"but the checkpoint has {plural(source.world_size, 'rank')}"
             )
         dst = safe_join(staged, name)
         dst.parent.mkdir(parents=True, exist_ok=True)
