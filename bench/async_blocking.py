@@ -4,10 +4,11 @@
 One process (a world-size-1 gloo group), a state of ``--size-mb`` (fp32 tensors of 8 MiB, on ``--device``: with
 ``cuda`` the async staging buffer is pinned). Per round and mode, training is "blocked" for:
 
-* ``sync``: ``pipeline.stages.shard_save.save`` (DCP write with fsync + hashes + done-marker), all of it;
+* ``sync``: ``pipeline.checkpoint.rank_save.save_dcp`` (the library's and shard-save's save: DCP write with
+  fsync + hashes + done-marker), all of it;
 * ``async``: settling the previous save (``AsyncSaver.wait``) plus staging the state into the reused buffer
-  (``shard_save.save_async``); the writer then runs while "training" (a sleep of ``--gap-s``, default twice the
-  sync save time of the warm-up) goes on;
+  (``AsyncSaver.start`` with ``rank_save.dcp_persist``); the writer then runs while "training" (a sleep of
+  ``--gap-s``, default twice the sync save time of the warm-up) goes on;
 * ``torch_async``: waiting for the previous ``dcp.async_save`` future plus the ``dcp.async_save`` call itself
   (default stager, a ``FileSystemWriter`` and a gloo group of its own), with the same gap.
 
@@ -42,11 +43,9 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, when run as bench/<name>.py
 
+from pipeline.checkpoint import rank_save  # noqa: E402
 from pipeline.checkpoint.async_save import AsyncSaver  # noqa: E402
-from pipeline.config.compose import load_config  # noqa: E402
-from pipeline.orchestration.contract import TaskContext  # noqa: E402
-from pipeline.stages import shard_save  # noqa: E402
-from pipeline.storage.layout import RunLayout  # noqa: E402
+from pipeline.storage.layout import CheckpointLayout  # noqa: E402
 
 MiB = 1 << 20
 MODES = ("sync", "async", "torch_async")
@@ -68,26 +67,28 @@ def _state(size_mb: int, device: str) -> dict[str, Any]:
 
 class _Bench:
     def __init__(self, root: Path, size_mb: int, device: str) -> None:
-        cfg = load_config(["+experiment=tiny", f"run.root={root / 'out'}", "run.id=bench"])
-        self.ctx = TaskContext(cfg=cfg, layout=RunLayout.for_run(cfg.run.root, cfg.experiment, "bench"), attempt="b")
+        threads = rank_save.auto_writer_threads(1)
+        self.target = rank_save.RankTarget(
+            CheckpointLayout(root / "out"), rank=0, world_size=1, attempt="b", writer_threads=threads
+        )
         self.root = root
         self.state = _state(size_mb, device)
         self.pg = dist.new_group(backend="gloo")
         self.torch_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
-        self.saver = AsyncSaver(0, self.pg, deadline_s=600, threads=cfg.checkpoint.writer_threads_for(1))
+        self.saver = AsyncSaver(0, self.pg, deadline_s=600, threads=threads)
         self.torch_future: Any = None
         self.step = 0
 
     def _next_step(self) -> int:
         self.step += 1
-        for old in self.ctx.layout.staging.glob("step_*"):  # one checkpoint on disk at a time (plus the pending)
+        for old in self.target.layout.staging.glob("step_*"):  # one checkpoint on disk at a time (plus the pending)
             if old.name not in (f"step_{self.step - 1}", f"step_{self.step}"):
                 shutil.rmtree(old, ignore_errors=True)
         return self.step
 
     def sync(self) -> tuple[float, float]:
         t0 = time.perf_counter()
-        result = shard_save.save(self.ctx, self._next_step(), self.state, self.pg)
+        result = rank_save.save_dcp(self.target, self._next_step(), self.state, self.pg)
         if not result.ok:
             raise RuntimeError(f"sync save failed: {result.error}")
         took = time.perf_counter() - t0
@@ -98,7 +99,8 @@ class _Bench:
         previous = self.saver.wait()
         if previous is not None and not previous.ok:
             raise RuntimeError(f"async save failed: {previous.error}")
-        shard_save.save_async(self.ctx, self.saver, self._next_step(), self.state, waited_s=0.0)
+        step = self._next_step()
+        self.saver.start(step, self.state, rank_save.dcp_persist(self.target, step), waited_s=0.0)
         blocked = time.perf_counter() - t0
         return blocked, -1.0  # its persist time is known once settled (see settle_async)
 

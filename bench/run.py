@@ -752,6 +752,8 @@ OPTIONAL = {
     "scale": ("scale_commit", lambda a: ([64, 512] if a.quick else [64, 512, 2048],)),
     # run(rounds): each stage rerun alone as a local job, its time beyond its own work
     "stage_overhead": ("stage_overhead", lambda a: (a.rounds,)),
+    # run(size_mb, rounds): the library's Checkpointer from a plain loop vs dcp.save / dcp.async_save
+    "library_save": ("library_save", lambda a: (32 if a.quick else 128, a.rounds)),
 }
 MARK = "BENCH_RESULT_JSON "
 
@@ -946,6 +948,7 @@ def markdown(results: dict[str, Any]) -> str:
         "async_blocking": "Async save blocking",
         "scale": "Scale",
         "stage_overhead": "Per-stage local overhead",
+        "library_save": "Library save from a plain loop",
     }
     for i, (key, title) in enumerate(titles.items(), start=4):
         if (v := results.get(key)) is None:

@@ -8,7 +8,8 @@ entries, as ``pipeline/stages/train.py:_state``), then times the same state, in 
 * ``dcp sync``: ``dcp.save(state, storage_writer=FileSystemWriter(dir, sync_files=True))`` into a fresh dir: the
   peer, and the denominator of every ratio;
 * ``dcp nosync``: the same with ``sync_files=False`` (no durability; a lower bound);
-* ``shard_save``: ``pipeline.stages.shard_save.save(ctx, step, state, pg)`` into a fresh step of a run layout:
+* ``shard_save``: ``pipeline.checkpoint.rank_save.save_dcp(target, step, state, pg)`` (what shard-save and the
+  library run) into a fresh step of a checkpoint dir:
   DCP write with fsync (``RecordingWriter``) + xxh3-128 of the rank's own files + atomic done-marker;
 * ``hash own``: ``pipeline.integrity.hash_file`` over the files the rank's marker lists, right after
   ``shard_save`` (so the page cache is as warm as inside it), checked against the marker's hashes;
@@ -150,24 +151,15 @@ class Bench:
     """One rank's side of the measurement; rank 0 also cleans up and records the results."""
 
     def __init__(self, rank: int, scratch: Path, opts: dict[str, Any], pg: Any, state: dict[str, Any]) -> None:
-        from pipeline.config.compose import load_config
-        from pipeline.orchestration.contract import TaskContext
-        from pipeline.storage.layout import RunLayout
+        from pipeline.checkpoint.rank_save import RankTarget, auto_writer_threads
+        from pipeline.storage.layout import CheckpointLayout
 
         self.rank, self.scratch, self.opts, self.pg, self.state = rank, scratch, opts, pg, state
-        cfg = load_config(
-            [
-                "+experiment=tiny",
-                f"run.root={scratch / 'runs'}",
-                "run.id=save-overhead",
-                "checkpoint.fail_on_save_error=true",  # a failed save raises here instead of returning False
-            ]
-        )
-        assert cfg.run.id is not None
-        layout = RunLayout.for_run(cfg.run.root, cfg.experiment, cfg.run.id)
+        layout = CheckpointLayout(scratch / "runs" / "save-overhead")
         if rank == 0:
             layout.staging.mkdir(parents=True, exist_ok=True)
-        self.ctx = TaskContext(cfg=cfg, layout=layout, attempt="bench", rank=rank, world_size=WORLD)
+        # fail_on_error: a failed save raises here instead of returning ok=False
+        self.target = RankTarget(layout, rank, WORLD, "bench", auto_writer_threads(WORLD), fail_on_error=True)
         self.runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
         self.last = ""  # the save method timed just before (its output is what _prepare deleted)
         self.step = 0  # a fresh step number for every shard_save (4, 8, 12, ... as with checkpoint.every=4)
@@ -182,7 +174,7 @@ class Bench:
         dist.barrier()
         if self.rank == 0:
             stale = [self.scratch / SYNC.replace(" ", "_"), self.scratch / NOSYNC.replace(" ", "_")]
-            stale += [p for p in self.ctx.layout.staging.iterdir()]
+            stale += [p for p in self.target.layout.staging.iterdir()]
             for p in stale:
                 shutil.rmtree(p, ignore_errors=True)
             os.sync()
@@ -234,18 +226,18 @@ class Bench:
     def pipeline_then_hash(self, rnd: int) -> None:
         import torch.distributed as dist
 
+        from pipeline.checkpoint import rank_save
         from pipeline.checkpoint.manifest import read_marker, write_marker
-        from pipeline.stages import shard_save
         from pipeline.storage.integrity import hash_file
 
         self.step += 4
         step = self.step
-        staged = self.ctx.layout.staged_step(step)
+        staged = self.target.layout.staged_step(step)
         self._prepare()
-        ok: list[shard_save.SaveResult] = []
+        ok: list[rank_save.SaveResult] = []
         phases = dict.fromkeys(PHASES, 0.0)
-        with _phase_timers(shard_save, phases):
-            times = self._timed(lambda: ok.append(shard_save.save(self.ctx, step, self.state, self.pg)))
+        with _phase_timers(rank_save, phases):
+            times = self._timed(lambda: ok.append(rank_save.save_dcp(self.target, step, self.state, self.pg)))
         if not ok[0].ok:
             raise RuntimeError(f"rank {self.rank}: shard_save.save failed for step {step}")
         gathered: list[Any] = [None] * WORLD

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,6 +56,28 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
         timeout=timeout,
         check=False,
     )
+
+
+PROBE_FILE = "probe.json"
+"""Where a test asks train's rank 0 to write its probe logits (``PIPELINE_PROBE_FILE``, set by :func:`probe_env`)."""
+
+
+def probe_env(root: Path) -> dict[str, str]:
+    """The environment that makes train write the trained model's probe logits to ``root / PROBE_FILE``."""
+    return {"PIPELINE_PROBE_FILE": str(root / PROBE_FILE)}
+
+
+def read_probe(root: Path) -> dict[str, Any]:
+    """The probe train wrote under :func:`probe_env` (input ids, logits shape and values)."""
+    return json.loads((root / PROBE_FILE).read_text())
+
+
+def train_losses(layout: RunLayout, attempt: str | None = None) -> dict[str, float]:
+    """Step -> loss of one train attempt (default: the one its stage record names), from ``metrics.jsonl``."""
+    if attempt is None:
+        attempt = json.loads(layout.stage_record("train").read_text())["attempt"]
+    events = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line.strip()]
+    return {str(e["step"]): e["loss"] for e in events if e.get("event") == "step" and e.get("attempt") == attempt}
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

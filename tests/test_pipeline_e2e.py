@@ -16,7 +16,7 @@ from pipeline.storage.integrity import hash_file
 from pipeline.storage.layout import RunLayout
 from pipeline.workload.data import load_tokenizer
 from pipeline.workload.model import build_model
-from tests.conftest import run_cli, snapshot
+from tests.conftest import run_cli, snapshot, train_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -213,8 +213,8 @@ def test_interrupted_run_resumes_bit_identical(tmp_path: Path, strategy: str) ->
     assert full.keys() == resumed.keys()
     mismatched = [k for k in full if not torch.equal(full[k], resumed[k])]
     assert not mismatched, f"resumed run differs in {mismatched}"
-    full_losses = read_json(_layout(tmp_path, "full").stage_record("train"))["summary"]["losses"]
-    assert rec["summary"]["losses"] == {k: v for k, v in full_losses.items() if int(k) > 4}
+    full_losses = train_losses(_layout(tmp_path, "full"))
+    assert train_losses(split) == {k: v for k, v in full_losses.items() if int(k) > 4}
     if strategy == "ddp":  # extending a finished run trains on from latest
         proc = run_cli(f"run.root={tmp_path}", "run.id=split", "train.steps=12")
         assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -140,9 +140,7 @@ def test_library_imports_nothing_from_the_app_hydra_or_submitit() -> None:
     files = [p for p in (ROOT / "pipeline").rglob("*.py") if _module_name(p).startswith(LIBRARY)]
     assert len(files) > 20, "the library's modules were not found"
     for path in files:
-        bad = sorted(
-            m for m in _all_imports(path) if any(m == a or m.startswith(a + ".") for a in APP_OR_FRAMEWORK)
-        )
+        bad = sorted(m for m in _all_imports(path) if any(m == a or m.startswith(a + ".") for a in APP_OR_FRAMEWORK))
         assert not bad, f"{_module_name(path)} (library) imports {bad}"
 
 

@@ -39,17 +39,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint import rank_save
+from pipeline.checkpoint import rank_save, resume
 from pipeline.checkpoint.async_save import AsyncSaver, stuck_writers
 from pipeline.checkpoint.background import BackgroundCommitter
-from pipeline.checkpoint.committer import CommitPolicy, staged_uncommitted
-from pipeline.checkpoint.manifest import read_latest, read_manifest, verify_committed
+from pipeline.checkpoint.committer import CommitPolicy
+from pipeline.checkpoint.manifest import read_manifest
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult
 from pipeline.checkpoint.state import STEP_KEY, load_state, save_state
-from pipeline.errors import DeadlineError, PipelineError, VerificationError
+from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.layout import CheckpointLayout
-from pipeline.storage.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class Checkpointer:
         keep_every: int | None = None,
         committer: str = "thread",
         deadline_s: float = 600.0,
-        writer_threads: int = 1,
+        writer_threads: int | None = None,
         fail_on_save_error: bool = False,
         preemption_signals: tuple[int, ...] = (signal.SIGUSR2,),
         poll_interval_s: float = 0.5,
@@ -83,6 +82,7 @@ class Checkpointer:
         ``committer``: ``thread`` (rank 0 commits in the background) or ``external`` (``python -m
         pipeline.commit <dir> --follow`` runs beside the job). ``deadline_s`` bounds every wait: markers,
         async writers, the committer's last pass, the checkpoint group's collectives.
+        ``writer_threads``: files per rank written in parallel (None: the CPUs a rank has to itself, at most 4).
         ``preemption_signals``: signals that set the preemption flag (SLURM's ``--signal=USR2@...``); installed
         only from the main thread.
         """
@@ -114,9 +114,8 @@ class Checkpointer:
             self._stop_committer()
             raise PipelineError(str(decided))
         self.attempt = decided[0]
-        self.target = RankTarget(
-            self.layout, self.rank, self.world_size, self.attempt, writer_threads, fail_on_save_error
-        )
+        threads = writer_threads if writer_threads is not None else rank_save.auto_writer_threads(self.world_size)
+        self.target = RankTarget(self.layout, self.rank, self.world_size, self.attempt, threads, fail_on_save_error)
         self._saver: AsyncSaver | None = None
         self._last_save = time.monotonic()
         self._closed = False
@@ -264,25 +263,13 @@ class Checkpointer:
                 return self._committer.alive()
             return held_elsewhere(self.layout.committer_lock) or time.monotonic() - start < _EXTERNAL_START_S
 
-        try:
-            wait_until(
-                lambda: None if staged_uncommitted(self.layout, self.world_size) else True,
-                deadline_s=self.deadline_s,
-                what=lambda: (
-                    f"step(s) {staged_uncommitted(self.layout, self.world_size)} in {self.layout.staging} have every "
-                    "rank's marker but are not committed (is the committer running? python -m pipeline.commit "
-                    f"{self.layout.run_dir})"
-                ),
-                alive=committer_alive,
-                interval_s=0.2,
-            )
-            latest = read_latest(self.layout)
-            if latest is None:
-                return 0
-            verify_committed(self.layout.committed_step(latest.step), latest.step)
-        except (DeadlineError, VerificationError) as e:
-            return f"cannot resume from {self.layout.checkpoints}: {e}"
-        return latest.step
+        return resume.decide(
+            self.layout,
+            self.world_size,
+            deadline_s=self.deadline_s,
+            committer_alive=committer_alive,
+            committer_hint=f" (is the committer running? python -m pipeline.commit {self.layout.run_dir} --follow)",
+        )
 
     # -- end ---------------------------------------------------------------------------------------------------
 

@@ -105,13 +105,16 @@ def consolidate_step(
     return fmt.consolidate(step_dir, out, on_tensor, allow_pickle)
 
 
-def consolidate_latest(layout: CheckpointLayout, allow_pickle: bool = False, verify: bool = True) -> dict[str, Any]:
+def consolidate_latest(
+    layout: CheckpointLayout, allow_pickle: bool = False, verify: bool = True, force: bool = False
+) -> dict[str, Any]:
     """``latest``'s step as ``consolidated/step_N/model.safetensors`` (full tensors, streamed; published with
-    its done-marker naming the step's manifest hash). Skipped, saying so, when that output already verifies."""
+    its done-marker naming the step's manifest hash). Skipped, saying so, when that output already verifies,
+    unless ``force`` (the old output then moves to ``.retired/``)."""
     latest = source_step(layout, verify=verify)
     source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
     final = layout.consolidated_step(latest.step)
-    if verified_output(final, CONSOLIDATED_MARKER, source):
+    if not force and verified_output(final, CONSOLIDATED_MARKER, source):
         return {"step": latest.step, "out": str(final), "skipped": True}
     with staging_dir(layout.consolidated, step_name(latest.step)) as staging:
         count = consolidate_step(layout.committed_step(latest.step), staging / CONSOLIDATED_WEIGHTS, None, allow_pickle)

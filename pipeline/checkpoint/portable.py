@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeline.checkpoint.manifest import Manifest
+from pipeline.checkpoint.state import MODEL, OPTIM, RNG, SCHED, TRAIN
 from pipeline.errors import CheckpointFormatError
 from pipeline.formats.dcp_metadata import TensorStorageMetadata
 from pipeline.storage.atomic import write_json_atomic
@@ -114,7 +115,7 @@ class Portable(Protocol):
 class _DcpPortable:
     """A DCP step (DDP/FSDP2) read key by key with ``no_dist`` loads into full-size tensors."""
 
-    MODEL, OPTIM = "model.", "optim.state."
+    MODEL, OPTIM = f"{MODEL}.", f"{OPTIM}.state."
 
     def __init__(self, step_dir: Path) -> None:
         from pipeline.formats.dcp import load_into, read_metadata_safe  # noqa: PLC0415
@@ -125,17 +126,17 @@ class _DcpPortable:
         meta = self.metadata.state_dict_metadata
         self.names = [k[len(self.MODEL) :] for k in meta if k.startswith(self.MODEL)]
         plain: dict[str, Any] = {
-            "sched": {k.split(".", 1)[1]: 0 for k in meta if k.startswith("sched.")},
-            "train": {k.split(".", 1)[1]: torch.tensor(0) for k in meta if k.startswith("train.")},
-            "rng": {k.split(".", 1)[1]: self._empty(k) for k in meta if k.startswith("rng.")},
+            SCHED: {k.split(".", 1)[1]: 0 for k in meta if k.startswith(f"{SCHED}.")},
+            TRAIN: {k.split(".", 1)[1]: torch.tensor(0) for k in meta if k.startswith(f"{TRAIN}.")},
+            RNG: {k.split(".", 1)[1]: self._empty(k) for k in meta if k.startswith(f"{RNG}.")},
         }
         load_into(plain, step_dir, no_dist=True, metadata=self.metadata)
         self.train = TrainState(
-            step=int(plain["train"]["step"]),
-            data_epoch=int(plain["train"]["data_epoch"]),
-            data_offset=int(plain["train"]["data_offset"]),
-            sched=plain["sched"],
-            rng=plain["rng"],
+            step=int(plain[TRAIN]["step"]),
+            data_epoch=int(plain[TRAIN]["data_epoch"]),
+            data_offset=int(plain[TRAIN]["data_offset"]),
+            sched=plain[SCHED],
+            rng=plain[RNG],
         )
 
     def _empty(self, key: str) -> torch.Tensor:

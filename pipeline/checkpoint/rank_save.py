@@ -29,6 +29,9 @@ from pipeline.storage.atomic import clear_file
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry, describe
 from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.writers import auto_writer_threads
+
+__all__ = ["RankTarget", "SaveResult", "auto_writer_threads", "dcp_persist", "finish", "prepare", "save_dcp"]
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """The state-dict key schema: how a training state becomes a DCP state dict and comes back.
 
-Keys (the app's train stage writes the same; :mod:`pipeline.checkpoint.portable` and consolidation read them):
+Keys shared by the library's :class:`~pipeline.checkpoint.Checkpointer` and the app's train stage
+(:mod:`pipeline.checkpoint.portable` and consolidation read them):
 
 * ``model``: the model's state dict from torch's ``get_state_dict`` (DDP's ``module.`` prefix stripped, FSDP2's
   DTensors kept sharded), so a step reshards on load and consolidates to full tensors (``model.<name>``);
@@ -9,6 +10,9 @@ Keys (the app's train stage writes the same; :mod:`pipeline.checkpoint.portable`
 * any other key: a DCP ``Stateful`` (``state_dict``/``load_state_dict``: an LR scheduler, a ``torchdata``
   ``StatefulDataLoader``) or a plain state dict. Values that differ per rank go under :class:`RankLocal` (rank
   ``K``'s under ``rank_K``): DCP keeps one copy of a key that every rank has.
+
+The app's train stage also writes ``sched`` (the LR scheduler's state dict), ``train`` (``step``,
+``data_epoch``, ``data_offset``) and ``rng`` (``rank_K``: CPU generator, ``rank_K_cuda``: its GPU's).
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ from pipeline.formats.dcp import load_into
 log = logging.getLogger(__name__)
 
 MODEL, OPTIM, STEP_KEY = "model", "optim", "checkpointer"
+SCHED, TRAIN, RNG = "sched", "train", "rng"
+"""The app's further keys (its train stage)."""
+
+
+def rng_key(rank: int, cuda: bool = False) -> str:
+    """The app's per-rank generator key under ``rng``."""
+    return f"rank_{rank}_cuda" if cuda else f"rank_{rank}"
 
 
 class RankLocal:

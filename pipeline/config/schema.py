@@ -6,7 +6,6 @@ Everything below the entry point sees these objects, never a ``DictConfig``.
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from pipeline.errors import ConfigError
+from pipeline.storage.writers import auto_writer_threads
 
 STAGE_ALL = "all"
 
@@ -376,9 +376,7 @@ class CheckpointConfig:
         """``writer_threads``, or the automatic choice for a rank of a ``world_size``-rank job on this machine."""
         if self.writer_threads is not None:
             return self.writer_threads
-        per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
-        cpus = int(per_task) if per_task.isdigit() else len(os.sched_getaffinity(0)) // max(1, world_size)
-        return max(1, min(4, cpus))
+        return auto_writer_threads(world_size)
 
     keep_last: int | None = field(default=None, metadata=MUTABLE)
     """Retention: keep the newest this many committed steps up to ``latest`` (null = keep every step). Older

@@ -22,9 +22,11 @@ from pipeline.checkpoint.outputs import (
     verified_output,
 )
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import VerificationError
+from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp_stream import consolidate_dcp
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.orchestration.records import resume_command
+from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RunLayout
 
 CONTRACT = StageContract(
@@ -42,6 +44,11 @@ __all__ = ["CONTRACT", "consolidate_dcp", "consolidate_step", "run"]
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
+    if lstat_kind(layout.latest) is None:  # e.g. train ended well but none of its saves was committed
+        raise PipelineError(
+            f"nothing to consolidate: no step of run {layout.run_id} is committed ({layout.latest} does not exist); "
+            f"see why with python -m pipeline.status {layout.run_dir}, then resume: {resume_command(layout)}"
+        )
     source_step(layout, verify=True)
 
 
@@ -60,6 +67,4 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
 
 def run(ctx: TaskContext) -> dict[str, object]:
     # check_inputs verified the step's files when this job started; is_done said the output needs building
-    out = consolidate_latest(ctx.layout, allow_pickle=ctx.cfg.import_.allow_pickle, verify=False)
-    out.pop("skipped", None)
-    return out
+    return consolidate_latest(ctx.layout, allow_pickle=ctx.cfg.import_.allow_pickle, verify=False, force=True)
