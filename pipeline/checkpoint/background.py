@@ -23,6 +23,8 @@ class BackgroundCommitter:
         self.committer = Committer(layout, policy)
         self.errors: list[str] = []
         self._stop = threading.Event()
+        self.recovered = threading.Event()
+        """Set once the first pass (re-verify ``latest``, finish an interrupted commit) is done: resume waits for it."""
         self._lock = contextlib.ExitStack()
         self._thread: threading.Thread | None = None
 
@@ -42,6 +44,7 @@ class BackgroundCommitter:
                 if not recovered:
                     self.committer.recover()
                     recovered = True
+                    self.recovered.set()
                 self.committer.follow(alive=lambda: True, stop=self._stop.is_set)
                 return
             except (PipelineError, OSError) as e:

@@ -257,6 +257,9 @@ class Checkpointer:
 
     def _resume_step(self) -> int | str:
         start = time.monotonic()
+        if self._committer is not None and not self._committer.recovered.wait(self.deadline_s):
+            errors = "; ".join(self._committer.errors[-3:]) or "no error reported"
+            return f"cannot resume: the committer's first pass over {self.layout.checkpoints} did not finish ({errors})"
 
         def committer_alive() -> bool:
             if self._committer is not None:
