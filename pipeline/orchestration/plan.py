@@ -32,7 +32,8 @@ class PlannedStage:
     tasks: int
     resources: Resources
     needs: tuple[str, ...]
-    """Stages of this plan that run before it and whose outputs it reads (its job dependencies)."""
+    """Stages of this plan that run before it and whose outputs it reads, and the stages those follow through a
+    stage that runs after any outcome (:func:`followed`): its job dependencies."""
     skip: str | None
     """Why it will not run (its outputs verify), or None: it runs."""
 
@@ -133,6 +134,19 @@ def _not_applicable(module: object, cfg: PipelineConfig) -> str | None:
     return check(cfg) if callable(check) else None
 
 
+def followed(contract: StageContract) -> tuple[str, ...]:
+    """The stages whose success a stage waits for, in plan order: its ``needs`` and, past a need that runs after
+    any outcome (the committer beside train), that need's own, since the success of such a stage says nothing of
+    theirs. So a stage without ``after_any`` is skipped when train (or the import) failed, although the committer
+    beside it ended well: consolidate never starts on a run whose train committed nothing."""
+    names = set(contract.needs)
+    for need in contract.needs:
+        upstream = get_stage(need).CONTRACT
+        if upstream.after_any:
+            names.update(followed(upstream))
+    return tuple(n for n in ORDER if n in names)
+
+
 def make_plan(cfg: PipelineConfig, layout: RunLayout) -> Plan:
     """Decide every stage (reads the run dir, writes nothing) and refuse what cannot work here."""
     running: list[str] = []
@@ -141,7 +155,7 @@ def make_plan(cfg: PipelineConfig, layout: RunLayout) -> Plan:
     for name in selected_stages(cfg):
         module = get_stage(name)
         contract = module.CONTRACT
-        upstream = tuple(n for n in contract.needs if n in running)
+        upstream = tuple(n for n in followed(contract) if n in running)
         skip: str | None = _not_applicable(module, cfg)
         if skip is None and not (cfg.force or upstream or (contract.creates_run and cfg.run.overwrite)):
             skip = module.is_done(cfg, layout) if exists else None
