@@ -153,6 +153,25 @@ def test_lease_of_a_dead_launch_is_broken_and_kept(layout: RunLayout) -> None:
         assert current is not None and current["launch_id"] == lease.launch_id and current["pid"] == os.getpid()
 
 
+def test_a_lease_handed_to_slurm_jobs_is_taken_over_once_they_ended(layout: RunLayout) -> None:
+    """A SLURM launch that left the run to its jobs ended normally: the next launch takes the run over (keeping
+    the old lease) and says so, without calling it a stale lease."""
+    first = RunLease.acquire(layout, command=["first"], say=pytest.fail)
+    first.record_job("train", "4242", "slurm")
+    first.hand_over()
+    first.release()  # the with-block's exit after a hand-over: the lease stays
+    handed = read_lease(layout)
+    assert handed is not None and isinstance(handed["handed_over"], str) and handed["jobs"][0]["job_id"] == "4242"
+    layout.lease.write_text(json.dumps({**handed, "pid": _dead_pid()}))  # the launching process has exited
+    with pytest.raises(RunBusyError, match="4242 may still be queued or running"):
+        RunLease.acquire(layout, command=["new"], job_state=lambda c, j: True)
+    said: list[str] = []
+    RunLease.acquire(layout, command=["new"], say=said.append, job_state=lambda c, j: False).release()
+    assert len(said) == 1 and said[0].startswith(f"took the run over from launch {HOST}:"), said
+    assert "which left it to its jobs" in said[0] and "4242 (slurm) finished" in said[0] and "stale" not in said[0]
+    assert len(list(layout.broken_leases.iterdir())) == 1
+
+
 def test_live_local_job_keeps_the_lease_until_it_ends(layout: RunLayout) -> None:
     job = subprocess.Popen(["sleep", "30"])
     try:

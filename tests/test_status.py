@@ -236,6 +236,60 @@ def test_slurm_jobs_show_the_schedulers_state(
     }
 
 
+def _handed_over_slurm_lease(layout: RunLayout, job_ids: list[str]) -> None:
+    """The lease a SLURM launch (``launcher.wait=false``) leaves: its jobs recorded, handed over to them, and the
+    launching process gone."""
+    lease = RunLease.acquire(layout, command=["python", "-m", "pipeline"], say=lambda _: None)
+    for stage, job_id in zip(("prepare_dirs", "train", "verify_manifest"), job_ids, strict=False):
+        lease.record_job(stage, job_id, "slurm")
+    lease.hand_over()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    record = json.loads(layout.lease.read_text())
+    layout.lease.write_text(json.dumps({**record, "pid": gone.pid}))
+
+
+@pytest.mark.parametrize(
+    ("states", "state", "says"),
+    [
+        ({}, "ended", "its jobs have all ended: nobody owns the run, the next launch takes it"),
+        ({"5002": "RUNNING"}, "jobs", "its jobs hold the run until they end"),
+    ],
+)
+def test_a_finished_slurm_launch_is_not_a_stale_lease(
+    run: tuple[PipelineConfig, RunLayout],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    states: dict[str, str],
+    state: str,
+    says: str,
+) -> None:
+    """A SLURM launch exits once its chain is submitted and leaves the lease to its jobs: after a normal finish
+    the lease is still there with its pid gone, which is no stale lease."""
+    _, layout = run
+    monkeypatch.setattr(jobs, "slurm_states", lambda ids: {j: states.get(j, "COMPLETED") for j in ids})
+    _handed_over_slurm_lease(layout, ["5000", "5001", "5002"])
+    code, out, _ = _status(capsys, str(layout.run_dir))
+    assert code == 0
+    owner = _line(out, "owner:")
+    assert "stale" not in owner and says in owner and "exited 20" in owner, owner
+    assert _json(capsys, layout)["owner"]["state"] == state
+
+
+def test_a_launch_that_died_leaves_a_stale_lease(
+    run: tuple[PipelineConfig, RunLayout], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, layout = run
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with RunLease.acquire(layout, command=["python", "-m", "pipeline"], say=lambda _: None):
+        record = json.loads(layout.lease.read_text())
+    layout.lease.write_text(json.dumps({**record, "pid": gone.pid}))
+    code, out, _ = _status(capsys, str(layout.run_dir))
+    assert code == 0 and f"pid {gone.pid}" in _line(out, "owner:") and "(not running: a stale lease)" in out
+    assert _json(capsys, layout)["owner"]["state"] == "stale"
+
+
 def test_quarantined_steps_show_their_reasons(
     run: tuple[PipelineConfig, RunLayout], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,6 +13,10 @@ it submitted (stage, job id, cluster, host). The protocol:
    (:func:`~pipeline.storage.atomic.create_exclusive`); ``link`` fails if a lease exists.
 5. ``record_job`` rewrites the lease atomically after each submission; ``release`` removes it. Both act only
    while the lease still carries this launch's id.
+6. A launch whose scheduler jobs outlive it (SLURM without ``launcher.wait``) ends with ``hand_over``: the lease
+   stays, owned by those jobs, and records when the launch left (``handed_over``). Once the scheduler says every
+   one has ended the run is free; the next launch takes it over (the old lease is kept, as when breaking one),
+   and status says the launch ended normally, not that its lease is stale.
 
 Two mechanisms for two races. ``link`` is atomic on any filesystem a run dir may sit on, NFS included: of two
 launches creating a lease exactly one wins, on any hosts. ``flock`` keeps two launches from both breaking one
@@ -178,7 +182,10 @@ def _break(layout: RunLayout, stale: dict[str, Any], why: str, say: Callable[[st
         create_exclusive(layout.lease, json_bytes(moved))
         raise RunBusyError(_refusal(layout, moved))
     owner = f"{stale['host']}:{stale['pid']} (started {stale['started']})"
-    say(_one_line(f"broke stale lease of {owner}: {why}; kept as {aside}"))
+    if isinstance(stale.get("handed_over"), str):  # a launch that ended normally, leaving the run to its jobs
+        say(_one_line(f"took the run over from launch {owner}, which left it to its jobs: {why}; kept as {aside}"))
+    else:
+        say(_one_line(f"broke stale lease of {owner}: {why}; kept as {aside}"))
 
 
 class RunLease:
@@ -258,9 +265,20 @@ class RunLease:
         self._released = True
 
     def hand_over(self) -> None:
-        """Leave the lease in place for this launch's scheduler jobs, which outlive it: a later launch breaks it
-        only when the scheduler says every recorded job has finished."""
+        """Leave the lease in place for this launch's scheduler jobs, which outlive it: a later launch takes it
+        over only when the scheduler says every recorded job has finished. The lease records when this launch
+        left (``handed_over``): a lease whose launch ended normally is not a stale one. Best effort: a lease that
+        cannot be rewritten now stays as it was."""
+        if self._released:
+            return
         self._released = True
+        try:
+            with _locked(self.layout, self._lock_timeout_s):
+                if self._lost() is None:
+                    self.record["handed_over"] = now_iso()
+                    write_json_atomic(self.layout.lease, self.record)
+        except (PipelineError, OSError):
+            pass
 
     def __enter__(self) -> RunLease:
         return self

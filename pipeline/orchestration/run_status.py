@@ -65,6 +65,7 @@ def _owner(layout: RunLayout) -> tuple[dict[str, Any] | None, str | None]:
     here = lease["host"] == socket.gethostname()
     owner = {k: lease[k] for k in ("pid", "host", "started", "command")}
     owner["alive"] = pid_alive(lease["pid"]) if here else None
+    owner["handed_over"] = lease["handed_over"] if isinstance(lease.get("handed_over"), str) else None
     owner["jobs"] = [
         {k: str(j.get(k)) for k in ("stage", "job_id", "cluster", "host") if j.get(k) is not None}
         for j in lease["jobs"]
@@ -244,6 +245,8 @@ def collect(layout: RunLayout) -> Status:
             st["running_for_s"] = _elapsed(st.get("started"))
     for job in lease_jobs:
         job["state"] = _job_state(job, slurm)
+    if owner is not None:
+        owner["state"] = _owner_state(owner)
     return {
         "run_id": layout.run_id,
         "run_dir": str(layout.run_dir),
@@ -257,6 +260,24 @@ def collect(layout: RunLayout) -> Status:
         "exported": _outputs(*output_areas(layout)["export"]),
         "resume": resume_command(layout),
     }
+
+
+def _owner_state(owner: Status) -> str:
+    """``alive`` (the launch runs), ``jobs`` (it is gone, its jobs hold the run), ``ended`` (its jobs have all
+    ended, and it either handed the run to them or was a SLURM launch: nobody owns the run), ``other host`` (the
+    launch ran elsewhere: no pid to check), ``stale`` (a launch that died, without jobs that outlive it).
+
+    A SLURM launch without ``launcher.wait`` exits once it has submitted the chain and leaves its lease to the jobs
+    (see :mod:`pipeline.orchestration.lease`): after a normal finish the lease is still there, its pid gone."""
+    if owner["alive"] is True:
+        return "alive"
+    states = [str(j.get("state")) for j in owner["jobs"]]
+    if any(s in jobs.ACTIVE_STATES or s in ("running", "unknown") for s in states):
+        return "jobs" if owner["alive"] is False or owner["handed_over"] else "other host"
+    left_to_jobs = owner["handed_over"] or any(j.get("cluster") == "slurm" for j in owner["jobs"])
+    if states and left_to_jobs:
+        return "ended"
+    return "other host" if owner["alive"] is None else "stale"
 
 
 def _job_state(job: dict[str, str], slurm: dict[str, str]) -> str:
@@ -393,7 +414,14 @@ def _owner_lines(status: Status) -> list[str]:
     owner = status["owner"]
     if owner is None:
         return [f"owner:      {status['owner_error'] or 'none (no launch is running)'}"]
-    alive = {True: "alive", False: "not running: a stale lease", None: "other host"}[owner["alive"]]
+    left = f"exited {owner['handed_over']}" if owner.get("handed_over") else "not running"
+    alive = {
+        "alive": "alive",
+        "jobs": f"{left}; its jobs hold the run until they end",
+        "ended": f"{left}; its jobs have all ended: nobody owns the run, the next launch takes it",
+        "other host": "other host",
+        "stale": "not running: a stale lease",
+    }[owner["state"]]
     jobs_text = ", ".join(
         f"{j.get('stage')} {j.get('job_id')} ({j.get('cluster')}: {j.get('state')})" for j in owner["jobs"]
     )

@@ -84,7 +84,8 @@ def test_chain_submits_and_matches_a_local_run(slurm_cluster: SlurmCluster, tmp_
     again = _launch(tmp_path, "s")
     assert again.returncode == 0, again.stdout + again.stderr
     assert "nothing to submit: every stage is done" in again.stdout
-    assert "broke stale lease" in again.stdout  # the finished chain's hold on the run ended with its jobs
+    # the finished chain held the run until its jobs ended; the next launch takes it over (no stale lease)
+    assert "took the run over from launch" in again.stdout and "stale" not in again.stdout
 
     status = subprocess.run(
         [*_python(), "-m", "pipeline.status", str(slurm.run_dir), "--json"], capture_output=True, text=True, check=False
