@@ -15,6 +15,8 @@ import pytest
 from pipeline.checkpoint.manifest import Manifest, write_manifest
 from pipeline.errors import plural
 from pipeline.orchestration.progress import (
+    FIRST_LINES,
+    SUMMARY_EVERY,
     StageProgress,
     commit_lines,
     format_bytes,
@@ -244,6 +246,34 @@ def test_close_shows_where_an_interrupted_attempt_stopped(tmp_path: Path) -> Non
     assert lines[-1].startswith("train: step 3/8"), "nothing after close"
 
 
+def test_many_checkpoints_are_summarised_not_listed(tmp_path: Path) -> None:
+    """A long run stays quiet: the first FIRST_LINES checkpoints get a line each, later ones one line per
+    SUMMARY_EVERY and at most one per interval_s, a failed save always its own line, and the end one line for the
+    rest and one for them all."""
+    layout = RunLayout(tmp_path)
+    lines: list[str] = []
+    clock = Clock()
+    progress = _progress(layout, lines, clock)  # interval_s=10
+    train = Train(layout, "a1")
+    train.start(total=400)
+    for k in range(1, 101):  # a checkpoint every 4 steps, one poll per checkpoint
+        clock.now = 0.5 * k if k <= 60 else 100.0 * k  # 0.5 s apart (the interval rules), then 100 s (the count)
+        train.checkpoint(4 * k, ok=k != 50)
+        progress.poll()
+    train.event("end", last_step=400, time=1200.0)
+    progress.close()
+    staged = [line for line in lines if line.startswith("train: staged")]
+    assert staged[:FIRST_LINES] == [
+        f"train: staged step {4 * k}: 3.1 MB in 0.21s (0.0148 GB/s)" for k in range(1, FIRST_LINES + 1)
+    ]
+    assert staged[FIRST_LINES] == "train: staged steps 16..92 (20 checkpoints): 62.0 MB in 4.20s (0.0148 GB/s)"
+    counts = [int(line.split("(")[1].split()[0]) for line in staged[FIRST_LINES:-1]]
+    assert counts == [20, 20, 17, 10, SUMMARY_EVERY, 10, 9], staged  # the 9: what was left at the end
+    assert staged[-1] == "train: staged 99 checkpoints in all (steps 4..400): 306.9 MB in 20.79s (0.0148 GB/s)"
+    assert "train: step 200 NOT saved by every rank (it will not be committed)" in lines
+    assert len(lines) == 1 + len(staged) + 1, "the start line, the checkpoint lines and the failed save: no more"
+
+
 def test_counts_agree_with_their_noun(tmp_path: Path) -> None:
     """A single-rank train is "on 1 rank", not "on 1 ranks" (and every count line uses the same rule)."""
     layout = RunLayout(tmp_path)
@@ -315,6 +345,24 @@ def test_commit_lines_name_files_and_bytes_and_tolerate_a_missing_manifest(tmp_p
     ]
     assert commit_lines(layout, {"committed": [], "latest": 8}) == []
     assert commit_lines(layout, {}) == []
+
+
+def test_many_commits_are_one_line_after_the_first_few(tmp_path: Path) -> None:
+    """A 3,000-step run saved every 4 steps commits 750 steps: FIRST_LINES lines, then one for the rest."""
+    layout = RunLayout(tmp_path)
+    for step in (4, 3000):  # the other steps' manifests are not read
+        step_dir = layout.committed_step(step)
+        step_dir.mkdir(parents=True)
+        (step_dir / "__0_0.distcp").write_bytes(b"x" * 1_300_000)
+        files = (describe(step_dir, "__0_0.distcp"),)
+        write_manifest(step_dir, Manifest(files=files, step=step, world_size=1, format="dcp", attempt="v", run_id="r"))
+    lines = commit_lines(layout, {"committed": list(range(4, 3001, 4)), "latest": 3000})
+    assert FIRST_LINES == 3 and lines == [
+        "verify_manifest: committed step 4 (1 file, 1.3 MB)",
+        "verify_manifest: committed step 8",
+        "verify_manifest: committed step 12",
+        "verify_manifest: committed steps 16..3000 (747 more, 750 in all; step 3000: 1 file, 1.3 MB)",
+    ]
 
 
 # --- a real train -----------------------------------------------------------------------------------------------

@@ -7,7 +7,12 @@ file (:mod:`pipeline.storage.metrics`) and the launching process tails it from i
 On a terminal: a tqdm bar with step/total, loss, steps/s, tokens/s and ETA, the rates taken from the events'
 own times over the last :data:`WINDOW` steps (the poll interval would make tqdm's own rate jumpy). Elsewhere
 (SLURM logs, CI): one plain line at most every ``interval_s`` seconds, and always one at the last step.
-Every checkpoint gets one line; :func:`commit_lines` gives verify-manifest's one line per committed step.
+
+Checkpoints stay quiet on a long run: the first :data:`FIRST_LINES` staged checkpoints get a line each, later ones
+one summary line per :data:`SUMMARY_EVERY` and at most one every ``interval_s`` seconds (the steps, bytes and rate
+since the last line), and the end of the job one for the rest and one for all of them; a checkpoint not saved
+by every rank always gets its own line. :func:`commit_lines` does the same for verify-manifest's commits
+(reported when it ends): the first :data:`FIRST_LINES` commits, then one line for the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ from pipeline.storage.metrics import MetricsTail
 
 WINDOW = 20
 """Steps over which steps/s and tokens/s are measured."""
+
+FIRST_LINES = 3
+"""Staged checkpoints (and commits) shown one line each before they are summarised."""
+
+SUMMARY_EVERY = 10
+"""Later staged checkpoints: one line per this many, and at most one per ``interval_s``."""
 
 
 def format_bytes(n: float) -> str:
@@ -68,18 +79,53 @@ def format_number(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}"
 
 
+def _step_content(layout: RunLayout, step: int) -> str | None:
+    """``3 files, 1.3 MB`` from a committed step's manifest; None if it cannot be read (a report, not a check)."""
+    try:
+        manifest = read_manifest(layout.committed_step(step))
+    except (PipelineError, OSError, ValueError):
+        return None
+    return f"{plural(len(manifest.files), 'file')}, {format_bytes(sum(f.size for f in manifest.files))}"
+
+
 def commit_lines(layout: RunLayout, summary: dict[str, Any]) -> list[str]:
-    """One line per step verify-manifest committed (its stage record's ``summary["committed"]``)."""
+    """What verify-manifest committed (its stage record's ``summary["committed"]``): a line for each of the first
+    :data:`FIRST_LINES` steps, then one for the rest (a 3,000-step run saved every 4 steps commits 750)."""
+    steps = [int(s) for s in summary.get("committed") or []]
     lines = []
-    for step in summary.get("committed") or []:
-        try:
-            manifest = read_manifest(layout.committed_step(int(step)))
-        except (PipelineError, OSError, ValueError):  # the line is a report: a missing manifest is not our error
-            lines.append(f"verify_manifest: committed step {step}")
-            continue
-        size = format_bytes(sum(f.size for f in manifest.files))
-        lines.append(f"verify_manifest: committed step {step} ({plural(len(manifest.files), 'file')}, {size})")
+    for step in steps[:FIRST_LINES]:
+        content = _step_content(layout, step)
+        lines.append(f"verify_manifest: committed step {step}" + (f" ({content})" if content else ""))
+    rest = steps[FIRST_LINES:]
+    if rest:
+        last = _step_content(layout, rest[-1])
+        which = f"steps {rest[0]}..{rest[-1]}" if len(rest) > 1 else f"step {rest[0]}"
+        lines.append(
+            f"verify_manifest: committed {which} ({len(rest)} more, {len(steps)} in all"
+            + (f"; step {rest[-1]}: {last})" if last else ")")
+        )
     return lines
+
+
+class _SavedSpan:
+    """Checkpoints staged over a span of steps: how many, their bytes and write time."""
+
+    def __init__(self) -> None:
+        self.count, self.bytes, self.seconds = 0, 0, 0.0
+        self.first: int | None = None
+        self.last: int | None = None
+
+    def add(self, step: int, size: int, seconds: float) -> None:
+        self.count, self.bytes, self.seconds = self.count + 1, self.bytes + size, self.seconds + seconds
+        self.first = step if self.first is None else self.first
+        self.last = step
+
+    def text(self) -> str:
+        gbps = format_number(self.bytes / self.seconds / 1e9) if self.seconds > 0 else "?"
+        return f"{format_bytes(self.bytes)} in {self.seconds:.2f}s ({gbps} GB/s)"
+
+    def steps(self) -> str:
+        return f"step {self.first}" if self.first == self.last else f"steps {self.first}..{self.last}"
 
 
 class StageProgress:
@@ -116,6 +162,9 @@ class StageProgress:
         self._step_s: float | None = None
         self._printed_step: int | None = None
         self._printed_at: float | None = None
+        self._saved = _SavedSpan()  # every checkpoint staged in this attempt
+        self._unshown = _SavedSpan()  # staged since the last checkpoint line
+        self._saved_shown_at: float | None = None
         self._closed = False
 
     def poll(self) -> None:
@@ -140,6 +189,13 @@ class StageProgress:
             self._bar = None
         elif self._step is not None and self._printed_step != self._step:
             self._line(self.progress_line())
+        if self._saved.count > FIRST_LINES:  # the checkpoints not shown yet, then all of them
+            if self._unshown.count:
+                self._show_unshown()
+            self._line(
+                f"{self.stage}: staged {plural(self._saved.count, 'checkpoint')} in all "
+                f"({self._saved.steps()}): {self._saved.text()}"
+            )
 
     # --- events -------------------------------------------------------------------------------------------------
 
@@ -161,13 +217,31 @@ class StageProgress:
         elif kind == "checkpoint":
             step = int(event["step"])
             if event.get("ok", True):
-                gbps = format_number(float(event["gbps"]))
-                self._line(
-                    f"{self.stage}: staged step {step}: {format_bytes(int(event['bytes']))} "
-                    f"in {float(event['seconds']):.2f}s ({gbps} GB/s)"
-                )
+                self._on_saved(step, int(event["bytes"]), float(event["seconds"]), float(event["gbps"]))
             else:
                 self._line(f"{self.stage}: step {step} NOT saved by every rank (it will not be committed)")
+
+    def _on_saved(self, step: int, size: int, seconds: float, gbps: float) -> None:
+        """A line each for the first :data:`FIRST_LINES` checkpoints; later, one line for those staged since the
+        last one, once there are :data:`SUMMARY_EVERY` of them and ``interval_s`` has passed (a 3,000-step run
+        saved every 4 steps stages 750)."""
+        self._saved.add(step, size, seconds)
+        now = self.clock()
+        if self._saved.count <= FIRST_LINES:
+            self._line(
+                f"{self.stage}: staged step {step}: {format_bytes(size)} in {seconds:.2f}s ({format_number(gbps)} GB/s)"
+            )
+            self._saved_shown_at = now
+            return
+        self._unshown.add(step, size, seconds)
+        due = self._saved_shown_at is None or now - self._saved_shown_at >= self.interval_s
+        if due and self._unshown.count >= SUMMARY_EVERY:
+            self._show_unshown()
+            self._saved_shown_at = now
+
+    def _show_unshown(self) -> None:
+        span, self._unshown = self._unshown, _SavedSpan()
+        self._line(f"{self.stage}: staged {span.steps()} ({plural(span.count, 'checkpoint')}): {span.text()}")
 
     def _on_step(self, event: dict[str, Any]) -> None:
         step = int(event["step"])
