@@ -8,6 +8,36 @@ def plural(n: int, noun: str, nouns: str | None = None) -> str:
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
 
 
+def one_line(message: str) -> str:
+    """A message on one line. One that carries tracebacks (DCP's CheckpointException holds every rank's) keeps
+    its first line and the error that ends its first traceback."""
+    lines = [line.rstrip() for line in message.splitlines() if line.strip()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), None)
+    if start is None:
+        return " ".join(message.split())
+    inner = next((ln for ln in lines[start + 1 :] if not ln[0].isspace() and not ln.startswith("Traceback")), None)
+    head = " ".join(" ".join(lines[:start]).split())
+    return " ".join(part for part in (head, f"(caused by {inner.strip()})" if inner else "") if part)
+
+
+def exception_line(e: BaseException) -> str:
+    """``<Type>: <first line>`` of the root cause, at most 300 characters: the deepest ``OSError`` in ``e``'s
+    chain when there is one (a full disk, an I/O error), else DCP's first failing rank (its
+    ``CheckpointException`` maps ranks to their exceptions), else ``e`` itself."""
+    seen: list[BaseException] = [e]
+    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception or (exception, traceback)}
+    if isinstance(failures, dict):
+        for _rank, failure in sorted(failures.items(), key=lambda kv: kv[0]):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                seen.append(inner)
+    while len(seen) <= 20 and (seen[-1].__cause__ is not None or seen[-1].__context__ is not None):
+        seen.append(seen[-1].__cause__ or seen[-1].__context__)  # type: ignore[arg-type]
+    chosen = next((x for x in seen if isinstance(x, OSError)), seen[1] if len(seen) > 1 and failures else e)
+    text = str(chosen).strip().splitlines()
+    return f"{type(chosen).__name__}: {text[0] if text else ''}"[:300]
+
+
 class PipelineError(Exception):
     """Base class: the CLI prints these as one line and exits non-zero (2: bad input; 1: a stage failed)."""
 

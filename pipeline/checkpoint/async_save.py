@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, exception_line
 from pipeline.formats.dcp import RecordingWriter
 from pipeline.storage.faults import inject
 
@@ -83,7 +83,7 @@ class _Job:
 
     def describe(self) -> str:
         if self.error is not None:
-            return f"async writer of step {self.step} on rank {self.rank} died: {_one_line(self.error)}"
+            return f"async writer of step {self.step} on rank {self.rank} died: {exception_line(self.error)}"
         if self.bytes is None and (self.thread is None or not self.thread.is_alive()):
             return f"async writer of step {self.step} on rank {self.rank} ended without a result"
         return (
@@ -186,7 +186,7 @@ class AsyncSaver:
             try:
                 return self._copy(state, on_gpu)
             except Exception as e:  # the state's structure changed (e.g. new optimizer state): stage anew
-                log.info("rank %d: staging buffer re-allocated (%s)", self.rank, _one_line(e))
+                log.info("rank %d: staging buffer re-allocated (%s)", self.rank, exception_line(e))
                 self._buffer = None
         self._buffer = _create_cpu_state_dict(state, pin_memory=on_gpu and torch.cuda.is_available())
         return self._copy(state, on_gpu)
@@ -221,7 +221,9 @@ class AsyncSaver:
             job.error = e
             job.persist_s = time.monotonic() - job.started
             if job.abandoned:
-                log.warning("rank %d: abandoned async writer of step %d ended: %s", job.rank, job.step, _one_line(e))
+                log.warning(
+                    "rank %d: abandoned async writer of step %d ended: %s", job.rank, job.step, exception_line(e)
+                )
             else:
                 log.error(
                     "ASYNC WRITER DIED: step %d rank %d after %.2f s (%s): %s",
@@ -229,7 +231,7 @@ class AsyncSaver:
                     job.rank,
                     job.persist_s,
                     job.doing,
-                    _one_line(e),
+                    exception_line(e),
                 )
 
     def wait(self) -> Settled | None:
@@ -321,14 +323,3 @@ def _tensors(obj: Any) -> Generator[torch.Tensor, None, None]:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             yield from _tensors(value)
-
-
-def _one_line(e: BaseException) -> str:
-    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
-    if isinstance(failures, dict) and failures:
-        rank, failure = sorted(failures.items(), key=lambda kv: kv[0])[0]
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, BaseException):
-            return f"{type(e).__name__} (rank {rank}: {_one_line(inner)})"
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]

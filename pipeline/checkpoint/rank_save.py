@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from pipeline.checkpoint.async_save import Persist, Progress
 from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
-from pipeline.errors import VerificationError
+from pipeline.errors import VerificationError, exception_line
 from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.faults import inject
@@ -140,22 +140,7 @@ def save_files(t: RankTarget, step: int, fmt: str, write: Callable[[Path], tuple
         )
         if t.fail_on_error:
             raise
-        return SaveResult(ok=False, bytes=0, seconds=time.monotonic() - t0, error=first_cause(e))
+        return SaveResult(ok=False, bytes=0, seconds=time.monotonic() - t0, error=exception_line(e))
     seconds = time.monotonic() - t0
     log.info("rank %d saved step %d (%d files) in %.2fs", t.rank, step, len(entries), seconds)
     return SaveResult(ok=True, bytes=sum(e.size for e in entries), seconds=seconds)
-
-
-def first_cause(e: BaseException) -> str:
-    """One line: the deepest OSError in ``e``'s chain (or DCP's per-rank failures), else ``e`` itself."""
-    seen: list[BaseException] = [e]
-    failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
-    if isinstance(failures, dict):
-        seen += [f for f in failures.values() if isinstance(f, BaseException)]
-    while seen[-1].__cause__ is not None or seen[-1].__context__ is not None:
-        seen.append(seen[-1].__cause__ or seen[-1].__context__)  # type: ignore[arg-type]
-        if len(seen) > 20:
-            break
-    chosen = next((x for x in seen if isinstance(x, OSError)), e)
-    text = str(chosen).strip().splitlines()
-    return f"{type(chosen).__name__}: {text[0] if text else ''}"[:300]

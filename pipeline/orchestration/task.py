@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from pipeline.config.schema import PipelineConfig
+from pipeline.errors import one_line
 from pipeline.orchestration.contract import JobRef, TaskContext
 from pipeline.orchestration.records import now_iso, write_record
 from pipeline.stages import get_stage
@@ -29,20 +30,8 @@ _FAILURE = re.compile(r"TASK FAILED rank (\d+) at (\d+(?:\.\d+)?): (.*)")
 
 def failure_line(rank: int, error: BaseException, at: float) -> str:
     """``TASK FAILED rank K at <unix time>: <ExcType>: <message on one line>``."""
-    message = _one_line(str(error))
+    message = one_line(str(error))
     return f"TASK FAILED rank {rank} at {at:.3f}: {type(error).__name__}{': ' if message else ''}{message[:1000]}"
-
-
-def _one_line(message: str) -> str:
-    """The message on one line. One that carries tracebacks (DCP's CheckpointException holds every rank's)
-    keeps its first line and the error that ends its first traceback."""
-    lines = [line.rstrip() for line in message.splitlines() if line.strip()]
-    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), None)
-    if start is None:
-        return " ".join(message.split())
-    inner = next((ln for ln in lines[start + 1 :] if not ln[0].isspace() and not ln.startswith("Traceback")), None)
-    head = " ".join(" ".join(lines[:start]).split())
-    return " ".join(part for part in (head, f"(caused by {inner.strip()})" if inner else "") if part)
 
 
 def parse_failure_line(line: str) -> tuple[int, float, str] | None:
