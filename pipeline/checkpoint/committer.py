@@ -40,7 +40,7 @@ from pipeline.checkpoint.manifest import (
     write_latest,
     write_manifest,
 )
-from pipeline.errors import DeadlineError, PipelineError, VerificationError
+from pipeline.errors import DeadlineError, PipelineError, VerificationError, plural
 from pipeline.formats.registry import FORMATS, Format
 from pipeline.storage.atomic import is_temp_name, json_bytes
 from pipeline.storage.backend import POSIX, Storage
@@ -309,8 +309,8 @@ class Committer:
         written_by = fmt.world_size_of(staged, stored, allow)
         if written_by != markers[0].world_size:
             raise VerificationError(
-                f"step {step} in {staged}: the {fmt.name} files were written by {written_by} ranks, the markers say "
-                f"{markers[0].world_size}"
+                f"step {step} in {staged}: the {fmt.name} files were written by {plural(written_by, 'rank')}, the "
+                f"markers say {markers[0].world_size}"
             )
         manifest = Manifest(
             step=step,

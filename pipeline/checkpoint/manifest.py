@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pipeline.errors import VerificationError
+from pipeline.errors import VerificationError, plural
 from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import (
     FileEntry,
@@ -122,7 +122,7 @@ def step_markers(step_dir: Path, step: int, world_size: int) -> list[Marker | No
             )
         if m is not None and m.world_size != world_size:
             raise VerificationError(
-                f"{marker_path(step_dir, rank)} was written by a world of {m.world_size} ranks; "
+                f"{marker_path(step_dir, rank)} was written by a world of {plural(m.world_size, 'rank')}; "
                 f"this run has {world_size} (strategy.world_size)"
             )
         out.append(m)

@@ -62,7 +62,7 @@ def run(ctx: TaskContext) -> dict[str, object]:
         # very job's log folder is there), .hydra/ and run.yaml, the run's record. run.yaml is never deleted:
         # only the launching process writes it, and a launch that does not rewrite it (stage=prepare_dirs, or a
         # SLURM chain the launch does not wait for) would leave a run whose id is unknown.
-        kept = layout.launch_owned() | {layout.run_yaml.name}
+        kept = layout.launch_owned()
         for entry in layout.run_dir.iterdir():
             if entry.name not in kept:
                 remove_tree(entry) if is_real_dir(entry) else clear_file(entry)

@@ -129,8 +129,11 @@ class RunLayout(CheckpointLayout):
         return self.run_dir / ".hydra"
 
     def launch_owned(self) -> frozenset[str]:
-        """Entries of the run dir that belong to the launching process; ``run.overwrite`` keeps them."""
-        return frozenset({self.lease.name, self.lease_lock.name, self.logs.name, self.hydra_dir.name})
+        """Entries of the run dir that belong to the launching process; ``run.overwrite`` keeps them (``run.yaml``
+        too: whichever launch recreates a run leaves it known by its id)."""
+        return frozenset(
+            {self.lease.name, self.lease_lock.name, self.logs.name, self.hydra_dir.name, self.run_yaml.name}
+        )
 
     @property
     def stages(self) -> Path:
