@@ -1,34 +1,12 @@
-"""The ``Launcher`` interface: how the runner hands planned stage jobs to whatever runs them."""
+"""The ``Launcher`` base: how the runner hands planned stage jobs to whatever runs them (the runner's side of the
+interface, ``JobLauncher`` and ``JobHandle``, is in :mod:`pipeline.orchestration.supervise`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Protocol
 
-from pipeline.orchestration.runner import JobWatch, StageJob
-
-
-class JobHandle(Protocol):
-    """A submitted stage job."""
-
-    job_id: str
-    folder: Path
-
-    def poll(self) -> bool:
-        """True once the job has ended. Raises ``StageFailedError`` when the launcher gives up on it (a deadline,
-        a task that ended while its peers hang); the runner then cancels it."""
-        ...
-
-    def outcome(self) -> None:
-        """After ``poll`` said done: return if every task succeeded, else raise ``StageFailedError``."""
-        ...
-
-    def cancel(self, wait: bool = True) -> None:
-        """Cancel the job and (``wait``) wait, bounded by ``launcher.cancel_timeout_s``, until its processes are
-        gone. ``wait=False`` only asks (so several jobs are cancelled at once, before a dependency lets one start)."""
-        ...
+from pipeline.orchestration.supervise import JobHandle, JobWatch, StageJob
 
 
 class Launcher:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launchers.base import JobHandle, Launcher
-from pipeline.orchestration.runner import StageJob
+from pipeline.orchestration.supervise import StageJob
 from pipeline.orchestration.task import execute_task
 
 

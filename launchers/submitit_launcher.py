@@ -24,7 +24,7 @@ from pipeline.config.schema import LauncherConfig, LocalLauncherConfig, Pipeline
 from pipeline.errors import StageFailedError
 from pipeline.orchestration import preemption
 from pipeline.orchestration.contract import JobRef
-from pipeline.orchestration.runner import StageJob
+from pipeline.orchestration.supervise import StageJob
 from pipeline.orchestration.task import execute_task
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import clear_file
@@ -90,6 +90,30 @@ def task_entry(
     if summary.get("requeue"):
         preemption.requeue(env.global_rank, str(env.job_id))  # exits
     return summary
+
+
+LOCAL_JOB_SETUP = ("trap '' INT",)
+"""The first line of every local job's setup shell. A local job's processes are the launcher's children, in the
+terminal's foreground process group, so a terminal's Ctrl-C (SIGINT to the whole group) would reach them too:
+the committer beside train would die with KeyboardInterrupt instead of committing what is staged. Ignored
+there (the disposition is inherited by the controller and the tasks; Python keeps an ignored SIGINT ignored),
+SIGINT reaches only the launcher, which cancels the jobs itself, as an sbatch job is cancelled: SIGTERM to the
+process tree, SIGKILL past ``launcher.cancel_timeout_s``. A second Ctrl-C cancels the committer the same way."""
+
+
+class RequeuedAtTimeLimit(submitit.helpers.Checkpointable):
+    """The committer's entry on SLURM: at its time limit SLURM requeues it, the same job id, instead of ending it.
+
+    Its ``--time`` is one train job plus its last pass (see verify_manifest's contract), while train may requeue
+    itself ``launcher.max_num_timeout`` times: requeued, the committer lives on beside it (submitit's countdown
+    bounds the requeues; a preemption requeues it anyway), and the jobs queued after it (``afterok``) still
+    wait for it, also when no launcher is watching (``launcher.wait=false``). A requeued committer starts again
+    as after a kill: it finishes an interrupted commit, then commits each staged step."""
+
+    def __call__(
+        self, stage: str, cfg: PipelineConfig, run_dir: str, attempt: str, beside: JobRef | None = None
+    ) -> dict[str, object]:
+        return task_entry(stage, cfg, run_dir, attempt, beside)
 
 
 def rendezvous_port(job_id: str) -> int:
@@ -185,11 +209,9 @@ class SubmititLauncher(Launcher):
             **submitit_parameters(job.contract, job.tasks, job.resources, self.cfg, job.layout.run_id, dependency)
         )
         if self.cluster == "local":
-            # The job controller shares our terminal; its own stderr (a KeyboardInterrupt traceback when a
-            # terminal's Ctrl-C reaches the whole process group) goes to the stage's log folder instead.
             folder.mkdir(parents=True, exist_ok=True)
-            controller_log = shlex.quote(str(folder / "controller.err"))
-            executor.update_parameters(local_setup=[f"exec 2>>{controller_log}"])
+            controller_log = shlex.quote(str(folder / "controller.err"))  # its own stderr: not the terminal's
+            executor.update_parameters(local_setup=[*LOCAL_JOB_SETUP, f"exec 2>>{controller_log}"])
         return executor
 
     def submit(self, job: StageJob, after: Sequence[tuple[str, JobHandle]] = ()) -> SubmititHandle:
@@ -199,9 +221,12 @@ class SubmititLauncher(Launcher):
         folder = job.layout.logs / job.stage
         pickles = set(folder.glob("*.pkl")) if folder.is_dir() else set()
         children = {p.pid for p in psutil.Process().children()}
+        entry = task_entry
+        if self.chains and job.contract.beside is not None:
+            entry = RequeuedAtTimeLimit()
         try:
             executor = self.executor(job, after)
-            sjob = executor.submit(task_entry, job.stage, job.cfg, str(job.layout.run_dir), job.attempt, job.beside)
+            sjob = executor.submit(entry, job.stage, job.cfg, str(job.layout.run_dir), job.attempt, job.beside)
         except OSError as e:
             _undo_submit(folder, pickles, children)
             mount, free = free_space(folder)
@@ -216,6 +241,10 @@ class SubmititLauncher(Launcher):
             raise StageFailedError(
                 f"sbatch refused stage {job.stage}: {why}; check launcher.* and launcher.stages.{job.stage}.*"
             ) from None
+        except BaseException:  # an interrupt mid-submit: a controller it may have started is not left behind
+            if self.cluster == "local":
+                _undo_submit(folder, pickles, children)
+            raise
         return SubmititHandle(self, sjob, job)
 
     def cancel(self, sjob: Any, wait: bool = True) -> None:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import submitit
 
-from launchers.resources import sbatch_lines
-from launchers.submitit_launcher import rendezvous_port
+from launchers.resources import sbatch_lines, submitit_parameters
+from launchers.submitit_launcher import RequeuedAtTimeLimit, SubmititLauncher, rendezvous_port, task_entry
 from pipeline.config.compose import load_config
 from pipeline.errors import ConfigError
 from pipeline.orchestration.plan import make_plan
+from pipeline.orchestration.supervise import StageJob
 from pipeline.storage.layout import RunLayout
 
 needs_srun = pytest.mark.skipif(
@@ -121,3 +123,47 @@ def test_dry_run_without_srun_says_so_instead_of_a_traceback(tmp_path: Path, mon
     monkeypatch.setattr(resources.shutil, "which", lambda _name: None)
     lines = _lines(tmp_path, "train")
     assert len(lines) == 1 and "submitit writes them only where srun is on PATH" in lines[0]
+
+
+@pytest.mark.parametrize(("limit", "requeues"), [(2880, 3), (600, 10), (60, 0)])
+def test_committer_asks_for_one_train_job_plus_its_last_pass(tmp_path: Path, limit: int, requeues: int) -> None:
+    """Not train's limit times its requeues (8 days with the defaults: partitions refuse that, or it pends): the
+    committer is requeued at its own limit as train is, and restarted by the launcher if it ends while train runs."""
+    plan = _plan(tmp_path, f"train.time_limit_min={limit}", f"launcher.max_num_timeout={requeues}")
+    committer = next(s for s in plan.stages if s.name == "verify_manifest")
+    assert committer.resources.timeout_min == limit + 30
+    params = submitit_parameters(committer.contract, 1, committer.resources, plan.cfg.launcher, "r", "after:7")
+    assert params["timeout_min"] == limit + 30 and params["slurm_dependency"] == "after:7"
+
+
+@needs_srun
+def test_committer_sbatch_time_is_train_limit_plus_30_minutes(tmp_path: Path) -> None:
+    assert "#SBATCH --time=2910" in _lines(tmp_path, "verify_manifest")
+    assert "#SBATCH --time=630" in _lines(tmp_path, "verify_manifest", "train.time_limit_min=600")
+
+
+def test_on_slurm_the_committer_is_requeued_at_its_time_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit requeues a job at its time limit only if its callable can checkpoint: the committer's can (the
+    same call again, same job id, so the jobs queued after it keep waiting for it); train requeues itself."""
+    submitted: dict[str, object] = {}
+
+    class Executor:
+        def submit(self, fn: object, stage: str, *args: object) -> SimpleNamespace:
+            submitted[stage] = fn
+            return SimpleNamespace(job_id="7", paths=SimpleNamespace(folder=tmp_path))
+
+    monkeypatch.setattr(SubmititLauncher, "executor", lambda self, job, after=(): Executor())
+    plan = _plan(tmp_path)
+    slurm = SubmititLauncher(plan.cfg.launcher, cluster="slurm")
+    for planned in plan.stages:
+        slurm.submit(StageJob.of(planned, plan))
+    committer = submitted.pop("verify_manifest")
+    assert isinstance(committer, RequeuedAtTimeLimit)
+    assert submitted and all(fn is task_entry for fn in submitted.values())
+    call = ("verify_manifest", plan.cfg, "/run", "attempt-1", None)
+    again = committer.checkpoint(*call)
+    assert again.function is committer and again.args == call and not again.kwargs
+    # locally it never outlives train's own limit (the launcher cancels train past it): a plain job
+    local = SubmititLauncher(plan.cfg.launcher, cluster="local")
+    local.submit(StageJob.of(next(s for s in plan.stages if s.name == "verify_manifest"), plan))
+    assert submitted["verify_manifest"] is task_entry

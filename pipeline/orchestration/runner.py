@@ -4,7 +4,8 @@ Order of a launch: decide the run dir and id → take the run's lease → check 
 ``run.yaml`` → record the launch (``run.yaml``, ``.hydra/``) → compute the plan → run its stages one job at a
 time → print a summary. Ctrl-C, SIGTERM and SIGHUP cancel the running job, wait (bounded) until its processes
 are gone, still run the committer so complete staged steps are committed, record the stage as ``interrupted``
-and end with the command that resumes the run.
+and end with the command that resumes the run. How the jobs are driven (and the committer restarted) is
+:mod:`pipeline.orchestration.supervise`.
 """
 
 from __future__ import annotations
@@ -15,76 +16,40 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Protocol
 
 from pipeline.checkpoint.manifest import read_latest
 from pipeline.config.identity import RunRecord, differences, read_run_record, recorded_changes, write_run_record
 from pipeline.config.overrides import carried
 from pipeline.config.schema import STAGE_ALL, PipelineConfig
 from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, VerificationError
-from pipeline.orchestration.contract import JobRef, Resources, StageContract
 from pipeline.orchestration.jobs import ACTIVE_STATES, job_alive, slurm_states
 from pipeline.orchestration.lease import RunLease, read_lease
-from pipeline.orchestration.plan import Plan, PlannedStage, make_plan
-from pipeline.orchestration.progress import StageProgress, commit_lines
-from pipeline.orchestration.records import now_iso, read_record, resume_command, sweep_record_litter, write_record
+from pipeline.orchestration.plan import Plan, make_plan
+from pipeline.orchestration.records import read_record, resume_command, sweep_record_litter
+from pipeline.orchestration.supervise import (
+    Execution,
+    Interrupted,
+    JobLauncher,
+    JobWatch,
+    Say,
+    StageJob,
+    latest_text,
+)
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import write_bytes_atomic
 from pipeline.storage.layout import RunLayout
 
-if TYPE_CHECKING:
-    from launchers.base import JobHandle, Launcher
-
-Say = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class StageJob:
-    """One stage launch: everything a launcher needs, decided by the plan before the job starts."""
-
-    stage: str
-    contract: StageContract
-    cfg: PipelineConfig
-    layout: RunLayout
-    attempt: str
-    tasks: int = 1
-    resources: Resources = field(default_factory=Resources)
-    beside: JobRef | None = None
-    """The job this one runs beside (the committer gets train's), decided by the runner at submission."""
-
-    @staticmethod
-    def of(planned: PlannedStage, plan: Plan, beside: JobRef | None = None) -> StageJob:
-        return StageJob(
-            planned.name,
-            planned.contract,
-            plan.cfg,
-            plan.layout,
-            planned.launch_id,
-            planned.tasks,
-            planned.resources,
-            beside,
-        )
-
-
-class JobWatch(Protocol):
-    """What a launcher reports while it runs a job: the job id once submitted, and a poll per wait tick."""
-
-    def started(self, job_id: str, cluster: str, folder: Path) -> None: ...
-
-    def poll(self) -> None: ...
-
-
-class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not an error of the pipeline
-    """Ctrl-C, SIGTERM or SIGHUP reached the launching process."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        self.exit_code = 128 + signum
-        super().__init__(signal.Signals(signum).name)
-
+__all__ = [  # StageJob, JobWatch and Interrupted live in supervise; launchers, the CLI and tests find them here too
+    "Interrupted",
+    "JobWatch",
+    "StageJob",
+    "check_identity",
+    "new_run_id",
+    "resolve_layout",
+    "run",
+    "status_lines",
+]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -132,7 +97,7 @@ def check_identity(cfg: PipelineConfig, layout: RunLayout) -> RunRecord | None:
 
 def run(
     cfg: PipelineConfig,
-    launcher: Launcher,
+    launcher: JobLauncher,
     say: Say = print,
     *,
     overrides: list[str] | None = None,
@@ -201,195 +166,23 @@ def _write_hydra_file(layout: RunLayout, name: str, text: str) -> None:
     write_bytes_atomic(path, text.encode())
 
 
-class _Watch:
-    def __init__(self, planned: PlannedStage, plan: Plan, lease: RunLease, say: Say) -> None:
-        self.planned, self.lease, self.say = planned, lease, say
-        self.progress = StageProgress(
-            plan.layout, planned.name, planned.launch_id, say, interval_s=plan.cfg.launcher.progress_interval_s
-        )
-
-    def started(self, job_id: str, cluster: str, folder: Path) -> None:
-        self.lease.record_job(self.planned.name, job_id, cluster)
-        self.say(f"     {self.planned.name}: job {job_id}, logs {folder}")
-
-    def poll(self) -> None:
-        self.progress.poll()
-
-
-@dataclass
-class _Active:
-    planned: PlannedStage
-    handle: JobHandle
-    watch: _Watch
-    t0: float
-
-
-class _Execution:
-    """Drives the plan's jobs: submits each once its dependencies allow (all at once, with dependencies, on a
-    chaining launcher such as SLURM), polls them, reports each as it ends, and handles interrupts."""
-
-    def __init__(
-        self, plan: Plan, launcher: Launcher, lease: RunLease, say: Say, after_create: Callable[[], None] | None
-    ):
-        self.plan, self.launcher, self.lease, self.say, self.after_create = plan, launcher, lease, say, after_create
-        self.status: dict[str, str] = {}
-        self.handles: dict[str, JobHandle] = {}
-        self.times: dict[str, float] = {}
-        self.active: list[_Active] = []
-        self.failures: dict[str, PipelineError] = {}
-
-    @property
-    def failure(self) -> PipelineError | None:
-        """The failure of the earliest stage in plan order (the cause; a committer beside a failed train may
-        end, and fail, before the train failure is seen)."""
-        return next((self.failures[s.name] for s in self.plan.stages if s.name in self.failures), None)
-
-    def _ready(self, planned: PlannedStage) -> str:
-        """``go``, ``wait`` (a dependency has not ended, or not started for ``beside``) or ``blocked``."""
-        for need in planned.needs:
-            if self.status.get(need) in ("failed", "not run"):
-                if not planned.contract.after_any:
-                    return "blocked"
-                continue
-            if need not in self.handles:
-                return "wait"
-            if self.launcher.chains or planned.contract.beside == need:
-                continue  # the scheduler holds it until its dependency allows; or it starts beside it
-            if self.status.get(need) != "succeeded" and not (planned.contract.after_any and need in self.status):
-                return "wait"
-        return "go"
-
-    def _submit(self, planned: PlannedStage) -> None:
-        beside = None
-        if planned.contract.beside in self.handles:
-            producer = next(s for s in self.plan.stages if s.name == planned.contract.beside)
-            handle = self.handles[producer.name]
-            beside = JobRef(producer.name, self.launcher.cluster, handle.job_id, producer.launch_id)
-        after = [(planned.dependency_on(n), self.handles[n]) for n in planned.needs if n in self.handles]
-        self.say(planned.describe())
-        watch = _Watch(planned, self.plan, self.lease, self.say)
-        t0 = time.monotonic()
-        try:
-            handle = self.launcher.submit(
-                StageJob.of(planned, self.plan, beside), after if self.launcher.chains else ()
-            )
-        except PipelineError as e:
-            watch.progress.close()
-            self._failed(planned, e)
-            return
-        self.handles[planned.name] = handle
-        watch.started(handle.job_id, self.launcher.cluster, handle.folder)
-        self.active.append(_Active(planned, handle, watch, t0))
-
-    def _failed(self, planned: PlannedStage, e: PipelineError) -> None:
-        self.status[planned.name] = "failed"
-        self.say(f"FAIL {planned.name}: {str(e).splitlines()[0]}")
-        self.failures[planned.name] = e
-
-    def submit_ready(self, todo: list[PlannedStage]) -> None:
-        """Submit, in plan order, every stage whose dependencies allow it now."""
-        while todo:
-            verdict = self._ready(todo[0])
-            if verdict == "wait":
-                return
-            planned = todo.pop(0)
-            if verdict == "blocked":
-                blocked = [n for n in planned.needs if self.status.get(n) in ("failed", "not run")]
-                self.say(f"skip {planned.name}: {', '.join(blocked)} did not succeed")
-                self.status[planned.name] = "not run"
-                continue
-            self._submit(planned)
-
-    def poll(self) -> None:
-        for act in list(self.active):
-            try:
-                done = act.handle.poll()
-            except PipelineError as e:
-                act.handle.cancel()
-                self._end(act, e)
-                continue
-            act.watch.poll()
-            if done:
-                try:
-                    act.handle.outcome()
-                except PipelineError as e:
-                    self._end(act, e)
-                else:
-                    self._end(act, None)
-
-    def _end(self, act: _Active, error: PipelineError | None) -> None:
-        self.active.remove(act)
-        act.watch.progress.close()
-        name = act.planned.name
-        if error is not None:
-            self._failed(act.planned, error)
-            return
-        self.times[name] = time.monotonic() - act.t0
-        seconds = (read_record(self.plan.layout, name) or {}).get("seconds")
-        if self.launcher.chains and isinstance(seconds, (int, float)):  # queued together: time from its record
-            self.times[name] = float(seconds)
-        self.status[name] = "succeeded"
-        self.say(f"done {name} in {self.times[name]:.1f}s")
-        if act.planned.contract.creates_run and self.after_create is not None:
-            self.after_create()
-        summary = (read_record(self.plan.layout, name) or {}).get("summary")
-        if isinstance(summary, dict) and "committed" in summary:
-            for line in commit_lines(self.plan.layout, summary):
-                self.say(f"     {line}")
-
-    def interrupted(self, intr: Interrupted) -> None:
-        """Cancel every job but a committer that runs beside a cancelled job (it commits what was staged and ends
-        by itself once that job is gone); wait for it unless interrupted again; then report and re-raise."""
-        layout = self.plan.layout
-        running = {a.planned.name for a in self.active}
-        committers = [a for a in self.active if a.planned.contract.beside in running]
-        others = [a for a in self.active if a not in committers]
-        for act in reversed(others):  # all at once, the last first: a dependency must not let one start meanwhile
-            act.handle.cancel(wait=False)
-        for act in others:
-            act.handle.cancel()
-            act.watch.progress.close()
-            self.active.remove(act)
-            if layout.stages.is_dir():
-                write_record(layout, act.planned.name, status="interrupted", signal=str(intr), ended=now_iso())
-        names = ", ".join(a.planned.name for a in others) or "nothing running"
-        self.say(f"INTERRUPTED {names} by {intr}: its job was cancelled and its processes are gone")
-        for act in committers:
-            self.say(f"     {act.planned.name} commits the steps staged before the interrupt; interrupt again to skip")
-        try:
-            while self.active:
-                self.poll()
-                time.sleep(self.plan.cfg.launcher.poll_interval_s)
-        except Interrupted:
-            for act in list(self.active):
-                act.handle.cancel()
-                act.watch.progress.close()
-                self.active.remove(act)
-                self.say(f"skip {act.planned.name}: interrupted again")
-        where = others[0].planned.name if others else "the launch"
-        self.say(f"interrupted in {where}; latest = {_latest_text(layout)}; resume: {resume_command(layout)}")
-
-
 def _execute(
-    plan: Plan, launcher: Launcher, say: Say, lease: RunLease, *, after_create: Callable[[], None] | None, t0: float
+    plan: Plan, launcher: JobLauncher, say: Say, lease: RunLease, *, after_create: Callable[[], None] | None, t0: float
 ) -> None:
-    ex = _Execution(plan, launcher, lease, say, after_create)
-    todo: list[PlannedStage] = []
+    ex = Execution(plan, launcher, lease, say, after_create, todo=[s for s in plan.stages if s.runs])
     for planned in plan.stages:
-        if planned.runs:
-            todo.append(planned)
-        else:
+        if not planned.runs:
             say(planned.describe())
             ex.status[planned.name] = "skipped"
     wait = not launcher.chains or bool(getattr(plan.cfg.launcher, "wait", True))
     try:
-        ex.submit_ready(todo)
+        ex.submit_ready()
         if not wait:
             _submitted(plan, ex, say)
             return
-        while todo or ex.active:
+        while ex.todo or ex.active:
             ex.poll()
-            ex.submit_ready(todo)
+            ex.submit_ready()
             if ex.active:
                 time.sleep(plan.cfg.launcher.poll_interval_s)
     except Interrupted as intr:
@@ -400,7 +193,7 @@ def _execute(
         raise ex.failure
 
 
-def _submitted(plan: Plan, ex: _Execution, say: Say) -> None:
+def _submitted(plan: Plan, ex: Execution, say: Say) -> None:
     """``launcher.wait=false`` on SLURM: the chain is in the scheduler's hands; say how to follow it."""
     ids = " ".join(h.job_id for h in ex.handles.values())
     if not ex.handles:
@@ -410,14 +203,6 @@ def _submitted(plan: Plan, ex: _Execution, say: Say) -> None:
         say(f"status:  python -m pipeline.status {plan.layout.run_dir}   (or: squeue -j {ids.replace(' ', ',')})")
     if ex.failure is not None:
         raise ex.failure
-
-
-def _latest_text(layout: RunLayout) -> str:
-    try:
-        latest = read_latest(layout) if layout.latest.exists() else None
-    except (VerificationError, OSError, ValueError) as e:
-        return f"unreadable ({e})"
-    return f"step {latest.step}" if latest else "none"
 
 
 def _summarize(plan: Plan, times: dict[str, float], t0: float, say: Say, *, failed: bool) -> None:
@@ -435,7 +220,7 @@ def _summarize(plan: Plan, times: dict[str, float], t0: float, say: Say, *, fail
         if layout.export_step(latest.step).exists():
             say(f"export:   {layout.export_step(latest.step)}")
     if failed:
-        say(f"failed; latest = {_latest_text(layout)}; after fixing the cause, resume: {resume_command(layout)}")
+        say(f"failed; latest = {latest_text(layout)}; after fixing the cause, resume: {resume_command(layout)}")
     elif latest is not None and latest.step < cfg.train.steps and cfg.stage == STAGE_ALL and not cfg.import_.source:
         say(f"stopped at step {latest.step} of {cfg.train.steps}; resume: {resume_command(layout)}")
 
@@ -457,5 +242,5 @@ def status_lines(plan: Plan) -> list[str]:
         rec = read_record(layout, planned.name) or {}
         last = f"{rec.get('status')} {rec.get('ended') or rec.get('started') or ''}".strip() if rec else "never ran"
         lines.append(f"  {planned.name:16} last: {last:32} next launch: {planned.describe().split(' ', 1)[0]}")
-    lines.append(f"latest: {_latest_text(layout)}")
+    lines.append(f"latest: {latest_text(layout)}")
     return lines

@@ -38,12 +38,10 @@ CONTRACT = StageContract(
     resources=Resources(cpus_per_task=1, mem_gb=2, timeout_min=30),
     after_any=True,
     beside="train",
-    # Beside train it lives as long as train and its requeues, plus its own last pass.
-    sized_by=lambda cfg: Resources(
-        cpus_per_task=1,
-        mem_gb=2,
-        timeout_min=cfg.train.time_limit_min * (1 + getattr(cfg.launcher, "max_num_timeout", 0)) + 30,
-    ),
+    # Beside train: one train job plus its own last pass, not train's limit times its requeues (days that
+    # partitions refuse). On SLURM it is requeued at its limit, as train is; and the launcher starts it again
+    # when it ends while train runs (launchers/submitit_launcher.py, pipeline/orchestration/supervise.py).
+    sized_by=lambda cfg: Resources(cpus_per_task=1, mem_gb=2, timeout_min=cfg.train.time_limit_min + 30),
 )
 PRODUCER = CONTRACT.needs[0]
 """The stage whose staged steps this one commits (train): its record gives the attempt and liveness."""
