@@ -26,7 +26,6 @@ from pipeline.config.identity import kept_global_batch
 from pipeline.config.overrides import check_hydra_overrides, find_run, merge, parse, value_of
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, register_configs, schema_key
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.orchestration.estimate import bytes_written
 from pipeline.orchestration.plan import Plan, make_plan
 from pipeline.orchestration.progress import format_bytes
 from pipeline.orchestration.runner import Interrupted, check_identity, new_run_id, status_lines
@@ -173,7 +172,7 @@ def _print_plan(p: Prepared) -> None:
             continue
         c = planned.contract
         print(f"       reads:  {c.reads}")
-        print(f"       writes: {c.produces} (about {format_bytes(bytes_written(planned.name, p.cfg))})")
+        print(f"       writes: {c.produces} (about {format_bytes(c.bytes_written(p.cfg))})")
         if p.cfg.launcher.kind == "slurm":
             for line in sbatch_lines(planned, p.plan):
                 print(f"       {line}")

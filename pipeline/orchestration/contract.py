@@ -63,6 +63,18 @@ class StageContract:
     beside: str | None = None
     """The stage this one runs beside (the committer beside train): both start together (SLURM ``after``),
     this one watches the other's job and finishes after it ends. Launched whenever that stage is."""
+    writes_bytes: Callable[[PipelineConfig], int] | None = None
+    """About how many bytes the stage writes for the whole run (``dry_run``'s estimate); None: small records."""
+    reports_progress: bool = False
+    """Its rank 0 appends progress events to ``metrics.jsonl`` that the launching process shows (train)."""
+    check_before_launch: bool = False
+    """Its inputs are checked in the launching process before any job is submitted (an import source that
+    cannot be read is refused up front, not after prepare_dirs)."""
+    optional: bool = False
+    """Part of some runs only (the import): status lists it only once it has a record."""
+
+    def bytes_written(self, cfg: PipelineConfig) -> int:
+        return self.writes_bytes(cfg) if self.writes_bytes is not None else 4096  # a record
 
     def num_tasks(self, cfg: PipelineConfig) -> int:
         return cfg.strategy.world_size if self.distributed else 1

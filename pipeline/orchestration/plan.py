@@ -202,5 +202,6 @@ def check_machine(plan: Plan) -> None:
         check_backend(cfg.strategy)
     if any(s.contract.distributed for s in to_run):
         rank_batch_size(cfg.train, cfg.strategy.world_size)
-    if any(s.name == "import_checkpoint" for s in to_run):  # a source that cannot be read is refused up front
-        get_stage("import_checkpoint").check_inputs(cfg, plan.layout)
+    for s in to_run:
+        if s.contract.check_before_launch:  # e.g. an import source that cannot be read is refused up front
+            get_stage(s.name).check_inputs(cfg, plan.layout)

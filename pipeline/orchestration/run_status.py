@@ -23,7 +23,7 @@ from pipeline.orchestration import jobs
 from pipeline.orchestration.lease import read_lease
 from pipeline.orchestration.progress import format_bytes, format_duration
 from pipeline.orchestration.records import pid_alive, resume_command, stage_alive
-from pipeline.stages import ORDER
+from pipeline.stages import ORDER, get_stage
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.integrity import lstat_kind, read_record_json
 from pipeline.storage.layout import CheckpointLayout, RunLayout, parse_step
@@ -233,7 +233,7 @@ def collect(layout: RunLayout) -> Status:
     default_cluster = str(launcher.get("kind", "local")) if isinstance(launcher, dict) else "local"
     world_size = strategy.get("world_size") if isinstance(strategy, dict) else None
     # A training run never imports: its import stage (which has no record then) is not listed.
-    shown = [s for s in ORDER if s != "import_checkpoint" or layout.stage_record(s).exists()]
+    shown = [s for s in ORDER if not get_stage(s).CONTRACT.optional or layout.stage_record(s).exists()]
     stages = [_stage(layout, s, clusters, default_cluster) for s in shown]
     slurm_ids = [j["job_id"] for j in lease_jobs if j.get("cluster") == "slurm"]
     slurm_ids += [str(s["job_id"]) for s in stages if s.get("cluster") == "slurm" and s.get("job_id")]

@@ -28,6 +28,7 @@ from pipeline.orchestration.contract import Resources, StageContract, TaskContex
 from pipeline.orchestration.records import resume_command
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RunLayout
+from pipeline.workload.size import parameters
 
 CONTRACT = StageContract(
     name="consolidate",
@@ -36,6 +37,7 @@ CONTRACT = StageContract(
     produces="consolidated/step_N/model.safetensors",
     marker="consolidated/step_N/consolidated.json",
     resources=Resources(cpus_per_task=1, mem_gb=4, timeout_min=60),
+    writes_bytes=lambda cfg: parameters(cfg) * 4,
 )
 
 MARKER = CONSOLIDATED_MARKER

@@ -36,6 +36,7 @@ from pipeline.storage.atomic import read_json, write_json_atomic
 from pipeline.storage.layout import RunLayout, step_name
 from pipeline.workload.data import load_tokenizer
 from pipeline.workload.model import llama_config
+from pipeline.workload.size import DTYPE_BYTES, parameters
 
 CONTRACT = StageContract(
     name="export",
@@ -44,6 +45,7 @@ CONTRACT = StageContract(
     produces="export/step_N/ (HF layout: sharded safetensors + index, config.json, tokenizer, provenance.json)",
     marker="export/step_N/provenance.json",
     resources=Resources(cpus_per_task=1, mem_gb=4, timeout_min=60),
+    writes_bytes=lambda cfg: parameters(cfg) * DTYPE_BYTES.get(cfg.export.dtype, 4),
 )
 
 MARKER = "provenance.json"

@@ -36,6 +36,8 @@ CONTRACT = StageContract(
     produces="checkpoints/staging/step_N/: copied files + one rank_K.done.json per rank of the source",
     marker="step committed, or staged with every marker of an import attempt",
     resources=Resources(cpus_per_task=1, mem_gb=4, timeout_min=120),
+    check_before_launch=True,
+    optional=True,
 )
 
 log = logging.getLogger(__name__)

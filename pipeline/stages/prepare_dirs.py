@@ -28,6 +28,7 @@ CONTRACT = StageContract(
     marker="run.yaml + assets/assets.json",
     resources=Resources(cpus_per_task=1, mem_gb=2, timeout_min=10),
     creates_run=True,
+    writes_bytes=lambda cfg: cfg.data.num_documents * cfg.data.seq_len * 8,  # corpus, tokens, tokenizer
 )
 
 ASSETS_MARKER = "assets.json"

@@ -43,6 +43,7 @@ from pipeline.strategies import trainer as strategy
 from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
 from pipeline.strategies.trainer import Trainer
 from pipeline.workload.data import DataPosition, SampleStream
+from pipeline.workload.size import checkpoint_bytes, final_step, is_save_step, save_count
 
 CONTRACT = StageContract(
     name="train",
@@ -51,6 +52,8 @@ CONTRACT = StageContract(
     produces="checkpoints/staging/step_N/ via shard-save",
     marker="final step committed, or staged with all rank markers",
     distributed=True,
+    writes_bytes=lambda cfg: save_count(cfg) * checkpoint_bytes(cfg),
+    reports_progress=True,
     sized_by=lambda cfg: Resources(
         cpus_per_task=1,
         mem_gb=4,
@@ -66,15 +69,6 @@ _COMMITTER_START_S = 60.0
 PROBE_ENV = "PIPELINE_PROBE_FILE"
 """Tests set it to a path: rank 0 writes the trained model's logits on a fixed probe there (what an export must
 reproduce). Never part of the stage record."""
-
-
-def final_step(cfg: PipelineConfig) -> int:
-    stop = cfg.train.stop_after_step
-    return cfg.train.steps if stop is None else min(stop, cfg.train.steps)
-
-
-def is_save_step(cfg: PipelineConfig, step: int) -> bool:
-    return step % cfg.checkpoint.every == 0 or step == cfg.train.steps or step == final_step(cfg)
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:

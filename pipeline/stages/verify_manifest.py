@@ -28,6 +28,7 @@ from pipeline.orchestration.jobs import LOCAL_CLUSTERS, job_alive
 from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
 from pipeline.storage.integrity import is_real_dir
 from pipeline.storage.layout import RunLayout
+from pipeline.workload.size import RECORD_BYTES, save_count
 
 CONTRACT = StageContract(
     name="verify_manifest",
@@ -38,6 +39,7 @@ CONTRACT = StageContract(
     resources=Resources(cpus_per_task=1, mem_gb=2, timeout_min=30),
     after_any=True,
     beside="train",
+    writes_bytes=lambda cfg: RECORD_BYTES * (1 + save_count(cfg)),  # manifests and latest
     # Beside train: one train job plus its own last pass, not train's limit times its requeues (days that
     # partitions refuse). On SLURM it is requeued at its limit, as train is; and the launcher starts it again
     # when it ends while train runs (launchers/submitit_launcher.py, pipeline/orchestration/supervise.py).
