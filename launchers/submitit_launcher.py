@@ -203,14 +203,14 @@ class SubmititLauncher(Launcher):
         kwargs: dict[str, Any] = {}
         if isinstance(self.cfg, SlurmLauncherConfig):
             kwargs["slurm_max_num_timeout"] = self.cfg.max_num_timeout
-        executor = submitit.AutoExecutor(folder=folder / "%j", cluster=self.cluster, **kwargs)
+        executor = submitit.AutoExecutor(folder=folder / JOB_FOLDER, cluster=self.cluster, **kwargs)
         dependency = ",".join(f"{kind}:{handle.job_id}" for kind, handle in after)
         executor.update_parameters(
             **submitit_parameters(job.contract, job.tasks, job.resources, self.cfg, job.layout.run_id, dependency)
         )
         if self.cluster == "local":
             folder.mkdir(parents=True, exist_ok=True)
-            controller_log = shlex.quote(str(folder / "controller.err"))  # its own stderr: not the terminal's
+            controller_log = shlex.quote(str(folder / CONTROLLER_LOG))  # its own stderr: not the terminal's
             executor.update_parameters(local_setup=[*LOCAL_JOB_SETUP, f"exec 2>>{controller_log}"])
         return executor
 
@@ -245,6 +245,7 @@ class SubmititLauncher(Launcher):
             if self.cluster == "local":
                 _undo_submit(folder, pickles, children)
             raise
+        _drop_empty(folder / JOB_FOLDER)
         return SubmititHandle(self, sjob, job)
 
     def cancel(self, sjob: Any, wait: bool = True) -> None:
@@ -286,6 +287,7 @@ class SubmititLauncher(Launcher):
                 with contextlib.suppress(Exception):
                     sjob.task(task).result()
         ended = outcomes(sjob, job.tasks)
+        _drop_empty(job.layout.logs / job.stage / CONTROLLER_LOG)  # the job has ended: its controller too
         if any(t.status != "succeeded" for t in ended):
             raise StageFailedError(failure_message(job.stage, str(sjob.job_id), ended, Path(str(sjob.paths.folder))))
 
@@ -293,6 +295,23 @@ class SubmititLauncher(Launcher):
     def _logs(sjob: Any) -> list[Path]:
         folder = Path(str(sjob.paths.folder))
         return list(folder.glob("*_log.err")) if folder.is_dir() else []
+
+
+JOB_FOLDER = "%j"
+"""submitit's job folder pattern (the scheduler's job id); submitit also makes it literally, empty."""
+CONTROLLER_LOG = "controller.err"
+"""A local stage's job controllers' own stderr (not the terminal's); removed again while empty."""
+
+
+def _drop_empty(*paths: Path) -> None:
+    """Remove what is there only by accident when it is empty: the literal ``%j`` folder submitit makes, an
+    empty controller log. ``rmdir`` refuses a folder with anything in it; a file is checked empty first."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            elif path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
+                clear_file(path)
 
 
 def _undo_submit(folder: Path, pickles: set[Path], children: set[int]) -> None:

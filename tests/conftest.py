@@ -58,18 +58,19 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
     )
 
 
-PROBE_FILE = "probe.json"
-"""Where a test asks train's rank 0 to write its probe logits (``PIPELINE_PROBE_FILE``, set by :func:`probe_env`)."""
+def probe_file(root: Path, run_id: str) -> Path:
+    """Where a test asks train's rank 0 to write its probe logits (``PIPELINE_PROBE_FILE``): beside the runs."""
+    return root / f"probe-{run_id}.json"
 
 
-def probe_env(root: Path) -> dict[str, str]:
-    """The environment that makes train write the trained model's probe logits to ``root / PROBE_FILE``."""
-    return {"PIPELINE_PROBE_FILE": str(root / PROBE_FILE)}
+def probe_env(path: Path) -> dict[str, str]:
+    """The environment that makes train write the trained model's probe logits to ``path``."""
+    return {"PIPELINE_PROBE_FILE": str(path)}
 
 
-def read_probe(root: Path) -> dict[str, Any]:
+def read_probe(path: Path) -> dict[str, Any]:
     """The probe train wrote under :func:`probe_env` (input ids, logits shape and values)."""
-    return json.loads((root / PROBE_FILE).read_text())
+    return json.loads(path.read_text())
 
 
 def train_losses(layout: RunLayout, attempt: str | None = None) -> dict[str, float]:

@@ -453,7 +453,7 @@ def test_pipeline_trains_commits_and_exports_with_nvme_offload(nvme_available: N
     from pipeline.checkpoint.manifest import read_latest, read_manifest
     from pipeline.storage.atomic import read_json
     from pipeline.storage.layout import RunLayout
-    from tests.conftest import probe_env, read_probe, run_cli
+    from tests.conftest import probe_env, probe_file, read_probe, run_cli
 
     proc = run_cli(
         "+experiment=tiny",
@@ -467,7 +467,7 @@ def test_pipeline_trains_commits_and_exports_with_nvme_offload(nvme_available: N
         "model.hidden_size=256",  # ~2 M params: the one sub-group holds > 1 MiB per rank, so it is swapped
         "model.intermediate_size=1024",
         timeout=1800,
-        env=probe_env(tmp_path),
+        env=probe_env(probe_file(tmp_path, "nvme")),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     layout = RunLayout.for_run(tmp_path / "runs", "tiny", "nvme")
@@ -488,7 +488,7 @@ def test_pipeline_trains_commits_and_exports_with_nvme_offload(nvme_available: N
         }
         assert set(offloaded) <= {f.path for f in manifest.files}
     _zero_to_fp32_fails(step_dir, tmp_path / "ds_out")
-    probe = read_probe(tmp_path)
+    probe = read_probe(probe_file(tmp_path, "nvme"))
     from transformers import AutoModelForCausalLM
 
     export = layout.export_step(8)

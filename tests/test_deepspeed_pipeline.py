@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.storage.atomic import read_json
 from pipeline.storage.layout import RunLayout
-from tests.conftest import probe_env, read_probe, run_cli
+from tests.conftest import probe_env, probe_file, read_probe, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -27,7 +27,7 @@ EXPECTED_FILES = {
 
 def _run(root: Path, run_id: str, *extra: str) -> str:
     args = ("+experiment=tiny", f"run.root={root}", f"run.id={run_id}", "run.create=true", *extra)
-    proc = run_cli(*args, env=probe_env(root / run_id))
+    proc = run_cli(*args, env=probe_env(probe_file(root, run_id)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -72,7 +72,7 @@ def test_zero_stage_runs_end_to_end(tmp_path: Path, stage: int) -> None:
     assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours)
 
     # The export reproduces the trained engine's logits (computed by the engine at the end of training).
-    probe = read_probe(tmp_path / layout.run_id)
+    probe = read_probe(probe_file(tmp_path, layout.run_id))
     want = torch.tensor(probe["logits"]).view(probe["shape"])
     got = _export_logits(layout.export_step(8), probe["input_ids"], torch.float32)
     assert torch.equal(got, want)
@@ -93,7 +93,7 @@ def test_bf16_zero3_exports_the_engines_logits(tmp_path: Path) -> None:
     assert any(f.path.startswith("bf16_zero_pp_rank_") for f in manifest.files)
     ours = load_file(str(layout.consolidated_step(8) / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in ours.values()), "consolidation keeps the fp32 master weights"
-    probe = read_probe(tmp_path / layout.run_id)
+    probe = read_probe(probe_file(tmp_path, layout.run_id))
     want = torch.tensor(probe["logits"]).view(probe["shape"])
     got = _export_logits(layout.export_step(8), probe["input_ids"], torch.bfloat16)
     assert torch.equal(got, want), f"max diff {(got - want).abs().max()}"

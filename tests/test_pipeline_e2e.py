@@ -47,6 +47,18 @@ def test_run_prints_where_results_are(ddp_run: tuple[Path, str]) -> None:
     assert f"export:   {layout.export_step(8)}" in out
 
 
+def test_logs_hold_job_folders_only_no_literal_percent_j_or_empty_controller_log(ddp_run: tuple[Path, str]) -> None:
+    layout = _layout(ddp_run[0], "ddp")
+    stage_logs = [p for p in layout.logs.iterdir() if p.name != "leases"]
+    assert stage_logs, "every stage that ran has its log folder"
+    for stage in stage_logs:
+        names = {p.name for p in stage.iterdir()}
+        assert "%j" not in names, f"{stage}: submitit's literal %j folder was left behind"
+        log = stage / "controller.err"
+        assert not log.exists() or log.stat().st_size > 0, f"{log} is empty: nothing to keep"
+        assert any(p.is_dir() and p.name.isdigit() for p in stage.iterdir()), f"{stage}: no job folder"
+
+
 def test_manifest_matches_files_and_latest_is_committed(ddp_run: tuple[Path, str]) -> None:
     layout = _layout(ddp_run[0], "ddp")
     latest = read_latest(layout)
@@ -124,8 +136,9 @@ def test_status_shows_owner_records_and_latest(ddp_run: tuple[Path, str]) -> Non
     root, _ = ddp_run
     proc = run_cli(f"run.root={root}", "run.id=ddp", "status=true")
     assert proc.returncode == 0, proc.stderr
-    assert "owner: none" in proc.stdout and "latest: step 8" in proc.stdout
-    assert "  train            last: succeeded" in proc.stdout
+    assert "owner:      none" in proc.stdout and "latest: step 8" in proc.stdout
+    assert re.search(r"^  train +succeeded ", proc.stdout, re.M), proc.stdout  # the same view as pipeline.status
+    assert "next launch:" in proc.stdout and "skip train:" in proc.stdout
 
 
 def test_continue_refuses_identity_change_and_unknown_ids(ddp_run: tuple[Path, str]) -> None:

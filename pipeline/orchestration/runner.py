@@ -22,11 +22,12 @@ from pipeline.checkpoint.manifest import read_latest
 from pipeline.config.identity import RunRecord, differences, read_run_record, recorded_changes, write_run_record
 from pipeline.config.overrides import carried
 from pipeline.config.schema import STAGE_ALL, PipelineConfig
-from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, VerificationError
+from pipeline.errors import ConfigError, RunNotFoundError, VerificationError
 from pipeline.orchestration.jobs import ACTIVE_STATES, job_alive, slurm_states
-from pipeline.orchestration.lease import RunLease, read_lease
+from pipeline.orchestration.lease import RunLease
 from pipeline.orchestration.plan import Plan, make_plan
-from pipeline.orchestration.records import read_record, resume_command, sweep_record_litter
+from pipeline.orchestration.records import resume_command, sweep_record_litter
+from pipeline.orchestration.run_status import collect, render
 from pipeline.orchestration.supervise import (
     Execution,
     Interrupted,
@@ -226,21 +227,9 @@ def _summarize(plan: Plan, times: dict[str, float], t0: float, say: Say, *, fail
 
 
 def status_lines(plan: Plan) -> list[str]:
-    """The ``status=true`` view: who owns the run, each stage's last record and what a launch would do now."""
-    layout = plan.layout
-    lines = [f"run {layout.run_id}: {layout.run_dir}"]
-    try:
-        lease = read_lease(layout)
-    except PipelineError as e:
-        lease, lines = None, [*lines, f"lease: {e}"]
-    if lease is not None:
-        jobs = ", ".join(f"{j['stage']}={j['job_id']}" for j in lease.get("jobs", [])) or "none yet"
-        lines.append(f"owner: pid {lease['pid']} on {lease['host']} since {lease['started']} (jobs: {jobs})")
-    else:
-        lines.append("owner: none (no launch is running)")
-    for planned in plan.stages:
-        rec = read_record(layout, planned.name) or {}
-        last = f"{rec.get('status')} {rec.get('ended') or rec.get('started') or ''}".strip() if rec else "never ran"
-        lines.append(f"  {planned.name:16} last: {last:32} next launch: {planned.describe().split(' ', 1)[0]}")
-    lines.append(f"latest: {latest_text(layout)}")
+    """The ``status=true`` view: ``python -m pipeline.status``'s (one view of a run), plus what a launch would
+    do now (the plan, computed once for this launch)."""
+    lines = render(collect(plan.layout))
+    lines.append("next launch:")
+    lines += [f"  {planned.describe()}" for planned in plan.stages]
     return lines
