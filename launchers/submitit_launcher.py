@@ -287,7 +287,8 @@ class SubmititLauncher(Launcher):
                 with contextlib.suppress(Exception):
                     sjob.task(task).result()
         ended = outcomes(sjob, job.tasks)
-        _drop_empty(job.layout.logs / job.stage / CONTROLLER_LOG)  # the job has ended: its controller too
+        # The job has ended, its controller too (which makes the literal %j folder again when it starts).
+        _drop_empty(job.layout.logs / job.stage / CONTROLLER_LOG, job.layout.logs / job.stage / JOB_FOLDER)
         if any(t.status != "succeeded" for t in ended):
             raise StageFailedError(failure_message(job.stage, str(sjob.job_id), ended, Path(str(sjob.paths.folder))))
 
@@ -298,7 +299,8 @@ class SubmititLauncher(Launcher):
 
 
 JOB_FOLDER = "%j"
-"""submitit's job folder pattern (the scheduler's job id); submitit also makes it literally, empty."""
+"""submitit's job folder pattern (the scheduler's job id); submitit's executor and local controller also make it
+literally, empty."""
 CONTROLLER_LOG = "controller.err"
 """A local stage's job controllers' own stderr (not the terminal's); removed again while empty."""
 

@@ -34,6 +34,8 @@ from pipeline.storage.layout import RunLayout, restrict_umask
 
 _INFO_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion")
 _exit_codes: list[int] = []
+_launch: list[Prepared] = []
+"""The one launch the checks prepared (not a sweep): Hydra's task uses its typed config and plan."""
 
 
 @dataclass(frozen=True)
@@ -115,9 +117,11 @@ def _hydra_task(dcfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     try:
-        cfg = to_typed(dcfg)
         run_dir = Path(hc.runtime.output_dir).resolve()
-        cfg.run.id = run_dir.name
+        prepared = next((p for p in _launch if p.plan.layout.run_dir == run_dir), None)
+        cfg = prepared.cfg if prepared is not None else to_typed(dcfg)  # composed and typed once per launch
+        if cfg.run.id is None:  # a sweep point: its dir was made by the pipeline_new_run_dir resolver
+            cfg.run.id = run_dir.name
         if RunLayout.for_run(cfg.run.root, cfg.experiment, cfg.run.id).run_dir != run_dir:
             raise ConfigError(f"hydra's run dir {run_dir} is not <run.root>/<experiment>/<run.id>")
         overrides = [str(o) for o in hc.overrides.task]
@@ -126,7 +130,8 @@ def _hydra_task(dcfg: DictConfig) -> None:
             "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)})),
             "overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(overrides)),
         }
-        runner.run(cfg, make_launcher(cfg.launcher), overrides=overrides, hydra_files=files)
+        planned = prepared.plan if prepared is not None else None
+        runner.run(cfg, make_launcher(cfg.launcher), overrides=overrides, hydra_files=files, planned=planned)
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         _exit_codes.append(e.exit_code)
@@ -207,6 +212,7 @@ def main(argv: list[str]) -> int:
         if prepared.cfg.dry_run:
             _print_plan(prepared)
             return 0
+        _launch[:] = [prepared]
         return _call_hydra([*flags, *prepared.overrides])
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,6 +131,38 @@ def test_continue_needs_only_the_run_id(ddp_run: tuple[Path, str]) -> None:
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert f"run ddp: {layout.run_dir}" in proc.stdout and "skip export:" in proc.stdout
     assert snapshot(layout.run_dir) == before
+
+
+def test_a_rerun_composes_and_plans_once_and_hashes_the_committed_step_once(
+    ddp_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline import cli
+    from pipeline.checkpoint import committer, manifest
+    from pipeline.config import compose
+    from pipeline.orchestration import plan, runner
+
+    calls = {"compose": 0, "make_plan": 0, "verify_committed": 0}
+
+    def counted(name: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    for mod, name, key in (
+        (plan, "make_plan", "make_plan"),
+        (runner, "make_plan", "make_plan"),
+        (cli, "make_plan", "make_plan"),
+        (compose, "compose_dict", "compose"),  # load_config's composition
+        (cli, "to_typed", "compose"),  # Hydra's task typing its own composition again
+        (manifest, "verify_committed", "verify_committed"),
+        (committer, "verify_committed", "verify_committed"),
+    ):
+        monkeypatch.setattr(mod, name, counted(key, getattr(mod, name)))
+    root, _ = ddp_run
+    assert cli.main([f"run.root={root}", "run.id=ddp"]) == 0, capsys.readouterr()
+    assert calls == {"compose": 1, "make_plan": 1, "verify_committed": 1}, calls
 
 
 def test_status_shows_owner_records_and_latest(ddp_run: tuple[Path, str]) -> None:

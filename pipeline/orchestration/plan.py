@@ -17,6 +17,7 @@ from pipeline.config.schema import STAGE_ALL, PipelineConfig, rank_batch_size
 from pipeline.errors import ConfigError, RunNotFoundError, plural
 from pipeline.orchestration.contract import Resources, StageContract
 from pipeline.stages import INSIDE, ORDER, get_stage
+from pipeline.storage.integrity import mtimes_ns
 from pipeline.storage.layout import RunLayout
 from pipeline.strategies.devices import check_backend
 
@@ -71,6 +72,12 @@ class Plan:
     cfg: PipelineConfig
     layout: RunLayout
     stages: tuple[PlannedStage, ...]
+    state: tuple[int, ...] = ()
+    """:func:`run_state` when the skips were decided: the plan still holds while it is unchanged."""
+
+    def still_holds(self) -> bool:
+        """Nothing the skips were read from changed since (a launch's checks, then its lease: planned once)."""
+        return bool(self.state) and self.state == run_state(self.layout)
 
     def describe(self) -> list[str]:
         return [s.describe() for s in self.stages]
@@ -147,8 +154,17 @@ def followed(contract: StageContract) -> tuple[str, ...]:
     return tuple(n for n in ORDER if n in names)
 
 
+def run_state(layout: RunLayout) -> tuple[int, ...]:
+    """A stamp of what stages' ``is_done`` read: the run's managed areas' mtimes (every job, commit, output and
+    record changes one of them by a rename or an unlink)."""
+    areas = [layout.stages, layout.checkpoints, layout.staging, layout.consolidated, layout.export]  # not the run
+    # dir itself: the launch's own lease and logs land there before it looks again
+    return mtimes_ns([*areas, layout.latest, layout.run_yaml, layout.assets])
+
+
 def make_plan(cfg: PipelineConfig, layout: RunLayout) -> Plan:
     """Decide every stage (reads the run dir, writes nothing) and refuse what cannot work here."""
+    state = run_state(layout)
     running: list[str] = []
     planned: list[PlannedStage] = []
     exists = layout.run_dir.is_dir()
@@ -172,7 +188,7 @@ def make_plan(cfg: PipelineConfig, layout: RunLayout) -> Plan:
                 skip=skip,
             )
         )
-    plan = Plan(cfg=cfg, layout=layout, stages=tuple(planned))
+    plan = Plan(cfg=cfg, layout=layout, stages=tuple(planned), state=state)
     check_machine(plan)
     return plan
 

@@ -103,10 +103,13 @@ def run(
     *,
     overrides: list[str] | None = None,
     hydra_files: dict[str, str] | None = None,
+    planned: Plan | None = None,
 ) -> RunLayout:
-    """Launch the pipeline for ``cfg`` (raises the first failure, or :class:`Interrupted`)."""
+    """Launch the pipeline for ``cfg`` (raises the first failure, or :class:`Interrupted`). ``planned``: the plan
+    the launch's checks made (the CLI's), used when nothing changed in the run since: one plan per launch."""
     layout = resolve_layout(cfg)
-    cfg.run.id = layout.run_id  # decided once, here; every job receives it
+    if cfg.run.id is None:
+        cfg.run.id = layout.run_id  # decided once, here (the CLI decides it before, in its checks)
     t0 = time.monotonic()
     with interrupts_raise():
         layout.run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,8 +117,9 @@ def run(
         command = [sys.executable, "-m", "pipeline", *sys.argv[1:]]
         with RunLease.acquire(layout, command=command, say=say, job_state=job_alive) as lease:
             record = check_identity(cfg, layout)
+            holds = planned is not None and planned.layout == layout and planned.still_holds()
             sweep_record_litter(layout)  # we hold the lease: no task of this run is alive to be writing
-            plan = make_plan(cfg, layout)
+            plan = planned if holds and planned is not None else make_plan(cfg, layout)
             if any(s.runs for s in plan.stages):  # a launch that runs nothing writes nothing, not even .hydra/
                 for name, text in (hydra_files or {}).items():
                     _write_hydra_file(layout, name, text)

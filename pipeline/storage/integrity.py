@@ -45,6 +45,18 @@ def lstat_kind(path: Path | str) -> str | None:
     return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
 
 
+def mtimes_ns(paths: Sequence[Path]) -> tuple[int, ...]:
+    """Each path's own modification time in ns (never through a link; -1 when missing): a cheap stamp of what
+    a set of directories held, since every publish, commit, record and removal renames or unlinks in one."""
+    out = []
+    for path in paths:
+        try:
+            out.append(os.lstat(path).st_mtime_ns)
+        except (FileNotFoundError, NotADirectoryError):
+            out.append(-1)
+    return tuple(out)
+
+
 def is_real_dir(path: Path) -> bool:
     """A directory, not a symlink to one: how every managed area of a run dir is checked."""
     return lstat_kind(path) == "dir"
