@@ -2,9 +2,9 @@
 
 Field docs are the attribute docstrings under each dataclass field in :mod:`pipeline.config.schema`. Python
 drops those at runtime, so they are read from the source with :mod:`ast`; an inherited field's doc comes from
-the class that documents it (the nearest in the MRO). A field typed ``Any`` (``launcher``) is documented as the
-union of the dataclasses registered in the ConfigStore group of the same name, each key not shared by all of
-them marked with the launchers it belongs to.
+the class that documents it (the nearest in the MRO). A field typed with a base class whose ConfigStore group of
+the same name registers several subclasses (``launcher``: local, slurm) is documented as their union, each key
+not shared by all of them marked with the launchers it belongs to.
 
 Groups and options are the YAML files under ``conf/<group>/``; experiments are ``conf/experiment/*.yaml``.
 ``pipeline.config.compose`` imports this module for its error hints; both find ``conf/`` through
@@ -139,9 +139,12 @@ def _walk(cls: type, prefix: str, section: str) -> list[KeyDoc]:
         key = f"{prefix}{f.name}"
         sub = section or f.name
         tp = hints.get(f.name)
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        variants = _group_variants(f.name) if tp is Any or isinstance(tp, type) else []
+        if isinstance(tp, type) and len(variants) > 1 and all(issubclass(c, tp) for _, c in variants):
+            out += _walk_union(f.name, key, variants, sub)  # a base class whose group has several subclasses
+        elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
             out += _walk(tp, f"{key}.", sub)
-        elif tp is Any and (variants := _group_variants(f.name)):
+        elif tp is Any and variants:
             out += _walk_union(f.name, key, variants, sub)
         else:
             out.append(KeyDoc(key, docs[f.name], _default_of(f), section))

@@ -9,7 +9,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -455,7 +455,7 @@ class PipelineConfig:
     """Print the run's state (plan, stage records, lease owner, latest), then stop; needs ``run.id``."""
     run: RunConfig = field(default_factory=RunConfig)
     """Which run this is and where it lives."""
-    launcher: Any = field(default=MISSING, metadata=MUTABLE)
+    launcher: LauncherConfig = field(default=MISSING, metadata=MUTABLE)
     """How stage jobs are launched: choose with ``launcher=local``, ``inprocess`` or ``slurm``."""
     strategy: StrategyConfig = field(default=MISSING, metadata=MUTABLE)
     """Parallelism of train: ddp, fsdp2 or deepspeed; may change between launches (see run.yaml).

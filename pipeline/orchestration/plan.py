@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
-from pipeline.config.schema import STAGE_ALL, PipelineConfig, rank_batch_size
+from pipeline.config.schema import STAGE_ALL, PipelineConfig, SlurmLauncherConfig, rank_batch_size
 from pipeline.errors import ConfigError, RunNotFoundError, plural
 from pipeline.orchestration.contract import Resources, StageContract
 from pipeline.stages import INSIDE, ORDER, get_stage
@@ -100,9 +100,10 @@ def selected_stages(cfg: PipelineConfig) -> list[str]:
 def resolve_resources(contract: StageContract, cfg: PipelineConfig) -> Resources:
     """The stage contract's resources, with ``launcher.*`` defaults and ``launcher.stages.<stage>`` overrides."""
     base = contract.resources_for(cfg)
-    over = getattr(cfg.launcher.stages, contract.name, None)
+    over = getattr(cfg.launcher.stages, contract.name, None)  # one typed field per stage: a lookup by name
     launcher = cfg.launcher
-    extra = {**getattr(launcher, "extra", {}), **(dict(over.extra) if over is not None else {})}
+    slurm = launcher if isinstance(launcher, SlurmLauncherConfig) else None
+    extra = {**(slurm.extra if slurm else {}), **(dict(over.extra) if over is not None else {})}
 
     def pick(key: str, default: T) -> T:
         value = getattr(over, key, None) if over is not None else None
@@ -116,10 +117,10 @@ def resolve_resources(contract: StageContract, cfg: PipelineConfig) -> Resources
         gpus_per_task=pick("gpus_per_task", base.gpus_per_task),
         nodes=pick("nodes", base.nodes),
         gres=pick("gres", base.gres),
-        partition=pick("partition", cast(str | None, getattr(launcher, "partition", None))),
-        qos=pick("qos", cast(str | None, getattr(launcher, "qos", None))),
-        account=pick("account", cast(str | None, getattr(launcher, "account", None))),
-        constraint=pick("constraint", cast(str | None, getattr(launcher, "constraint", None))),
+        partition=pick("partition", slurm.partition if slurm else None),
+        qos=pick("qos", slurm.qos if slurm else None),
+        account=pick("account", slurm.account if slurm else None),
+        constraint=pick("constraint", slurm.constraint if slurm else None),
         extra=tuple(sorted((str(k), str(v)) for k, v in extra.items())),
     )
     tasks = contract.num_tasks(cfg)
@@ -200,7 +201,7 @@ def check_machine(plan: Plan) -> None:
     to_run = [s for s in plan.stages if s.runs]
     if kind == "slurm" and shutil.which("sbatch") is None and not cfg.dry_run:
         raise ConfigError("launcher=slurm but sbatch is not on PATH: run on a SLURM login node, or use launcher=local")
-    if kind == "slurm" and cfg.run.overwrite and not getattr(cfg.launcher, "wait", True):
+    if isinstance(cfg.launcher, SlurmLauncherConfig) and cfg.run.overwrite and not cfg.launcher.wait:
         raise ConfigError(
             "run.overwrite=true on SLURM needs launcher.wait=true (the launch records the run again once "
             "prepare_dirs has started it over)"

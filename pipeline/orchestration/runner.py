@@ -21,7 +21,7 @@ from types import FrameType
 from pipeline.checkpoint.manifest import read_latest
 from pipeline.config.identity import RunRecord, differences, read_run_record, recorded_changes, write_run_record
 from pipeline.config.overrides import carried
-from pipeline.config.schema import STAGE_ALL, PipelineConfig
+from pipeline.config.schema import STAGE_ALL, PipelineConfig, SlurmLauncherConfig
 from pipeline.errors import ConfigError, RunNotFoundError, VerificationError
 from pipeline.orchestration.jobs import ACTIVE_STATES, job_alive, slurm_states
 from pipeline.orchestration.lease import RunLease
@@ -179,7 +179,8 @@ def _execute(
         if not planned.runs:
             say(planned.describe())
             ex.status[planned.name] = "skipped"
-    wait = not launcher.chains or bool(getattr(plan.cfg.launcher, "wait", True))
+    slurm = plan.cfg.launcher if isinstance(plan.cfg.launcher, SlurmLauncherConfig) else None
+    wait = not launcher.chains or slurm is None or slurm.wait
     try:
         ex.submit_ready()
         if not wait:
