@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.config.overrides import DEFAULT_ROOT, LAST, RUN_YAML, newest_runs
+from pipeline.config.overrides import DEFAULT_ROOT, RUN_YAML, locate_run, newest_runs
 from pipeline.errors import PipelineError, RunNotFoundError
 from pipeline.orchestration.run_status import collect, collect_checkpoints, render
 from pipeline.storage.integrity import lstat_kind
@@ -48,16 +48,12 @@ def resolve_run(arg: str, root: str, experiment: str | None) -> RunLayout | Chec
             f"{arg} is not a run dir (no {RUN_YAML}) nor a checkpoint dir of the library (no checkpoints/)"
         )
     base = Path(root).resolve()
-    where = base / experiment if experiment else base
-    runs = newest_runs(base, experiment, sys.maxsize)
-    matches = runs[:1] if arg == LAST else [d for d in runs if d.name == arg]
-    if len(matches) > 1:
-        exps = ", ".join(sorted(d.parent.name for d in matches))
-        raise RunNotFoundError(f"run id {arg!r} exists in several experiments ({exps}): add --experiment NAME")
-    if not matches:
-        newest = ", ".join(d.name for d in runs[:5]) or "none"
+    found = locate_run(arg, base, experiment, how_to_pick="add --experiment NAME")
+    if found is None:
+        where = base / experiment if experiment else base
+        newest = ", ".join(d.name for d in newest_runs(base, experiment, 5)) or "none"
         raise RunNotFoundError(f"no run {arg!r} under {where} (newest: {newest}); check the id, --root, --experiment")
-    return RunLayout(matches[0])
+    return RunLayout(found)
 
 
 def main(argv: list[str] | None = None) -> int:

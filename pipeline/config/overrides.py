@@ -101,6 +101,26 @@ def newest_runs(root: Path, experiment: str | None, n: int = 5) -> list[Path]:
     return sorted(_runs(root, experiment), key=lambda d: (d / RUN_YAML).stat().st_mtime, reverse=True)[:n]
 
 
+def locate_run(
+    run_id: str, root: Path, experiment: str | None, how_to_pick: str = "add +experiment=<name>"
+) -> Path | None:
+    """The one run-id resolver (the CLI's ``run.id`` and ``python -m pipeline.status`` alike): the run dir of
+    ``run_id`` (``last``: the newest run) under ``root`` (one experiment, or every one), or None when unknown;
+    ``run.id=last`` with no run at all, and an id in several experiments, are errors (``how_to_pick`` says how
+    to choose the experiment)."""
+    if run_id == LAST:
+        newest = newest_runs(root, experiment, 1)
+        if not newest:
+            where = root / experiment if experiment else root
+            raise RunNotFoundError(f"run.id=last: no run under {where}; start one with +experiment=<name>")
+        return newest[0]
+    matches = [d for d in _runs(root, experiment) if d.name == run_id]
+    if len(matches) > 1:
+        exps = ", ".join(sorted(d.parent.name for d in matches))
+        raise ConfigError(f"run id {run_id!r} exists in several experiments ({exps}): {how_to_pick}")
+    return matches[0] if matches else None
+
+
 def find_run(parsed: list[Override]) -> RunRef:
     """Resolve ``run.id`` (``last`` included) to an existing run, or decide that this launch creates one."""
     run_id = value_of(parsed, "run.id")
@@ -109,17 +129,8 @@ def find_run(parsed: list[Override]) -> RunRef:
     root = Path(str(value_of(parsed, "run.root") or DEFAULT_ROOT)).resolve()
     experiment = value_of(parsed, "experiment")
     experiment = str(experiment) if experiment is not None else None
-    if str(run_id) == LAST:
-        newest = newest_runs(root, experiment, 1)
-        if not newest:
-            where = root / experiment if experiment else root
-            raise RunNotFoundError(f"run.id=last: no run under {where}; start one with +experiment=<name>")
-        matches = newest
-    else:
-        matches = [d for d in _runs(root, experiment) if d.name == str(run_id)]
-    if len(matches) > 1:
-        exps = ", ".join(sorted(d.parent.name for d in matches))
-        raise ConfigError(f"run.id={run_id} exists in several experiments ({exps}): add +experiment=<name>")
+    found = locate_run(str(run_id), root, experiment)
+    matches = [found] if found is not None else []
     if matches:
         return RunRef(matches[0], read_run_record(matches[0] / RUN_YAML))
     if value_of(parsed, "run.create") is True:
