@@ -4,7 +4,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +123,24 @@ def make_run(tmp_path: Path) -> RunFactory:
         return cfg, layout
 
     return make
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[Any]:
+    """A world-size-1 gloo group in this test process (yields a fresh group); torn down after the test, never
+    under an async writer that still runs (its daemon thread ends with the process)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from pipeline.checkpoint.async_save import stuck_writers  # noqa: PLC0415
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this test process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg_store'}", rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        until = time.monotonic() + 10  # a given-up writer ends soon after its injected sleep (bounded wait)
+        while stuck_writers() and time.monotonic() < until:
+            time.sleep(0.05)
+        if not stuck_writers():  # never destroy a group under a writer that still runs (it is a daemon)
+            dist.destroy_process_group()

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
-from pipeline.checkpoint.async_save import AsyncSaver, Progress, stuck_writers
+from pipeline.checkpoint.async_save import AsyncSaver, Progress
 from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.config.compose import load_config
 from pipeline.errors import ConfigError
@@ -33,21 +31,6 @@ _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 # --- one process: the saver itself (a world-size-1 gloo group) ---------------------------------------------------
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[Any]:
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg_store'}", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        until = time.monotonic() + 10  # a given-up writer ends soon after its injected sleep (bounded wait)
-        while stuck_writers() and time.monotonic() < until:
-            time.sleep(0.05)
-        if not stuck_writers():  # never destroy a group under a writer that still runs (it is a daemon)
-            dist.destroy_process_group()
 
 
 def _ctx(tmp_path: Path, *overrides: str) -> TaskContext:

@@ -12,15 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeline.checkpoint import Checkpointer, CommitPolicy, Committer, CommitterBusy
-from pipeline.checkpoint.async_save import stuck_writers
 from pipeline.checkpoint.manifest import complete_markers, read_latest, step_markers, verify_committed
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import faults
@@ -31,21 +29,6 @@ from tests.reliability.test_protocol_mutants import no_in_place_writes, renames_
 
 pytestmark = [pytest.mark.reliability]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg_store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        until = time.monotonic() + 10
-        while stuck_writers() and time.monotonic() < until:
-            time.sleep(0.05)
-        if not stuck_writers():
-            dist.destroy_process_group()
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -84,7 +67,7 @@ def _load(root: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return step, _weights(model)
 
 
-def test_crash_at_every_io_op_of_a_library_save_and_commit(one_rank: None, tmp_path: Path) -> None:
+def test_crash_at_every_io_op_of_a_library_save_and_commit(one_rank: object, tmp_path: Path) -> None:
     base = _base(tmp_path / "base")
     layout_of = CheckpointLayout
     model, opt = _model()
@@ -155,7 +138,7 @@ def _crash_point(
     return found
 
 
-def test_a_damaged_latest_step_is_quarantined_and_resume_falls_back(one_rank: None, tmp_path: Path) -> None:
+def test_a_damaged_latest_step_is_quarantined_and_resume_falls_back(one_rank: object, tmp_path: Path) -> None:
     model, opt = _model()
     with Checkpointer(tmp_path, deadline_s=10) as ck:
         for step in (1, 2):
@@ -173,7 +156,7 @@ def test_a_damaged_latest_step_is_quarantined_and_resume_falls_back(one_rank: No
     assert [p.name for p in layout.quarantine.iterdir() if p.name.startswith("step_2")], "step 2 is quarantined"
 
 
-def test_a_planted_symlink_step_is_never_published(one_rank: None, tmp_path: Path) -> None:
+def test_a_planted_symlink_step_is_never_published(one_rank: object, tmp_path: Path) -> None:
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     layout = CheckpointLayout(tmp_path / "run")
@@ -187,7 +170,7 @@ def test_a_planted_symlink_step_is_never_published(one_rank: None, tmp_path: Pat
     assert not (layout.checkpoints / "step_2").exists() and not any(outside.iterdir())
 
 
-def test_exactly_one_committer_holds_a_dir_and_one_publishes_a_race(one_rank: None, tmp_path: Path) -> None:
+def test_exactly_one_committer_holds_a_dir_and_one_publishes_a_race(one_rank: object, tmp_path: Path) -> None:
     layout = CheckpointLayout(tmp_path)
     model, opt = _model()
     ck = Checkpointer(tmp_path, committer="thread", deadline_s=10)
@@ -228,7 +211,7 @@ def test_exactly_one_committer_holds_a_dir_and_one_publishes_a_race(one_rank: No
 
 @pytest.mark.parametrize("fault", ["async_save.mid_write", "async_save.before_write@action=sleep@seconds=4"])
 def test_an_async_writer_that_dies_or_stalls_is_named_and_never_committed(
-    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+    one_rank: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
     model, opt = _model()
     state = {"model": model, "optim": opt}
