@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.errors import CheckpointFormatError
-from pipeline.formats import deepspeed_zero
+from pipeline.formats import deepspeed_swap, deepspeed_zero
 from pipeline.formats.deepspeed_zero import ZeroCheckpoint, consolidate_zero
 from pipeline.formats.registry import FORMATS
 from pipeline.storage.integrity import FileEntry, verify_entries
@@ -165,7 +165,7 @@ def test_swap_reads_are_bounded_preads(synthetic: dict[ZeroCase, Path], monkeypa
             reads.append((path, n, offset))
         return real_pread(fd, n, offset)
 
-    monkeypatch.setattr(deepspeed_zero.os, "pread", pread)
+    monkeypatch.setattr(deepspeed_swap.os, "pread", pread)
     limit = 64 << 10
     with ZeroCheckpoint(step, max_read_bytes=limit) as ckpt:
         for name in ckpt.trainable_names:

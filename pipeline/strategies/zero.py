@@ -25,16 +25,17 @@ import torch
 from pipeline.config.schema import StrategyConfig
 from pipeline.errors import CheckpointFormatError, ConfigError
 from pipeline.formats.dcp import _HashingStream
+from pipeline.formats.deepspeed_names import (
+    OFFLOAD_DIR,
+    format_name,  # noqa: F401  (trainer.py calls zero.format_name)
+    is_gradient_partition,
+    offload_dir,
+)
 from pipeline.storage.atomic import copy_file_atomic, fsync_dir, remove_tree
 from pipeline.storage.faults import inject, io_op
 from pipeline.storage.integrity import FileEntry, lstat_kind
 
 log = logging.getLogger(__name__)
-
-
-def format_name(stage: int) -> str:
-    """The manifest's ``format`` of a ZeRO checkpoint (what verify, consolidate and resume read it by)."""
-    return f"deepspeed_zero{stage}"
 
 
 def ds_config(strategy: StrategyConfig, micro_batch: int) -> dict[str, Any]:
@@ -145,16 +146,6 @@ class RecordingEngine:
         return _Engine()
 
 
-OFFLOAD_DIR = "offloaded_tensors"
-"""Where DeepSpeed keeps the ranks' copies of their NVMe swap folders in a step dir (``rank<NN>`` under it)."""
-
-
-def offload_rank_dir(rank: int) -> str:
-    """This rank's NVMe offload dir in a step dir, as DeepSpeed names it: ``offloaded_tensors/rank<NN>``
-    (``rank`` as ``dp_index_to_str`` writes it: at least two digits)."""
-    return f"{OFFLOAD_DIR}/rank{rank:02d}"
-
-
 def _swap_folder(engine: Any) -> Path | None:
     """This rank's DeepSpeed optimizer swap folder when the optimizer state lives on NVMe, else None."""
     if not getattr(engine.optimizer, "swap_optimizer", False):
@@ -180,7 +171,7 @@ def collect_offload(swap_folder: Path, step_dir: Path, rank: int) -> list[FileEn
     parent = step_dir / OFFLOAD_DIR
     io_op("mkdir", parent)
     parent.mkdir(exist_ok=True)  # every rank may create it: exist_ok makes that race harmless
-    rel_dir = offload_rank_dir(rank)
+    rel_dir = offload_dir(rank)
     own = step_dir / rel_dir
     if lstat_kind(own) is not None:
         remove_tree(own)
@@ -190,7 +181,7 @@ def collect_offload(swap_folder: Path, step_dir: Path, rank: int) -> list[FileEn
 
     def copy_dir(src: Path, dst: Path, rel: str) -> None:
         for name in sorted(os.listdir(src)):
-            if "gradient" in name:  # DeepSpeed's rule: gradient partitions are not part of a checkpoint
+            if is_gradient_partition(name):  # DeepSpeed's rule: gradient partitions are not part of a checkpoint
                 continue
             kind = lstat_kind(src / name)
             if kind == "dir":
