@@ -13,11 +13,11 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.config.overrides import DEFAULT_ROOT, RUN_YAML, locate_run, newest_runs
+from pipeline.config.overrides import DEFAULT_ROOT, locate_run, newest_runs
 from pipeline.errors import PipelineError, RunNotFoundError
 from pipeline.orchestration.run_status import collect, collect_checkpoints, render
 from pipeline.storage.integrity import lstat_kind
-from pipeline.storage.layout import CheckpointLayout, RunLayout
+from pipeline.storage.layout import RUN_YAML, CheckpointLayout, RunLayout
 
 
 def _parser() -> argparse.ArgumentParser:

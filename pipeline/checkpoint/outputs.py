@@ -13,7 +13,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.manifest import Latest, read_latest, read_manifest, verify_committed
+from pipeline.checkpoint.manifest import MANIFEST, Latest, read_latest, read_manifest, verify_committed
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import clear_file, move_aside, publish_dir, remove_tree, write_json_atomic
 from pipeline.storage.integrity import FileEntry, describe, lstat_kind, read_record_json, verify_entries
@@ -21,6 +21,8 @@ from pipeline.storage.layout import CheckpointLayout, step_name
 
 CONSOLIDATED_MARKER = "consolidated.json"
 """Done-marker of ``consolidated/step_N/`` (written by consolidate, read by export)."""
+EXPORT_MARKER = "provenance.json"
+"""Done-marker of ``export/step_N/`` (written by export, read by retention and status)."""
 CONSOLIDATED_WEIGHTS = "model.safetensors"
 """The full-tensor weights file in ``consolidated/step_N/``."""
 
@@ -99,7 +101,7 @@ def consolidate_step(
     from pipeline.formats.registry import get_format  # noqa: PLC0415 - readers import torch; listings do not
 
     manifest = read_manifest(step_dir)
-    fmt = get_format(manifest.format, step_dir / "manifest.json")
+    fmt = get_format(manifest.format, step_dir / MANIFEST)
     if fmt.consolidate is None:
         raise PipelineError(f"{step_dir}: format {fmt.name} holds no model weights to consolidate")
     return fmt.consolidate(step_dir, out, on_tensor, allow_pickle)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.checkpoint.manifest import MANIFEST
-from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER
+from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER, EXPORT_MARKER
 from pipeline.errors import VerificationError
 from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, remove_tree, write_json_atomic
 from pipeline.storage.faults import inject
@@ -46,8 +46,6 @@ TRASH = ".deleting"
 """Per area: steps and outputs on their way out (moved here in one rename, then deleted; emptied every call)."""
 RECORD = "retention.json"
 """``checkpoints/retention.json``: the last decision that changed something (time, policy, kept, removed)."""
-EXPORT_MARKER = "provenance.json"
-"""Done-marker of ``export/step_N/`` (``pipeline.stages.export.MARKER``; a stage cannot be imported from here)."""
 
 
 class Policy(Protocol):

@@ -18,8 +18,8 @@ from hydra.errors import HydraException
 
 from pipeline.config.identity import RunRecord, is_per_launch, read_run_record
 from pipeline.errors import ConfigError, RunNotFoundError
+from pipeline.storage.layout import RUN_YAML
 
-RUN_YAML = "run.yaml"
 LAST = "last"
 DEFAULT_ROOT = "outputs"
 

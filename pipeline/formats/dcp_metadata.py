@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pipeline.errors import CheckpointFormatError
+from pipeline.formats.dcp_names import METADATA_FILE
 from pipeline.formats.pickle_safety import check_opcodes, error_summary
 from pipeline.storage.integrity import SafeRoot, safe_join
 
@@ -128,8 +129,6 @@ _MIRRORS: dict[tuple[str, str], type] = {
     },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
 }
-
-METADATA_FILE = ".metadata"
 
 
 class _MetadataUnpickler(pickle.Unpickler):

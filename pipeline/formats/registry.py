@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import CheckpointFormatError
+from pipeline.formats.dcp_names import METADATA_FILE
 
 OnTensor = Callable[[str], None] | None
 
@@ -53,7 +54,7 @@ _DCP_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def _dcp_owner(rel: str) -> int | None:
-    if rel == ".metadata":
+    if rel == METADATA_FILE:
         return 0  # DCP's coordinator writes it
     m = _DCP_DATA.match(rel)
     return int(m.group(1)) if m else None

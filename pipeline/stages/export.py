@@ -23,6 +23,7 @@ from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizer
 from pipeline.checkpoint.outputs import (
     CONSOLIDATED_MARKER,
     CONSOLIDATED_WEIGHTS,
+    EXPORT_MARKER,
     finish,
     source_step,
     staging_dir,
@@ -48,7 +49,7 @@ CONTRACT = StageContract(
     writes_bytes=lambda cfg: parameters(cfg) * DTYPE_BYTES.get(cfg.export.dtype, 4),
 )
 
-MARKER = "provenance.json"
+MARKER = EXPORT_MARKER
 INDEX = "model.safetensors.index.json"
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, read_latest, step_markers, write_marker
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError, plural
+from pipeline.formats.dcp_names import METADATA_FILE
 from pipeline.formats.registry import TORCH_SAVE, get_format
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.storage.atomic import clear_file, copy_file_atomic
@@ -94,7 +95,7 @@ def probe(cfg: PipelineConfig) -> Source:
         raise ConfigError(
             f"import.source={path} is {'missing' if kind is None else 'a ' + kind}: give a directory or file"
         )
-    if lstat_kind(path / ".metadata") == "file":
+    if lstat_kind(path / METADATA_FILE) == "file":
         from pipeline.formats.dcp_metadata import stored_files  # noqa: PLC0415
 
         files = sorted(stored_files(path))

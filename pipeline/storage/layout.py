@@ -10,6 +10,8 @@ from pathlib import Path
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
+RUN_YAML = "run.yaml"
+"""The run's record (``pipeline/config/identity.py``): what a run dir is recognised by."""
 PRIVATE_UMASK_BITS = 0o022
 
 
@@ -106,7 +108,7 @@ class RunLayout(CheckpointLayout):
 
     @property
     def run_yaml(self) -> Path:
-        return self.run_dir / "run.yaml"
+        return self.run_dir / RUN_YAML
 
     @property
     def lease(self) -> Path:
