@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.checkpoint import retention
+from pipeline.checkpoint import repair, retention
 from pipeline.checkpoint.manifest import (
     MANIFEST,
     Manifest,
@@ -40,13 +40,13 @@ from pipeline.checkpoint.manifest import (
     write_latest,
     write_manifest,
 )
+from pipeline.checkpoint.repair import step_entries
 from pipeline.errors import DeadlineError, PipelineError, VerificationError, plural
 from pipeline.formats.registry import FORMATS, Format
-from pipeline.storage.atomic import is_temp_name, json_bytes
 from pipeline.storage.backend import POSIX, Storage
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import FileEntry, hash_file, read_record_json, verify_entries
-from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
+from pipeline.storage.integrity import FileEntry, hash_file, verify_entries
+from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,6 @@ class CommitReport:
 
 class CommitterBusy(PipelineError):
     """Another committer holds these checkpoints."""
-
-
-def step_entries(storage: Storage, area: Path) -> list[tuple[int, Path]]:
-    """``step_N`` entries of ``area`` (the listing only nominates; markers and manifests decide)."""
-    steps = ((parse_step(name), area / name) for name in storage.list(area))
-    return sorted((s, p) for s, p in steps if s is not None)
 
 
 def latest_step(layout: CheckpointLayout) -> int:
@@ -146,8 +140,8 @@ class Committer:
     def recover(self) -> None:
         """What a committer does first: remove its own litter, re-verify ``latest`` (quarantining damage), and
         finish a commit that was interrupted between publishing a step and moving ``latest``."""
-        self._sweep_temp_files()
-        self.report.quarantined += self._recheck_latest()
+        repair.sweep_temp_files(self.storage, self.layout)
+        self.report.quarantined += repair.recheck_latest(self.storage, self.layout)
         after = latest_step(self.layout)
         for step, path in step_entries(self.storage, self.layout.checkpoints):
             if step <= after or self.storage.kind(path) != "dir" or self.storage.kind(path / MANIFEST) != "file":
@@ -221,7 +215,7 @@ class Committer:
         else None (a committer has work to do)."""
         try:
             newest = read_latest(self.layout)
-            if newest is None or self._candidates() or self._planted():
+            if newest is None or self._candidates() or repair.planted(self.storage, self.layout):
                 return None
             if any(s > newest.step for s, _ in step_entries(self.storage, self.layout.checkpoints)):
                 return None
@@ -251,7 +245,7 @@ class Committer:
         return True
 
     def _quarantine_step(self, step: int, e: Exception) -> None:
-        where = self._quarantine(self.layout.staged_step(step), str(e), step)
+        where = repair.quarantine(self.storage, self.layout, self.layout.staged_step(step), str(e), step)
         self.report.quarantined.append(f"step {step}: {e} (moved to {where})")
 
     def _wait_for_markers(self, step: int, attempt: str | None, alive: Callable[[], bool]) -> list[Marker]:
@@ -327,85 +321,6 @@ class Committer:
         write_latest(layout, step, manifest_hash)
         log.info("committed step %d (%d files) -> %s", step, len(files), layout.committed_step(step))
         return manifest_hash
-
-    # -- repairs -----------------------------------------------------------------------------------------------
-
-    def _sweep_temp_files(self) -> None:
-        """Temp files a committer that died left in ``checkpoints/`` (e.g. ``latest.tmp-*``): its own litter."""
-        for name in self.storage.list(self.layout.checkpoints):
-            path = self.layout.checkpoints / name
-            if is_temp_name(name) and self.storage.kind(path) == "file":
-                log.info("removing %s, left by a commit that did not finish", path)
-                self.storage.delete_file(path)
-
-    def _planted(self) -> list[Path]:
-        """``step_N`` entries of ``checkpoints/`` or ``staging/`` that are not real directories (links, files)."""
-        areas = (self.layout.checkpoints, self.layout.staging)
-        return [p for area in areas for _, p in step_entries(self.storage, area) if self.storage.kind(p) != "dir"]
-
-    def _quarantine(self, path: Path, reason: str, step: int | None = None) -> Path:
-        """Move ``path`` (a step dir, a planted link, a damaged ``latest``) into ``quarantine/``, with the reason."""
-        where = self.storage.move_aside(path, self.layout.quarantine, f"{path.name}.{int(time.time())}")
-        is_dir = self.storage.kind(where) == "dir"
-        note = where / "quarantine.json" if is_dir else where.with_name(where.name + ".quarantine.json")
-        self.storage.write_atomic(note, json_bytes({"path": str(path), "reason": reason, "step": step}))
-        log.error("QUARANTINED %s: %s -> %s", path, reason, where)
-        return where
-
-    def _newest_verifying(self) -> tuple[int, str] | None:
-        """The newest published step whose files verify against its manifest and markers: (step, manifest hash)."""
-        for step, path in reversed(step_entries(self.storage, self.layout.checkpoints)):
-            try:
-                verify_committed(path, step)
-            except VerificationError as e:
-                log.warning("committed step %d does not verify, not a candidate for latest: %s", step, e)
-                continue
-            return step, hash_file(path / MANIFEST)
-        return None
-
-    def _recheck_latest(self) -> list[str]:
-        """Re-verify the step ``latest`` names; on damage quarantine it and point ``latest`` at the newest step
-        that verifies (or remove ``latest`` if none does). Returns what was repaired."""
-        layout, repairs = self.layout, []
-        for path in self._planted():
-            kind = self.storage.kind(path)
-            where = self._quarantine(path, f"{path} is a {kind}, not a step directory; never followed")
-            repairs.append(f"{path} was a {self.storage.kind(where)}, not a step directory (moved to {where})")
-        try:
-            latest = read_latest(layout)
-            if latest is None:
-                return repairs
-            verify_committed(layout.committed_step(latest.step), latest.step)
-            return repairs
-        except VerificationError as e:
-            problem = str(e)
-        damaged = self._latest_step_name()
-        step_damaged = damaged is not None and self.storage.kind(layout.committed_step(damaged)) is not None
-        if damaged is not None and step_damaged:
-            where = self._quarantine(layout.committed_step(damaged), problem, damaged)
-        else:
-            where = self._quarantine(layout.latest, problem)
-        fallback = self._newest_verifying()
-        if fallback is None:
-            self.storage.delete_file(layout.latest)
-            now = "latest removed (no committed step verifies)"
-        else:
-            write_latest(layout, *fallback)
-            now = (
-                f"latest moved back to step {fallback[0]}" if step_damaged else f"latest rebuilt as step {fallback[0]}"
-            )
-            now += ", the newest step that verifies"
-        repairs.append(f"{now}: {problem} (moved to {where}); rerun to train again from there")
-        return repairs
-
-    def _latest_step_name(self) -> int | None:
-        """The step a (possibly damaged) ``latest`` names, if it names one; used only to decide what to quarantine."""
-        try:
-            obj = read_record_json(self.layout.latest, "latest pointer")
-        except (OSError, VerificationError):
-            return None
-        step = obj.get("step") if isinstance(obj, dict) else None
-        return step if type(step) is int and step >= 0 and obj.get("dir") == step_name(step) else None
 
 
 def _verify_marked(staged: Path, markers: list[Marker], fmt: Format) -> None:

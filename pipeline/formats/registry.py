@@ -29,6 +29,7 @@ from pathlib import Path
 
 from pipeline.errors import CheckpointFormatError
 from pipeline.formats.dcp_names import METADATA_FILE
+from pipeline.formats.deepspeed_names import STAGE_OF
 
 OnTensor = Callable[[str], None] | None
 
@@ -141,12 +142,7 @@ def _torch_save_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor, allo
 
 FORMATS: dict[str, Format] = {
     "torch_dcp": Format("torch_dcp", _dcp_stored, _dcp_owner, _dcp_world, _dcp_consolidate, _dcp_world_of),
-    **{
-        f"deepspeed_zero{stage}": Format(
-            f"deepspeed_zero{stage}", _zero_stored, _zero_owner, _zero_world, _zero_consolidate
-        )
-        for stage in (1, 2, 3)
-    },
+    **{name: Format(name, _zero_stored, _zero_owner, _zero_world, _zero_consolidate) for name in STAGE_OF},
     TORCH_SAVE: Format(TORCH_SAVE, _torch_save_stored, _torch_save_owner, _torch_save_world, _torch_save_consolidate),
 }
 
