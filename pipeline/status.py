@@ -15,7 +15,8 @@ from pathlib import Path
 
 from pipeline.config.overrides import DEFAULT_ROOT, locate_run, newest_runs
 from pipeline.errors import PipelineError, RunNotFoundError
-from pipeline.orchestration.run_status import collect, collect_checkpoints, render
+from pipeline.orchestration.run_status import collect, collect_checkpoints
+from pipeline.orchestration.status_view import render
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RUN_YAML, CheckpointLayout, RunLayout
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -30,6 +31,10 @@ from pipeline.storage.layout import CheckpointLayout, step_name
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+
+
+MARKER_RE = re.compile(r"^rank_(\d+)\.done\.json$")
+"""A done-marker's name (rank K's is ``rank_K.done.json``)."""
 
 
 def marker_path(step_dir: Path, rank: int) -> Path:

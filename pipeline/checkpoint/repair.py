@@ -24,6 +24,14 @@ from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 
 log = logging.getLogger(__name__)
 
+QUARANTINE_NOTE = "quarantine.json"
+"""Why an entry was quarantined: inside a quarantined directory, or beside anything else as ``<name>.<NOTE>``."""
+
+
+def quarantine_note(where: Path, is_dir: bool) -> Path:
+    """Where the reason of the quarantined ``where`` is written (read by ``status``)."""
+    return where / QUARANTINE_NOTE if is_dir else where.with_name(f"{where.name}.{QUARANTINE_NOTE}")
+
 
 def step_entries(storage: Storage, area: Path) -> list[tuple[int, Path]]:
     """``step_N`` entries of ``area`` (the listing only nominates; markers and manifests decide)."""
@@ -53,7 +61,7 @@ def quarantine(storage: Storage, layout: CheckpointLayout, path: Path, reason: s
     """Move ``path`` (a step dir, a planted link, a damaged ``latest``) into ``quarantine/``, with the reason."""
     where = storage.move_aside(path, layout.quarantine, f"{path.name}.{int(time.time())}")
     is_dir = storage.kind(where) == "dir"
-    note = where / "quarantine.json" if is_dir else where.with_name(where.name + ".quarantine.json")
+    note = quarantine_note(where, is_dir)
     storage.write_atomic(note, json_bytes({"path": str(path), "reason": reason, "step": step}))
     log.error("QUARANTINED %s: %s -> %s", path, reason, where)
     return where

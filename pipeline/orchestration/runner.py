@@ -27,7 +27,8 @@ from pipeline.orchestration.jobs import ACTIVE_STATES, job_alive, slurm_states
 from pipeline.orchestration.lease import RunLease
 from pipeline.orchestration.plan import Plan, make_plan
 from pipeline.orchestration.records import resume_command, sweep_record_litter
-from pipeline.orchestration.run_status import collect, render
+from pipeline.orchestration.run_status import collect
+from pipeline.orchestration.status_view import render
 from pipeline.orchestration.supervise import (
     Execution,
     Interrupted,
