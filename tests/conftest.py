@@ -144,3 +144,26 @@ def one_rank(tmp_path: Path) -> Iterator[Any]:
             time.sleep(0.05)
         if not stuck_writers():  # never destroy a group under a writer that still runs (it is a daemon)
             dist.destroy_process_group()
+
+
+_RELIABILITY_ROWS: list[tuple[str, str, bool, list[str]]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == "reliability_row":
+            _RELIABILITY_ROWS.append(value)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The reliability suite's scenario table (``tests/reliability/conftest.py``'s ``record``), one line each."""
+    rows = _RELIABILITY_ROWS
+    if not rows:
+        return
+    tr = terminalreporter
+    tr.section(f"reliability scenarios (RELIABILITY_SCALE={os.environ.get('RELIABILITY_SCALE', 'ci')})")
+    width = max(len(r[0]) for r in rows)
+    for scenario, figure, ok, notes in rows:
+        tr.write_line(f"{'ok  ' if ok else 'FAIL'} {scenario:<{width}}  {figure}")
+        for note in notes[:5]:
+            tr.write_line(f"       {note}")

@@ -31,6 +31,8 @@ class Row:
 
 
 ROWS: list[Row] = []
+"""Rows recorded in this process and not yet attached to a test report (the table is printed by
+``tests/conftest.py``, from the reports: in the controlling process too under pytest-xdist)."""
 
 
 def record(scenario: str, figure: str, *, ok: bool, notes: list[str] | None = None) -> None:
@@ -38,13 +40,13 @@ def record(scenario: str, figure: str, *, ok: bool, notes: list[str] | None = No
     ROWS.append(Row(scenario, figure, ok, list(notes or [])))
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not ROWS:
-        return
-    tr = terminalreporter
-    tr.section(f"reliability scenarios (RELIABILITY_SCALE={SCALE})")
-    width = max(len(r.scenario) for r in ROWS)
-    for r in ROWS:
-        tr.write_line(f"{'ok  ' if r.ok else 'FAIL'} {r.scenario:<{width}}  {r.figure}")
-        for note in r.notes[:5]:
-            tr.write_line(f"       {note}")
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    """Rows recorded during a test travel with its report (to the controlling process under pytest-xdist)."""
+    before = len(ROWS)
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    for row in ROWS[before:]:
+        report.user_properties.append(("reliability_row", (row.scenario, row.figure, row.ok, row.notes)))
+    del ROWS[before:]
+    return None

@@ -45,10 +45,13 @@ class SlurmCluster:
     """The cluster's SLURM_ROOT (state, logs, spool, pid files)."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    parallel = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if item.path.is_relative_to(HERE):
             item.add_marker(pytest.mark.slurm)
+            if parallel:  # one worker runs them all: the session's one cluster is started (and stopped) once
+                item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def _output(cmd: list[str]) -> str | None:
