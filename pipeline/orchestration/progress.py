@@ -221,6 +221,8 @@ class StageProgress:
                 self._on_saved(step, int(event["bytes"]), float(event["seconds"]), float(event["gbps"]))
             else:
                 self._line(f"{self.stage}: step {step} NOT saved by every rank (it will not be committed)")
+        elif kind == "no_committer":
+            self._line(f"{self.stage}: NO COMMITTER IS RUNNING: step {event['step']} is staged, nothing commits it")
 
     def _on_saved(self, step: int, size: int, seconds: float, gbps: float) -> None:
         """A line each for the first :data:`FIRST_LINES` checkpoints; later, one line for those staged since the

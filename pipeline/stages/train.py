@@ -137,6 +137,7 @@ class _Run:
     def __init__(self, ctx: TaskContext, device: torch.device) -> None:
         cfg = ctx.cfg
         self.ctx, self.cfg, self.layout, self.device = ctx, cfg, ctx.layout, device
+        self.started = time.monotonic()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.trainer = strategy.build(cfg, ctx.layout, device, self.world)
         warmup = max(1, cfg.train.warmup_steps)
@@ -242,6 +243,17 @@ class _Run:
         seconds = max(o.seconds for o, _ in outcomes)  # the ranks save in parallel: the slowest sets the time
         gbps = staged_bytes / seconds / 1e9 if seconds > 0 else 0.0
         blocked = max(b for _, b in outcomes)
+        started_long_ago = time.monotonic() - self.started > _COMMITTER_START_S  # its job starts beside ours
+        if self.rank == 0 and not bad and started_long_ago and not stage_alive(self.layout, COMMITTER):
+            self.event("no_committer", step=step)  # the launching process shows it on the console
+            log.error(
+                "NO COMMITTER IS RUNNING beside train: step %d is staged but nothing commits it and latest stays "
+                "behind (the launcher starts %s again; else run stage=%s for run %s)",
+                step,
+                COMMITTER,
+                COMMITTER,
+                self.layout.run_id,
+            )
         self.event(
             "checkpoint",
             step=step,
