@@ -424,3 +424,15 @@ def test_train_appends_events_across_attempts(tmp_path: Path) -> None:
     assert lines[0] == "train: steps 5..8 (resumed from step 4) on 2 ranks"
     assert lines[1].startswith("train: step 8/8 (100%)  loss ") and "steps/s" in lines[1]
     assert lines[2].startswith("train: staged step 8: ") and lines[2].endswith(" GB/s)")
+
+
+def test_a_missing_committer_is_said_on_the_console(tmp_path: Path) -> None:
+    layout = RunLayout(tmp_path)
+    lines: list[str] = []
+    progress = _progress(layout, lines, Clock())
+    train = Train(layout, "a1")
+    train.start(total=100)
+    train.checkpoint(10)
+    train.event("no_committer", step=10)
+    progress.poll()
+    assert "train: NO COMMITTER IS RUNNING: step 10 is staged, nothing commits it" in lines, lines
