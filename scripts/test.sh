@@ -6,4 +6,6 @@ bash scripts/setup.sh
 .venv/bin/ruff check pipeline launchers tests bench
 .venv/bin/ruff format --check pipeline launchers tests bench
 .venv/bin/mypy pipeline launchers
-.venv/bin/python -m pytest -q "$@"
+# Three workers (PYTEST_WORKERS): the suite mostly waits on the processes it starts; the SLURM tests share one
+# worker (one cluster per session). --durations=15 (pyproject) prints the slowest tests at the end.
+.venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-3}" --dist loadgroup "$@"

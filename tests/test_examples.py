@@ -9,6 +9,7 @@ consolidated weights equal the reference run's.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -147,6 +148,13 @@ def test_example_killed_mid_run_resumes_bit_identically(
     }
     assert read_latest(layout).step == STEPS  # type: ignore[union-attr]
 
+    _the_clis_read_it(out, ref_dir)
+
+
+def _the_clis_read_it(out: Path, ref_dir: Path) -> None:
+    """``pipeline.status``, ``pipeline.consolidate`` and ``pipeline.export`` on the example's checkpoint dir: the
+    consolidated weights equal the uninterrupted run's, the export's shards hold exactly them."""
+    layout = CheckpointLayout(out)
     status = subprocess.run(
         [sys.executable, "-m", "pipeline.status", str(out)], cwd=ROOT, capture_output=True, text=True, check=False
     )
@@ -158,6 +166,19 @@ def test_example_killed_mid_run_resumes_bit_identically(
     mine = load_file(layout.consolidated_step(STEPS) / "model.safetensors")
     theirs = load_file(CheckpointLayout(ref_dir).consolidated_step(STEPS) / "model.safetensors")
     assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
+
+    cmd = [sys.executable, "-m", "pipeline.export", str(out), "--max-shard-size", "4KB"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    export = layout.export_step(STEPS)
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    exported = {k: v for s in shards for k, v in load_file(export / s).items()}
+    assert len(shards) > 1 and exported.keys() == mine.keys() and all(exported[k].equal(mine[k]) for k in mine)
+    status = subprocess.run(
+        [sys.executable, "-m", "pipeline.status", str(out)], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert f"exported:     step {STEPS}" in status.stdout, status.stdout
 
 
 def _safe_latest(layout: CheckpointLayout) -> int:

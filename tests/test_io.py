@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from pipeline.errors import CheckpointFormatError, PipelineError, UnsafePathError, VerificationError
 from pipeline.formats.dcp import load_into, read_metadata_safe
 from pipeline.formats.dcp_stream import TensorStreamer
+from pipeline.formats.safetensors_shards import plan_shards
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
-from pipeline.stages.export import plan_shards
 from pipeline.storage.atomic import publish_dir, write_json_atomic
 from pipeline.storage.integrity import describe, safe_join, verify_entries
 

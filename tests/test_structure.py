@@ -46,7 +46,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeline.stages",),
     ("pipeline.orchestration",),
     ("launchers",),
-    ("pipeline.cli", "pipeline.__main__", "pipeline.status", "pipeline.commit", "pipeline.consolidate"),
+    (
+        "pipeline.cli",
+        "pipeline.__main__",
+        "pipeline.status",
+        "pipeline.commit",
+        "pipeline.consolidate",
+        "pipeline.export",
+    ),
 ]
 
 
@@ -77,7 +84,7 @@ def test_layers_only_import_downwards() -> None:
 
 def test_pipeline_top_level_is_only_the_entry_point() -> None:
     loose = sorted(p.name for p in (ROOT / "pipeline").glob("*.py"))
-    entry_points = ["cli.py", "commit.py", "consolidate.py", "status.py"]
+    entry_points = ["cli.py", "commit.py", "consolidate.py", "export.py", "status.py"]
     assert loose == sorted(["__init__.py", "__main__.py", "errors.py", *entry_points]), loose
 
 
@@ -151,7 +158,7 @@ def test_library_runtime_loads_no_app_module() -> None:
     code = (
         "import sys\n"
         "from pipeline.checkpoint import Checkpointer, Committer, RankRNG\n"
-        "import pipeline.commit, pipeline.consolidate\n"
+        "import pipeline.commit, pipeline.consolidate, pipeline.export\n"
         f"bad = sorted(m for m in sys.modules if m.startswith({APP_OR_FRAMEWORK!r}))\n"
         "print(bad)\n"
     )

@@ -122,3 +122,36 @@ def consolidate_latest(
         count = consolidate_step(layout.committed_step(latest.step), staging / CONSOLIDATED_WEIGHTS, None, allow_pickle)
         finish(staging, final, CONSOLIDATED_MARKER, source, [CONSOLIDATED_WEIGHTS], {"tensors": count})
     return {"step": latest.step, "tensors": count, "out": str(final)}
+
+
+def export_latest(
+    layout: CheckpointLayout, dtype: str = "float32", max_shard_bytes: int = 5 * 10**9, force: bool = False
+) -> dict[str, Any]:
+    """``latest``'s step as ``export/step_N/``: Hugging Face's sharded safetensors (``model-0000i-of-0000n``,
+    at most ``max_shard_bytes`` each) and ``model.safetensors.index.json``, cast to ``dtype``, with a done-marker
+    naming the step's manifest hash and the consolidated file it was made from (consolidated first if needed).
+    For a model that is not a ``transformers`` architecture: weights only, no ``config.json``."""
+    import torch  # noqa: PLC0415 - the committer's imports stay light
+
+    from pipeline.formats.safetensors_shards import write_sharded  # noqa: PLC0415
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise PipelineError(f"dtype {dtype!r}: choose float32, bfloat16 or float16")
+    consolidated = consolidate_latest(layout)
+    step = int(consolidated["step"])
+    latest = source_step(layout, verify=False)  # consolidate_latest verified it just now
+    weights = layout.consolidated_step(step) / CONSOLIDATED_WEIGHTS
+    source = {
+        "step": step,
+        "manifest_hash": latest.manifest_hash,
+        "consolidated_hash": describe(weights.parent, weights.name).hash,
+        "dtype": dtype,
+        "max_shard_bytes": max_shard_bytes,
+    }
+    final = layout.export_step(step)
+    if not force and verified_output(final, EXPORT_MARKER, source):
+        return {"step": step, "out": str(final), "skipped": True}
+    with staging_dir(layout.export, step_name(step)) as staging:
+        files = write_sharded(weights, staging, getattr(torch, dtype), max_shard_bytes)
+        finish(staging, final, EXPORT_MARKER, source, files, {"format": "safetensors-sharded"})
+    return {"step": step, "out": str(final), "files": len(files)}

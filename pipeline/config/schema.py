@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from pipeline.errors import ConfigError
+from pipeline.storage.sizes import parse_size
 from pipeline.storage.writers import auto_writer_threads
 
 STAGE_ALL = "all"
@@ -481,17 +482,6 @@ class PipelineConfig:
                 "checkpoint.async_save=true works with strategy=ddp or strategy=fsdp2, not strategy=deepspeed "
                 "(DeepSpeed saves through its own engine): set checkpoint.async_save=false"
             )
-
-
-_SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(text: str) -> int:
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ConfigError(f"size {text!r} is not understood: write e.g. 500KB, 2MB or 5GB")
-    return int(m.group(1)) * _UNITS[(m.group(2) or "B").upper()]
 
 
 def register_configs() -> None:

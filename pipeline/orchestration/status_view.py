@@ -162,6 +162,7 @@ def render(status: Status) -> list[str]:
         ]
         lines += _checkpoint_lines(status["checkpoints"])
         lines.append(f"consolidated: {_outputs_text(status['consolidated'])}")
+        lines.append(f"exported:     {_outputs_text(status['exported'])}")
         lines.append(f"resume:       {status['resume']}")
         return lines
     lines = [

@@ -31,9 +31,9 @@ from pipeline.checkpoint.outputs import (
 )
 from pipeline.config.schema import ExportConfig, ModelConfig, PipelineConfig, parse_size
 from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError
-from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from pipeline.formats.safetensors_shards import write_sharded
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.storage.atomic import read_json, write_json_atomic
+from pipeline.storage.atomic import read_json
 from pipeline.storage.layout import RunLayout, step_name
 from pipeline.workload.data import load_tokenizer
 from pipeline.workload.model import llama_config
@@ -50,7 +50,6 @@ CONTRACT = StageContract(
 )
 
 MARKER = EXPORT_MARKER
-INDEX = "model.safetensors.index.json"
 
 
 def _source(cfg: PipelineConfig, layout: RunLayout) -> dict[str, object]:
@@ -88,19 +87,6 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
         return None
     out = layout.export_step(int(str(source["step"])))
     return f"{out} verifies against its source" if verified_output(out, MARKER, source) else None
-
-
-def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
-    """Greedy, in name order: start a new shard when the next tensor would push this one past ``max_bytes``."""
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for s in specs:
-        if shards[-1] and size + s.nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(s)
-        size += s.nbytes
-    return shards
 
 
 def _expected_shapes(model: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> dict[str, tuple[int, ...]]:
@@ -150,30 +136,9 @@ def check_fits_model(src: Path, model: ModelConfig, tokenizer: PreTrainedTokeniz
 
 def _write_weights(src: Path, staging: Path, export: ExportConfig) -> list[str]:
     try:
-        return _write_weights_from(src, staging, export)
+        return write_sharded(src, staging, getattr(torch, export.dtype), parse_size(export.max_shard_size))
     except SafetensorError as e:
         raise _unreadable(src, e) from None
-
-
-def _write_weights_from(src: Path, staging: Path, export: ExportConfig) -> list[str]:
-    dtype = getattr(torch, export.dtype)
-    with safe_open(str(src), framework="pt") as f:
-        names = sorted(f.keys())
-        specs = [TensorSpec(n, dtype, tuple(f.get_slice(n).get_shape())) for n in names]
-        shards = plan_shards(specs, parse_size(export.max_shard_size))
-        weight_map: dict[str, str] = {}
-        files: list[str] = []
-        for i, shard in enumerate(shards, start=1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            with StreamingSafetensorsWriter(staging / fname, shard, metadata={"format": "pt"}) as writer:
-                for spec in shard:
-                    writer.write(spec.name, f.get_tensor(spec.name).to(dtype))
-                    weight_map[spec.name] = fname
-                writer.close()
-            files.append(fname)
-    total = sum(s.nbytes for s in specs)
-    write_json_atomic(staging / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return files + [INDEX]
 
 
 def run(ctx: TaskContext) -> dict[str, object]:

@@ -45,6 +45,7 @@ class SlurmCluster:
     """The cluster's SLURM_ROOT (state, logs, spool, pid files)."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     parallel = config.pluginmanager.hasplugin("xdist")
     for item in items:

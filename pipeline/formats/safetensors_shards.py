@@ -1,0 +1,50 @@
+"""A full-tensor safetensors file as Hugging Face's sharded layout: ``model-0000i-of-0000n.safetensors`` shards
+no larger than a limit (a tensor larger than that gets a shard of its own) and ``model.safetensors.index.json``.
+Memory: one tensor at a time (read through safetensors' mmap, written with the streaming writer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
+from pipeline.storage.atomic import write_json_atomic
+
+INDEX = "model.safetensors.index.json"
+
+
+def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy, in name order: start a new shard when the next tensor would push this one past ``max_bytes``."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
+def write_sharded(src: Path, out_dir: Path, dtype: torch.dtype, max_bytes: int) -> list[str]:
+    """Write ``src``'s tensors (cast to ``dtype``) into shards and the index under ``out_dir``; returns the
+    file names written. Raises safetensors' ``SafetensorError`` for an unreadable ``src``."""
+    with safe_open(str(src), framework="pt") as f:
+        names = sorted(f.keys())
+        specs = [TensorSpec(n, dtype, tuple(f.get_slice(n).get_shape())) for n in names]
+        shards = plan_shards(specs, max_bytes)
+        weight_map: dict[str, str] = {}
+        files: list[str] = []
+        for i, shard in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            with StreamingSafetensorsWriter(out_dir / fname, shard, metadata={"format": "pt"}) as writer:
+                for spec in shard:
+                    writer.write(spec.name, f.get_tensor(spec.name).to(dtype))
+                    weight_map[spec.name] = fname
+                writer.close()
+            files.append(fname)
+    total = sum(s.nbytes for s in specs)
+    write_json_atomic(out_dir / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return files + [INDEX]
