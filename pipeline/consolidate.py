@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipeline.checkpoint.outputs import consolidate_latest
 from pipeline.errors import PipelineError
@@ -25,19 +27,28 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
-    layout = CheckpointLayout(Path(args.dir).resolve())
+    return build_output(args.dir, consolidate_latest, lambda out: f"{out['tensors']} tensors -> {out['out']}")
+
+
+def build_output(
+    directory: str, build: Callable[[CheckpointLayout], dict[str, Any]], made: Callable[[dict[str, Any]], str]
+) -> int:
+    """Run ``build`` on the checkpoint dir ``directory`` as a command line does: one line for what it made or
+    that its output already verifies; a bad dir (exit 2) or a failure (exit 1) as one line on stderr."""
+    layout = CheckpointLayout(Path(directory).resolve())
     if lstat_kind(layout.checkpoints) != "dir":
         print(f"error: {layout.checkpoints} is not a directory: not a checkpoint dir", file=sys.stderr)
         return 2
     try:
-        out = consolidate_latest(layout)
+        out = build(layout)
     except (PipelineError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
-    if out.get("skipped"):
-        print(f"step {out['step']}: {out['out']} already verifies")
-    else:
-        print(f"step {out['step']}: {out['tensors']} tensors -> {out['out']}/model.safetensors")
+    print(
+        f"step {out['step']}: {out['out']} already verifies"
+        if out.get("skipped")
+        else f"step {out['step']}: {made(out)}"
+    )
     return 0
 
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from pipeline.checkpoint.outputs import export_latest
+from pipeline.consolidate import build_output
 from pipeline.errors import PipelineError
-from pipeline.storage.integrity import lstat_kind
-from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.sizes import parse_size
 
 
@@ -31,25 +29,16 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
-    layout = CheckpointLayout(Path(args.dir).resolve())
     try:
         max_bytes = parse_size(args.max_shard_size)
     except PipelineError as e:
         print(f"error: --max-shard-size: {e}", file=sys.stderr)
         return 2
-    if lstat_kind(layout.checkpoints) != "dir":
-        print(f"error: {layout.checkpoints} is not a directory: not a checkpoint dir", file=sys.stderr)
-        return 2
-    try:
-        out = export_latest(layout, args.dtype, max_bytes, force=args.force)
-    except (PipelineError, OSError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
-    if out.get("skipped"):
-        print(f"step {out['step']}: {out['out']} already verifies")
-    else:
-        print(f"step {out['step']}: {out['files']} files -> {out['out']}")
-    return 0
+    return build_output(
+        args.dir,
+        lambda layout: export_latest(layout, args.dtype, max_bytes, force=args.force),
+        lambda out: f"{out['files']} files -> {out['out']}",
+    )
 
 
 if __name__ == "__main__":

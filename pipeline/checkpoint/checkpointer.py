@@ -93,6 +93,11 @@ class Checkpointer:
                 raise PipelineError(f"{name}={value!r}: must be a positive integer or None")
         if every_minutes is not None and not every_minutes > 0:
             raise PipelineError(f"every_minutes={every_minutes!r}: must be positive or None")
+        for name, number in (("deadline_s", deadline_s), ("poll_interval_s", poll_interval_s)):
+            if not number > 0:
+                raise PipelineError(f"{name}={number!r}: must be positive (every wait needs a deadline)")
+        if writer_threads is not None and (type(writer_threads) is not int or writer_threads < 1):
+            raise PipelineError(f"writer_threads={writer_threads!r}: must be a positive integer or None")
         if not dist.is_available() or not dist.is_initialized():
             raise PipelineError(
                 "Checkpointer needs torch.distributed initialised first (dist.init_process_group; torchrun sets "
