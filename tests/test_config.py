@@ -121,5 +121,5 @@ def test_dry_run_prints_plan_and_writes_nothing(tmp_path) -> None:
 
 def test_too_small_corpus_names_the_keys(make_run: RunFactory) -> None:
     cfg, layout = make_run("data.num_documents=1")
-    with pytest.raises(ConfigError, match=r"the corpus gives only \d+ samples of data.seq_len=32 tokens"):
+    with pytest.raises(ConfigError, match=r"the data gives only \d+ training samples of data.seq_len=32 tokens"):
         SampleStream(layout.assets, cfg.data.seq_len, 0, micro_batch_size=64, rank=0, world_size=2)

@@ -34,7 +34,9 @@ from pipeline.strategies.process_group import init_distributed
 
 strategy = StrategyConfig(name="deepspeed", world_size=1, zero_stage=2, shm_comm=False)
 init_distributed(strategy)
-engine, _ = zero.build_engine(torch.nn.Linear(8, 8), strategy, micro_batch=2, lr=1e-3, weight_decay=0.0)
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+engine = zero.build_engine(model, strategy, opt, micro_batch=2, accum=1, clip=None)
 loss = engine(torch.randn(2, 8)).square().mean()
 engine.backward(loss)
 engine.step()

@@ -29,7 +29,7 @@ from pipeline.formats.dcp import load_into, stored_files
 from pipeline.storage.atomic import read_json
 from pipeline.storage.integrity import hash_file
 from pipeline.storage.layout import RunLayout
-from pipeline.workload.data import build_assets, load_tokenizer
+from pipeline.workload.corpus import build_assets, load_tokenizer
 from pipeline.workload.model import build_model
 from tests.conftest import ROOT, run_cli, snapshot
 
@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from pipeline.config.compose import load_config
 from pipeline.strategies.zero import disable_shm_comm_op
-from pipeline.workload.data import build_assets, load_tokenizer
+from pipeline.workload.corpus import build_assets, load_tokenizer
 from pipeline.workload.model import build_model
 
 disable_shm_comm_op()  # no 25 s JIT build of DeepSpeed's shared-memory allreduce op (gloo is used)

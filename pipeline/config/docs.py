@@ -27,7 +27,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from pipeline.config import schema
+from pipeline.config import schema, workload
 from pipeline.config.location import conf_dir
 
 PROG = "python -m pipeline"
@@ -86,11 +86,12 @@ def class_field_docs(cls: type) -> dict[str, str]:
 
 
 def schema_classes() -> list[type]:
-    """Every dataclass defined in :mod:`pipeline.config.schema` (the config schemas)."""
+    """Every dataclass defined in :mod:`pipeline.config.schema` and :mod:`pipeline.config.workload`."""
     return [
         obj
-        for _, obj in inspect.getmembers(schema, inspect.isclass)
-        if dataclasses.is_dataclass(obj) and obj.__module__ == schema.__name__
+        for module in (schema, workload)
+        for _, obj in inspect.getmembers(module, inspect.isclass)
+        if dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__
     ]
 
 

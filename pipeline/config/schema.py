@@ -14,17 +14,13 @@ from typing import Final
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pipeline.config.fields import MUTABLE, PER_LAUNCH
+from pipeline.config.workload import DataConfig, ModelConfig, TrainConfig
 from pipeline.errors import ConfigError
 from pipeline.storage.sizes import parse_size
 from pipeline.storage.writers import auto_writer_threads
 
 STAGE_ALL = "all"
-
-# Field metadata (stopes-style: marked where the field is defined, never in a hand-kept list).
-# A run's identity is every field not marked; ``MUTABLE`` fields are recorded with the run and carried to
-# later launches but may change between them; ``PER_LAUNCH`` fields belong to one launch only (not recorded).
-MUTABLE: Final = {"identity": False}
-PER_LAUNCH: Final = {"identity": False, "per_launch": True}
 
 
 @dataclass
@@ -189,7 +185,8 @@ class StrategyConfig:
     zero_stage: int = 2
     """DeepSpeed only: ZeRO stage 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters) partitioned."""
     precision: str = "fp32"
-    """``fp32``, or ``bf16`` (DeepSpeed only: bf16 weights and compute, fp32 master weights and Adam state)."""
+    """``fp32``, or ``bf16`` mixed precision with fp32 master weights (the checkpoint holds fp32): DDP autocasts,
+    FSDP2 casts parameters by its ``MixedPrecisionPolicy`` (fp32 gradient reduction), DeepSpeed its bf16 mode."""
     offload: str = "none"
     """DeepSpeed only: ``none``, ``cpu`` (optimizer state; ZeRO-3 also parameters) or ``nvme`` (needs libaio and
     ``nvme_path``; the async_io op is compiled on first use)."""
@@ -217,126 +214,33 @@ class StrategyConfig:
             raise ConfigError(f"strategy.precision={self.precision!r}: use fp32 or bf16")
         if self.offload not in ("none", "cpu", "nvme"):
             raise ConfigError(f"strategy.offload={self.offload!r}: use none, cpu or nvme")
-        if self.name != "deepspeed" and (self.precision != "fp32" or self.offload != "none"):
+        if self.name != "deepspeed" and self.offload != "none":
             raise ConfigError(
-                f"strategy.precision={self.precision} / strategy.offload={self.offload} need strategy=deepspeed "
-                f"(strategy={self.name} trains in fp32 without offload)"
+                f"strategy.offload={self.offload} needs strategy=deepspeed (strategy={self.name} has no offload)"
             )
         if self.offload == "nvme" and not self.nvme_path:
             raise ConfigError("strategy.offload=nvme needs strategy.nvme_path=<node-local directory>")
-
-
-@dataclass
-class ModelConfig:
-    """A small Llama built from a ``transformers`` config; nothing is downloaded."""
-
-    hidden_size: int = 64
-    """Width of the residual stream."""
-    intermediate_size: int = 128
-    """Width of the MLP."""
-    num_layers: int = 2
-    """Decoder layers (each is one FSDP2 unit)."""
-    num_heads: int = 4
-    """Attention heads."""
-    num_kv_heads: int = 2
-    """Key/value heads (grouped-query attention when fewer than ``num_heads``)."""
-    max_position_embeddings: int = 128
-    """Longest sequence the rotary embedding is configured for."""
-    init_seed: int = 0
-    """Seed for weight initialisation (identical on every rank)."""
-
-    def __post_init__(self) -> None:
-        sizes = (
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "max_position_embeddings",
-        )
-        for key in sizes:
-            if getattr(self, key) < 1:
-                raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 1")
-        if self.max_position_embeddings < 1:
-            raise ConfigError(f"model.max_position_embeddings={self.max_position_embeddings} must be >= 1")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"model: hidden_size={self.hidden_size} must divide by num_heads={self.num_heads}, "
-                f"and num_heads by num_kv_heads={self.num_kv_heads}"
-            )
-
-
-@dataclass
-class DataConfig:
-    """Generated corpus and a tokenizer trained on it locally (``tokenizers`` BPE)."""
-
-    num_documents: int = 400
-    """Sentences generated from a fixed grammar with ``seed``."""
-    seq_len: int = 32
-    """Tokens per training sample."""
-    vocab_size: int = 256
-    """Target BPE vocabulary size (the model's vocab is the tokenizer's actual size)."""
-    seed: int = 1234
-    """Seed of the corpus generator (which sentences the grammar produces)."""
-
-    def __post_init__(self) -> None:
-        for key, low in (("num_documents", 1), ("seq_len", 2), ("vocab_size", 32)):
-            if getattr(self, key) < low:
-                raise ConfigError(f"data.{key}={getattr(self, key)} must be >= {low}")
-
-
-@dataclass
-class TrainConfig:
-    steps: int = field(default=8, metadata=MUTABLE)
-    """Total optimizer steps of the run (raise it on a finished run to train on from ``latest``)."""
-    micro_batch_size: int = 4
-    """Samples per rank per step (when ``global_batch_size`` is null)."""
-    global_batch_size: int | None = None
-    """Samples per step over all ranks; each rank takes ``global_batch_size / strategy.world_size``. Null: the
-    micro batch x the world size the run was created at; a continuation at another world size keeps that number
-    (it sets this key to it), so the training arithmetic (batches, loss curve) does not change with the ranks."""
-    lr: float = 3e-3
-    """Peak AdamW learning rate."""
-    warmup_steps: int = 2
-    """Linear warm-up length of the LambdaLR schedule (constant afterwards)."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    seed: int = 42
-    """Base seed for the data order and per-rank RNG (rank k uses seed + k)."""
-    stop_after_step: int | None = field(default=None, metadata=PER_LAUNCH)
-    """Stop the train job cleanly after this step (simulates a pre-emption; the next run resumes)."""
-    time_limit_min: int = field(default=2880, metadata=MUTABLE)
-    """Wall-clock budget of one train job in minutes (SLURM ``--time``; locally cancelled past it plus
-    ``launcher.deadline_grace_s``). Longer runs continue in a new job from ``latest``."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.micro_batch_size < 1:
-            raise ConfigError("train.steps and train.micro_batch_size must be >= 1")
-        if not 0 < self.lr < math.inf:
-            raise ConfigError(f"train.lr={self.lr} must be a finite number > 0")
-        if not 0 <= self.weight_decay < math.inf or self.warmup_steps < 0:
-            raise ConfigError(
-                f"train.weight_decay={self.weight_decay} and train.warmup_steps={self.warmup_steps} must be >= 0"
-            )
-        if self.global_batch_size is not None and self.global_batch_size < 1:
-            raise ConfigError(f"train.global_batch_size={self.global_batch_size} must be >= 1 (or null)")
-        if self.stop_after_step is not None and self.stop_after_step < 1:
-            raise ConfigError(f"train.stop_after_step={self.stop_after_step} must be >= 1 (or null)")
-        if self.time_limit_min < 1:
-            raise ConfigError(f"train.time_limit_min={self.time_limit_min} must be >= 1")
 
 
 KEYWORD_SECTIONS: Final = {"import": "import_"}
 """Command-line section names that are Python keywords -> their schema field."""
 
 
+OPEN_DICTS: Final = ("model.config", "model.args", "train.step.args", "train.loop.args")
+"""Free-form dict fields: ``model.config={...}`` and ``model.config.n_layer=4`` set or add keys there."""
+
+
 def schema_key(override: str) -> str:
-    """``import.source=x`` -> ``import_.source=x`` (also with ``+``/``++``/``~`` prefixes); others unchanged."""
+    """``import.source=x`` -> ``import_.source=x`` (also with ``+``/``++``/``~`` prefixes); a key in an open
+    dict (:data:`OPEN_DICTS`) is forced (``++``: Hydra's struct mode would refuse its new keys); others unchanged."""
     prefix = override[: len(override) - len(override.lstrip("+~"))]
     rest = override[len(prefix) :]
     for word, field_name in KEYWORD_SECTIONS.items():
         if rest.startswith(word + "."):
             return prefix + field_name + rest[len(word) :]
+    key = rest.split("=", 1)[0]
+    if "=" in rest and prefix in ("", "+") and any(key == d or key.startswith(d + ".") for d in OPEN_DICTS):
+        return "++" + rest
     return override
 
 
@@ -407,6 +311,12 @@ class CheckpointConfig:
 
 @dataclass
 class ExportConfig:
+    format: str = "hf"
+    """``hf``: a Hugging Face layout of the run's model (a user module: safetensors + its factory in
+    ``config.json``); ``none``: no export stage (the consolidated file is the output). Choose with ``export=none``."""
+    adapter: bool = False
+    """LoRA runs: also write the adapter alone (``adapter/``: ``adapter_model.safetensors`` + ``adapter_config.json``,
+    as ``peft`` saves it) beside the merged model."""
     max_shard_size: str = "5GB"
     """Largest safetensors shard of the export (``KB``/``MB``/``GB``, powers of 1000 as in transformers); 5GB is the
     size Hugging Face models are commonly sharded at (a 1B-parameter fp32 model: 1 shard). ``+experiment=tiny``
@@ -416,6 +326,8 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         parse_size(self.max_shard_size)
+        if self.format not in ("hf", "none"):
+            raise ConfigError(f"export.format={self.format!r}: choose export=hf or export=none")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"export.dtype={self.dtype!r}: choose float32, bfloat16 or float16")
 
@@ -463,9 +375,9 @@ class PipelineConfig:
 
     Another world size or strategy continues the run through a world-size-free form of its newest step."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The model being trained (a small Llama)."""
+    """The model being trained: a ``transformers`` config, pretrained weights, your factory, or the built-in Llama."""
     data: DataConfig = field(default_factory=DataConfig)
-    """Corpus and tokenizer, built by prepare-dirs."""
+    """Corpus and tokenizer, prepared by prepare-dirs (token files are read in place)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Length, optimizer and schedule of training."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

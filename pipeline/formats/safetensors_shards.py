@@ -4,7 +4,9 @@ Memory: one tensor at a time (read through safetensors' mmap, written with the s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -28,23 +30,41 @@ def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec
     return shards
 
 
-def write_sharded(src: Path, out_dir: Path, dtype: torch.dtype, max_bytes: int) -> list[str]:
+def write_sharded(
+    src: Path,
+    out_dir: Path,
+    dtype: torch.dtype,
+    max_bytes: int,
+    tensors: Sequence[tuple[str, tuple[int, ...], Callable[[Any], torch.Tensor]]] | None = None,
+    index: str | None = INDEX,
+    stem: str = "model",
+) -> list[str]:
     """Write ``src``'s tensors (cast to ``dtype``) into shards and the index under ``out_dir``; returns the
-    file names written. Raises safetensors' ``SafetensorError`` for an unreadable ``src``."""
+    file names written. ``tensors``: (name, shape, read from the open file) of each tensor to write instead of
+    all of them as they are; ``index`` None: one file ``<stem>.safetensors``, no index. Raises safetensors'
+    ``SafetensorError`` for an unreadable ``src``."""
     with safe_open(str(src), framework="pt") as f:
-        names = sorted(f.keys())
-        specs = [TensorSpec(n, dtype, tuple(f.get_slice(n).get_shape())) for n in names]
-        shards = plan_shards(specs, max_bytes)
+        if tensors is None:
+            tensors = [(n, tuple(f.get_slice(n).get_shape()), _reader(n)) for n in sorted(f.keys())]
+        readers = {name: read for name, _, read in tensors}
+        specs = [TensorSpec(n, dtype, shape) for n, shape, _ in tensors]
+        shards = plan_shards(specs, max_bytes if index is not None else 2**62)
         weight_map: dict[str, str] = {}
         files: list[str] = []
         for i, shard in enumerate(shards, start=1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            fname = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors" if index else f"{stem}.safetensors"
             with StreamingSafetensorsWriter(out_dir / fname, shard, metadata={"format": "pt"}) as writer:
                 for spec in shard:
-                    writer.write(spec.name, f.get_tensor(spec.name).to(dtype))
+                    writer.write(spec.name, readers[spec.name](f).to(dtype).contiguous())
                     weight_map[spec.name] = fname
                 writer.close()
             files.append(fname)
+    if index is None:
+        return files
     total = sum(s.nbytes for s in specs)
-    write_json_atomic(out_dir / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return files + [INDEX]
+    write_json_atomic(out_dir / index, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return files + [index]
+
+
+def _reader(name: str) -> Callable[[Any], torch.Tensor]:
+    return lambda f: f.get_tensor(name)

@@ -4,21 +4,26 @@ Inputs: ``consolidated/step_N/`` (verified against its marker, which must name l
 ``assets/tokenizer``, the model config.
 Outputs: ``export/step_N/``: ``model-0000i-of-0000n.safetensors`` shards no larger than
 ``export.max_shard_size`` (a tensor larger than that gets a shard of its own), ``model.safetensors.index.json``,
-``config.json``, ``generation_config.json``, tokenizer files, and ``provenance.json`` (done-marker: source
-step, manifest hash, consolidated file hash, export settings, every file's size and hash).
-Before anything is written, the consolidated tensors' names and shapes must be exactly those of the model the config
-describes (an imported checkpoint of another architecture fails here in one line, naming the first difference).
-Owner: this single task. Memory: one tensor at a time (read through safetensors' mmap).
+``config.json`` (the run's ``transformers`` architecture; a user module's factory), ``generation_config.json``,
+tokenizer files, for LoRA runs with ``export.adapter`` also ``adapter/``, and ``provenance.json`` (done-marker:
+source step, manifest hash, consolidated file hash, export settings, every file's size and hash). Tied weights are
+written once and LoRA weights merged (:mod:`pipeline.workload.exported`).
+Before anything is written, the consolidated tensors' names and shapes must be exactly those of the run's model
+(built on the meta device; an imported checkpoint of another architecture fails here in one line, naming the
+first difference). Not run with ``export=none``.
+Owner: this single task. Memory: one tensor at a time (read through safetensors' mmap; a merged LoRA weight
+also reads its two small factors).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from pipeline.checkpoint.outputs import (
     CONSOLIDATED_MARKER,
@@ -30,13 +35,14 @@ from pipeline.checkpoint.outputs import (
     verified_output,
 )
 from pipeline.config.schema import ExportConfig, ModelConfig, PipelineConfig, parse_size
-from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError
+from pipeline.errors import CheckpointFormatError, PipelineError, VerificationError
 from pipeline.formats.safetensors_shards import write_sharded
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.storage.atomic import read_json
+from pipeline.storage.atomic import read_json, write_json_atomic
 from pipeline.storage.layout import RunLayout, step_name
-from pipeline.workload.data import load_tokenizer
-from pipeline.workload.model import llama_config
+from pipeline.workload.corpus import load_tokenizer
+from pipeline.workload.exported import ExportTensor, adapter_tensors, check_fits, export_tensors
+from pipeline.workload.model import base_model, build_model, factory_config, is_transformers
 from pipeline.workload.size import DTYPE_BYTES, parameters
 
 CONTRACT = StageContract(
@@ -50,6 +56,11 @@ CONTRACT = StageContract(
 )
 
 MARKER = EXPORT_MARKER
+ADAPTER_DIR = "adapter"
+
+
+def not_applicable(cfg: PipelineConfig) -> str | None:
+    return "export=none: the consolidated checkpoint is the run's output" if cfg.export.format == "none" else None
 
 
 def _source(cfg: PipelineConfig, layout: RunLayout) -> dict[str, object]:
@@ -68,6 +79,7 @@ def _source(cfg: PipelineConfig, layout: RunLayout) -> dict[str, object]:
         "consolidated_hash": weights_hash,
         "max_shard_size": cfg.export.max_shard_size,
         "dtype": cfg.export.dtype,
+        **({"adapter": True} if cfg.export.adapter and cfg.model.lora.r else {}),
     }
 
 
@@ -89,13 +101,6 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     return f"{out} verifies against its source" if verified_output(out, MARKER, source) else None
 
 
-def _expected_shapes(model: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor the configured model loads (built on the meta device: no memory, no init)."""
-    with torch.device("meta"):
-        reference = LlamaForCausalLM(llama_config(model, tokenizer))
-    return {name: tuple(t.shape) for name, t in reference.state_dict().items()}
-
-
 def _unreadable(src: Path, e: SafetensorError) -> CheckpointFormatError:
     """A consolidated file whose header or data is malformed."""
     return CheckpointFormatError(
@@ -111,34 +116,49 @@ def _stored_shapes(src: Path) -> dict[str, tuple[int, ...]]:
         raise _unreadable(src, e) from None
 
 
-def check_fits_model(src: Path, model: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> None:
-    """Refuse weights that the model of this run's config cannot load (the first difference, in name order)."""
-    stored, expected = _stored_shapes(src), _expected_shapes(model, tokenizer)
-    for name in sorted(stored.keys() | expected.keys()):
-        if name not in stored:
-            problem = f"has no tensor {name}, which the configured model needs (shape {expected[name]})"
-        elif name not in expected:
-            problem = f"has tensor {name} {stored[name]}, which the configured model does not have"
-        elif stored[name] != expected[name]:
-            problem = f"has tensor {name} of shape {stored[name]}, but the configured model expects {expected[name]}"
-        else:
-            continue
-        sizes = ", ".join(
-            f"model.{k}={getattr(model, k)}"
-            for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
-        )
-        raise ConfigError(
-            f"{src} {problem} ({sizes}, vocab {len(tokenizer)}): the weights do not fit the model this run's "
-            "config describes; choose the +experiment / model.* overrides that match the imported checkpoint (in a new "
-            "run, or with run.overwrite=true)"
-        )
+def _model_hint(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    if model.route == "llama":
+        sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+        return ", ".join(f"model.{k}={getattr(model, k)}" for k in sizes) + f", vocab {len(tokenizer)}"
+    return f"model route {model.route}"
 
 
-def _write_weights(src: Path, staging: Path, export: ExportConfig) -> list[str]:
+def check_fits_model(src: Path, model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
+    """The run's model on the meta device, once the stored weights are known to fit it (else a one-line error)."""
+    reference = build_model(model, tokenizer, meta=True)
+    check_fits(_stored_shapes(src), reference, str(src), _model_hint(model, tokenizer))
+    return reference
+
+
+def _write(src: Path, staging: Path, export: ExportConfig, tensors: list[ExportTensor], **kw: Any) -> list[str]:
     try:
-        return write_sharded(src, staging, getattr(torch, export.dtype), parse_size(export.max_shard_size))
+        plan = [(t.name, t.shape, t.read) for t in tensors]
+        return write_sharded(src, staging, getattr(torch, export.dtype), parse_size(export.max_shard_size), plan, **kw)
     except SafetensorError as e:
         raise _unreadable(src, e) from None
+
+
+def _write_config(staging: Path, reference: torch.nn.Module, cfg: PipelineConfig) -> None:
+    """``config.json`` (+ ``generation_config.json``) of a ``transformers`` model; a user module's factory."""
+    if not is_transformers(reference):
+        write_json_atomic(staging / "config.json", factory_config(cfg.model))
+        return
+    hf_config = base_model(reference).config
+    hf_config.dtype = cfg.export.dtype
+    hf_config.save_pretrained(str(staging))
+    GenerationConfig.from_model_config(hf_config).save_pretrained(str(staging))
+
+
+def _write_adapter(src: Path, staging: Path, reference: torch.nn.Module, cfg: PipelineConfig) -> list[str]:
+    """``adapter/``: the LoRA weights alone and their ``adapter_config.json``, as ``peft`` saves an adapter."""
+    out = staging / ADAPTER_DIR
+    out.mkdir()
+    peft_config = reference.peft_config["default"]  # type: ignore[index, union-attr]
+    peft_config.base_model_name_or_path = cfg.model.pretrained
+    peft_config.save_pretrained(str(out))
+    tensors = adapter_tensors(_stored_shapes(src), reference)
+    files = _write(src, out, cfg.export, tensors, index=None, stem="adapter_model")
+    return [f"{ADAPTER_DIR}/{f}" for f in [*files, "adapter_config.json"]]
 
 
 def run(ctx: TaskContext) -> dict[str, object]:
@@ -147,14 +167,13 @@ def run(ctx: TaskContext) -> dict[str, object]:
     step = int(str(source["step"]))
     weights = layout.consolidated_step(step) / CONSOLIDATED_WEIGHTS
     tokenizer = load_tokenizer(layout.assets)
-    check_fits_model(weights, cfg.model, tokenizer)  # before anything is written
+    reference = check_fits_model(weights, cfg.model, tokenizer)  # before anything is written
     with staging_dir(layout.export, step_name(step)) as staging:
-        files = _write_weights(weights, staging, cfg.export)
-        hf_config = llama_config(cfg.model, tokenizer)
-        hf_config.dtype = cfg.export.dtype
-        hf_config.save_pretrained(str(staging))
-        GenerationConfig.from_model_config(hf_config).save_pretrained(str(staging))
+        files = _write(weights, staging, cfg.export, export_tensors(_stored_shapes(weights), reference))
+        _write_config(staging, reference, cfg)
         tokenizer.save_pretrained(str(staging))
+        if cfg.export.adapter and cfg.model.lora.r:
+            files += _write_adapter(weights, staging, reference, cfg)
         files = sorted({*files, *(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())})
         extra = {"run_id": layout.run_id, "source_dir": f"checkpoints/{step_name(step)}", "format": "huggingface"}
         finish(staging, layout.export_step(step), MARKER, source, files, extra)

@@ -2,7 +2,8 @@
 
 Inputs: the resolved config and the run id chosen by the launching process.
 Outputs: the layout (``stages/ checkpoints/{staging,quarantine}/ consolidated/ export/``) and ``assets/``
-(tokenizer + token stream, published by one rename). ``run.yaml`` is the launching process's: kept by
+(tokenizer, token stream, ``data.json`` fingerprints of the source files; token files are read in place;
+published by one rename). ``run.yaml`` is the launching process's: kept by
 ``run.overwrite``, like the lease, ``logs/`` and ``.hydra/``.
 Owner: this single task is the only one that deletes anything (``run.overwrite=true``), before any rank runs.
 Done-marker: the planned directories exist and ``assets/assets.json`` verifies.
@@ -28,7 +29,7 @@ CONTRACT = StageContract(
     marker="run.yaml + assets/assets.json",
     resources=Resources(cpus_per_task=1, mem_gb=2, timeout_min=10),
     creates_run=True,
-    writes_bytes=lambda cfg: cfg.data.num_documents * cfg.data.seq_len * 8,  # corpus, tokens, tokenizer
+    writes_bytes=lambda cfg: cfg.data.num_documents * cfg.data.seq_len * 8,  # corpus, tokens, tokenizer (estimate)
 )
 
 ASSETS_MARKER = "assets.json"
@@ -49,7 +50,10 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
 
 
 def _assets_source(cfg: PipelineConfig) -> dict[str, object]:
-    return {"data": dataclasses.asdict(cfg.data)}
+    source: dict[str, object] = {"data": dataclasses.asdict(cfg.data)}
+    if cfg.model.pretrained:  # its tokenizer is the run's unless data.tokenizer is set
+        source["tokenizer_of"] = cfg.model.pretrained
+    return source
 
 
 def _assets_ok(cfg: PipelineConfig, layout: RunLayout) -> bool:
@@ -78,9 +82,9 @@ def run(ctx: TaskContext) -> dict[str, object]:
     built_assets = not _assets_ok(cfg, layout)
     if built_assets:
         with staging_dir(layout.run_dir, layout.assets.name) as staging:
-            from pipeline.workload.data import build_assets  # noqa: PLC0415 - torch/tokenizers: only to build
+            from pipeline.workload.corpus import build_assets  # noqa: PLC0415 - torch/tokenizers: only to build
 
-            build_assets(cfg.data, staging)
+            build_assets(cfg.data, staging, cfg.model.pretrained)
             files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
             finish(staging, layout.assets, ASSETS_MARKER, _assets_source(cfg), files, {})
     return {"run_dir": str(layout.run_dir), "built_assets": built_assets}

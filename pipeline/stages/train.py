@@ -42,8 +42,10 @@ from pipeline.storage.metrics import MetricsWriter
 from pipeline.strategies import trainer as strategy
 from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
 from pipeline.strategies.trainer import Trainer
+from pipeline.workload.corpus import check_unchanged
 from pipeline.workload.data import DataPosition, SampleStream
 from pipeline.workload.size import checkpoint_bytes, final_step, is_save_step, save_count
+from pipeline.workload.tensorboard import TensorBoardSink
 
 CONTRACT = StageContract(
     name="train",
@@ -139,17 +141,20 @@ class _Run:
         self.ctx, self.cfg, self.layout, self.device = ctx, cfg, ctx.layout, device
         self.started = time.monotonic()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.rank == 0:
+            check_unchanged(ctx.layout.assets)  # token files read in place must be the ones the run was made with
         self.trainer = strategy.build(cfg, ctx.layout, device, self.world)
-        warmup = max(1, cfg.train.warmup_steps)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.trainer.opt, lambda s: min(1.0, (s + 1) / warmup))
+        self.sched = strategy.make_schedule(self.trainer.opt, cfg.train)
         batch_size = rank_batch_size(cfg.train, self.world)
+        data = cfg.data
         self.stream = SampleStream(
-            ctx.layout.assets, cfg.data.seq_len, cfg.train.seed, batch_size, self.rank, self.world
+            ctx.layout.assets, data.seq_len, cfg.train.seed, batch_size, self.rank, self.world, data.eval_samples
         )
         torch.manual_seed(cfg.train.seed + self.rank)
         # Checkpoint collectives never share the training group, and wait no longer than it does.
         self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.strategy.pg_timeout_s))
         self.metrics = MetricsWriter(ctx.layout.metrics) if self.rank == 0 else None
+        self.tensorboard = TensorBoardSink(ctx.layout.run_dir / "tensorboard") if self.rank == 0 else None
         self.saver: AsyncSaver | None = None
         if cfg.checkpoint.async_save and self.trainer.engine is None:
             threads = cfg.checkpoint.writer_threads_for(ctx.world_size)
@@ -162,6 +167,8 @@ class _Run:
         """One line of ``metrics.jsonl``; only rank 0 writes the file."""
         if self.metrics is not None:
             self.metrics.append({"event": event, "attempt": self.ctx.attempt, **fields, "time": time.time()})
+        if self.tensorboard is not None:
+            self.tensorboard.add({"event": event, **fields})
 
     # -- resume ------------------------------------------------------------------------------------------------
 
@@ -292,6 +299,21 @@ class _Run:
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
+    def evaluate(self, step: int) -> None:
+        """The mean loss over the held-out samples (each rank takes its share; one all_reduce)."""
+        net = self.trainer.net
+        net.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for batch in self.stream.eval_batches(rank_batch_size(self.cfg.train, self.world)):
+                total += torch.tensor([float(self.trainer.loss(batch.to(self.device))) * len(batch), len(batch)])
+        net.train()
+        dist.all_reduce(total, group=self.pg)
+        loss = float(total[0] / total[1]) if total[1] else float("nan")
+        if self.rank == 0:
+            log.info("step %d eval loss %.4f", step, loss)
+        self.event("eval", step=step, loss=loss, samples=int(total[1]))
+
     def loop(self, resume: int) -> int:
         """Train from ``resume`` to the last step, saving at checkpoint steps; returns the last step trained
         (earlier than the final step when a preemption stopped it)."""
@@ -299,17 +321,19 @@ class _Run:
         last = final_step(cfg)
         for step in range(resume + 1, last + 1):
             t0 = time.monotonic()
-            batch = self.stream.next_batch().to(self.device)
-            loss = trainer.net(input_ids=batch, labels=batch).loss
-            trainer.step(loss)
+            batch = self.stream.next_batch(step).to(self.device)
+            loss = trainer.train_step(batch)
             lr = self.sched.get_last_lr()[0]  # the rate this step used
             self.sched.step()
-            trainer.zero_grad()
-            mean = strategy.global_mean(loss.detach(), self.world)
+            mean = strategy.global_mean(loss, self.world)
             if self.rank == 0:
                 log.info("step %d loss %.4f", step, mean)
             tokens = batch.numel() * self.world  # every rank trains on an equal batch
-            self.event("step", step=step, loss=mean, lr=lr, tokens=tokens, step_s=time.monotonic() - t0)
+            step_s = time.monotonic() - t0
+            self.event("step", step=step, loss=mean, lr=lr, tokens=tokens, step_s=step_s, tokens_per_s=tokens / step_s)
+            every = cfg.train.eval_every
+            if every is not None and cfg.data.eval_samples and (step % every == 0 or step == last):
+                self.evaluate(step)
             stop = preemptible() and strategy.any_rank(preemption_requested(), self.pg)
             if is_save_step(cfg, step) or stop:
                 if self.saver is not None:
@@ -355,6 +379,8 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         _write_probe(r.trainer, r.stream, device, os.environ[PROBE_ENV], r.rank)
     dist.barrier()
     r.event("end", last_step=last)
+    if r.tensorboard is not None:
+        r.tensorboard.close()
     summary: dict[str, object] = {
         "resumed_from": resume,
         "last_step": last,

@@ -10,73 +10,134 @@
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable import checkpoint
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.portable import TrainState, apply_native, open_portable
 from pipeline.checkpoint.state import MODEL, OPTIM, RNG, SCHED, TRAIN, rng_key
 from pipeline.config.schema import PipelineConfig, rank_batch_size
+from pipeline.config.workload import TrainConfig
 from pipeline.formats.dcp import FORMAT as DCP_FORMAT
 from pipeline.formats.dcp import load_into
 from pipeline.storage.layout import RunLayout
 from pipeline.strategies import zero
 from pipeline.workload.data import SampleStream, load_tokenizer
-from pipeline.workload.model import build_model
+from pipeline.workload.model import base_model, build_model, fsdp_units, is_transformers, load_target, loss_of
 
 
 @dataclass
 class Trainer:
-    """``net`` is called for the loss (DDP/FSDP2 module or DeepSpeed engine)."""
+    """``net`` is called for the loss (DDP/FSDP2 module or DeepSpeed engine); ``train_step`` runs one optimizer
+    step over a rank's batch (``train.grad_accum`` micro-batches, clipping, bf16 autocast under DDP)."""
 
     net: Any
     module: torch.nn.Module
     opt: torch.optim.Optimizer
+    train: TrainConfig
     engine: Any = None
+    autocast: bool = False
+    loss_fn: Callable[..., torch.Tensor] | None = None
 
     @property
     def format(self) -> str:
         return DCP_FORMAT if self.engine is None else zero.format_name(self.engine.zero_optimization_stage())
 
-    def step(self, loss: torch.Tensor) -> None:
-        if self.engine is not None:
-            self.engine.backward(loss)
-            self.engine.step()  # also zeroes the gradients
-            return
-        loss.backward()
-        self.opt.step()
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        device = batch.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast):
+            if self.loss_fn is not None:
+                return self.loss_fn(self.net, batch)
+            return loss_of(self.net, batch)
 
-    def zero_grad(self) -> None:
+    def train_step(self, batch: torch.Tensor) -> torch.Tensor:
+        """Forward, backward and the optimizer step; returns the batch's mean loss (detached)."""
+        accum = self.train.grad_accum
+        total = torch.zeros((), device=batch.device)
+        for micro in batch.chunk(accum):
+            loss = self.loss(micro)
+            if self.engine is not None:  # DeepSpeed scales by its accumulation steps and steps at the boundary
+                self.engine.backward(loss)
+                self.engine.step()
+            else:
+                (loss / accum).backward()
+            total += loss.detach().float()
         if self.engine is None:
+            if self.train.grad_clip is not None:
+                params = [p for p in self.module.parameters() if p.grad is not None]
+                torch.nn.utils.clip_grad_norm_(params, self.train.grad_clip)
+            self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+        return total / accum
+
+
+def make_optimizer(params: list[torch.nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay)
+    return torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
+
+
+def lr_factor(train: TrainConfig, step: int) -> float:
+    """The schedule's multiplier of ``train.lr`` for the 0-based optimizer step ``step``."""
+    warmup = max(1, train.warmup_steps)
+    if step < warmup or train.schedule == "constant":
+        return min(1.0, (step + 1) / warmup)
+    progress = min(1.0, (step + 1 - warmup) / max(1, train.steps - warmup))
+    if train.schedule == "linear":
+        return 1.0 - (1.0 - train.min_lr_ratio) * progress
+    return train.min_lr_ratio + (1.0 - train.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_schedule(opt: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, train))
 
 
 def _wrap(model: torch.nn.Module, cfg: PipelineConfig, device: torch.device) -> torch.nn.Module:
     model.to(device)
+    units = fsdp_units(model)
+    if cfg.train.activation_checkpointing:
+        if is_transformers(model):
+            base_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            for unit in units or [model]:
+                checkpoint(unit)
     if cfg.strategy.name == "fsdp2":
-        for layer in model.model.layers:  # type: ignore[union-attr]
-            fully_shard(layer)
-        fully_shard(model)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs = {"mp_policy": mp} if cfg.strategy.precision == "bf16" else {}
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
         return model
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def build(cfg: PipelineConfig, layout: RunLayout, device: torch.device, world: int) -> Trainer:
     model = build_model(cfg.model, load_tokenizer(layout.assets))
+    hook = cfg.train.step
+    loss_fn = None
+    if hook._target_:
+        loss_fn = functools.partial(load_target(hook._target_, "train.step._target_"), **hook.args)
     if cfg.strategy.name == "deepspeed":
         batch = rank_batch_size(cfg.train, world)
-        engine, opt = zero.build_engine(model, cfg.strategy, batch, cfg.train.lr, cfg.train.weight_decay)
-        return Trainer(net=engine, module=engine.module, opt=opt, engine=engine)
+        opt = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg.train)
+        accum = cfg.train.grad_accum
+        engine = zero.build_engine(model, cfg.strategy, opt, batch // accum, accum, cfg.train.grad_clip)
+        return Trainer(net=engine, module=engine.module, opt=opt, train=cfg.train, engine=engine, loss_fn=loss_fn)
     wrapped = _wrap(model, cfg, device)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    return Trainer(net=wrapped, module=wrapped, opt=opt)
+    opt = make_optimizer([p for p in wrapped.parameters() if p.requires_grad], cfg.train)
+    autocast = cfg.strategy.name == "ddp" and cfg.strategy.precision == "bf16"
+    return Trainer(net=wrapped, module=wrapped, opt=opt, train=cfg.train, autocast=autocast, loss_fn=loss_fn)
 
 
 def rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -160,9 +221,10 @@ PROBE_TOKENS = 16
 def probe_logits(trainer: Trainer, stream: SampleStream, device: torch.device) -> dict[str, object]:
     """The trained model's logits on a fixed probe (the corpus' first sample), as the training engine computes
     them (every rank takes part: ZeRO-3 and FSDP2 gather their shards): what an export must reproduce."""
-    ids = stream.samples[0, :PROBE_TOKENS].unsqueeze(0).to(device)
+    ids = stream.first_sample()[:PROBE_TOKENS].unsqueeze(0).to(device)
     with torch.no_grad():
-        logits = trainer.net(input_ids=ids).logits.float().cpu()
+        out = trainer.net(input_ids=ids)
+        logits = (out if isinstance(out, torch.Tensor) else out.logits).float().cpu()
     return {"input_ids": ids.cpu().flatten().tolist(), "shape": list(logits.shape), "logits": logits.flatten().tolist()}
 
 

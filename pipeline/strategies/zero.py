@@ -38,8 +38,9 @@ from pipeline.storage.integrity import FileEntry, lstat_kind
 log = logging.getLogger(__name__)
 
 
-def ds_config(strategy: StrategyConfig, micro_batch: int) -> dict[str, Any]:
-    """The DeepSpeed config for ``strategy`` (one optimizer step per micro batch; no DeepSpeed logging)."""
+def ds_config(strategy: StrategyConfig, micro_batch: int, accum: int = 1, clip: float | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for ``strategy``: ``accum`` micro batches of ``micro_batch`` per optimizer step,
+    gradients clipped to ``clip`` (no DeepSpeed logging)."""
     zero: dict[str, Any] = {"stage": strategy.zero_stage}
     if strategy.offload != "none":
         target: dict[str, Any] = {"device": strategy.offload}
@@ -50,9 +51,9 @@ def ds_config(strategy: StrategyConfig, micro_batch: int) -> dict[str, Any]:
             zero["offload_param"] = dict(target)
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
-        "train_batch_size": micro_batch * strategy.world_size,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
+        "train_batch_size": micro_batch * accum * strategy.world_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": clip or 0.0,
         "zero_optimization": zero,
         "bf16": {"enabled": strategy.precision == "bf16"},
         "zero_allow_untested_optimizer": True,
@@ -94,20 +95,25 @@ def check_available(strategy: StrategyConfig) -> None:
 
 
 def build_engine(
-    model: torch.nn.Module, strategy: StrategyConfig, micro_batch: int, lr: float, weight_decay: float
-) -> tuple[Any, torch.optim.Optimizer]:
-    """``deepspeed.initialize`` on the already-initialised process group; returns the engine and the client
-    AdamW (whose param groups DeepSpeed drives: the LR scheduler is built on it)."""
+    model: torch.nn.Module,
+    strategy: StrategyConfig,
+    opt: torch.optim.Optimizer,
+    micro_batch: int,
+    accum: int,
+    clip: float | None,
+) -> Any:
+    """``deepspeed.initialize`` on the already-initialised process group, around the client optimizer ``opt``
+    (whose param groups DeepSpeed drives: the LR scheduler is built on it); returns the engine."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if strategy.backend == "gloo" else "cuda")
     _quiet_deepspeed(strategy)
     check_available(strategy)
     import deepspeed  # noqa: PLC0415
 
     deepspeed.init_distributed(dist_backend=strategy.backend)  # joins the existing group
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(strategy, micro_batch))
+    config = ds_config(strategy, micro_batch, accum, clip)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     engine._copy_recovery_script = lambda *_a, **_k: None  # no zero_to_fp32.py copies: the pipeline consolidates
-    return engine, opt
+    return engine
 
 
 class RecordingEngine:
