@@ -53,7 +53,7 @@ def main() -> None:
     n = tokens.numel() // 32
     samples = tokens[: n * 32].view(n, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(args.steps):
+    for _ in range(args.steps):
         batch = samples[torch.randint(0, n, (8,))]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -61,7 +61,8 @@ def main() -> None:
         opt.zero_grad()
     model.save_pretrained(str(args.out))
     tokenizer.save_pretrained(str(args.out))
-    print(f"saved {args.arch} ({sum(p.numel() for p in model.parameters())} parameters, loss {loss.item():.3f}) to {args.out}")
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"saved {args.arch} ({n_params} parameters, loss {loss.item():.3f}) to {args.out}")
 
 
 if __name__ == "__main__":

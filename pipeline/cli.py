@@ -23,7 +23,7 @@ from launchers.resources import sbatch_lines
 from pipeline.config.compose import conf_dir, load_config, to_typed, to_yaml
 from pipeline.config.docs import hydra_template, render_help
 from pipeline.config.identity import kept_global_batch
-from pipeline.config.overrides import check_hydra_overrides, find_run, merge, parse, value_of
+from pipeline.config.overrides import SEARCHPATH, check_hydra_overrides, find_run, merge, parse, value_of
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, register_configs, schema_key
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.orchestration.plan import Plan, make_plan
@@ -125,6 +125,7 @@ def _hydra_task(dcfg: DictConfig) -> None:
         if RunLayout.for_run(cfg.run.root, cfg.experiment, cfg.run.id).run_dir != run_dir:
             raise ConfigError(f"hydra's run dir {run_dir} is not <run.root>/<experiment>/<run.id>")
         overrides = [str(o) for o in hc.overrides.task]
+        overrides += [str(o) for o in hc.overrides.hydra if str(o).startswith(f"{SEARCHPATH}=")]  # your conf/
         files = {
             "config.yaml": OmegaConf.to_yaml(dcfg),
             "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": OmegaConf.to_container(hc)})),
@@ -199,6 +200,8 @@ def main(argv: list[str]) -> int:
     args = get_args_parser().parse_intermixed_args(argv)  # overrides before and after -m, as Hydra allows
     flags = [a for a in argv if a not in args.overrides]
     try:
+        if args.config_dir:  # recorded with the run as hydra.searchpath: continuations find the same experiments
+            flags, args.overrides = _config_dir_as_searchpath(flags, args.overrides, args.config_dir)
         if any(getattr(args, f) for f in _INFO_FLAGS):
             return _call_hydra([*flags, *_expand_for_info(args.overrides)])
         if args.multirun:
@@ -219,6 +222,24 @@ def main(argv: list[str]) -> int:
         return e.exit_code
     except Interrupted as e:
         return e.exit_code
+
+
+def _config_dir_as_searchpath(flags: list[str], overrides: list[str], config_dir: str) -> tuple[list[str], list[str]]:
+    """``--config-dir D`` -> ``hydra.searchpath=[file://D]`` (your conf/ is searched after the pipeline's)."""
+    path = Path(config_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise ConfigError(f"--config-dir {config_dir}: no such directory")
+    if value_of(parse(overrides), SEARCHPATH) is not None:
+        raise ConfigError("give your conf/ once: either --config-dir or hydra.searchpath=[...]")
+    out, skip = [], False
+    for a in flags:
+        if skip:
+            skip = False
+        elif a in ("--config-dir", "-cd"):
+            skip = True
+        elif not a.startswith(("--config-dir=", "-cd=")):
+            out.append(a)
+    return out, [*overrides, f"{SEARCHPATH}=[file://{path}]"]
 
 
 def _wants_status(overrides: list[str]) -> bool:

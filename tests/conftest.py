@@ -167,3 +167,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         tr.write_line(f"{'ok  ' if ok else 'FAIL'} {scenario:<{width}}  {figure}")
         for note in notes[:5]:
             tr.write_line(f"       {note}")
+
+
+@pytest.fixture(scope="session")
+def pretrained_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small "pretrained" GPT-2 and its tokenizer in a local directory, made by the example script."""
+    out = tmp_path_factory.mktemp("pretrained") / "tiny-gpt2"
+    script = Path(__file__).resolve().parents[1] / "examples" / "make_pretrained.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out), "--steps", "30"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+

@@ -20,8 +20,9 @@ from tests.conftest import RunFactory, run_cli
 @pytest.mark.parametrize("name", experiments())
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("launcher", ["local", "inprocess", "slurm"])
-def test_every_experiment_composes(name: str, strategy: str, launcher: str) -> None:
-    cfg = load_config([f"+experiment={name}", f"strategy={strategy}", f"launcher={launcher}"])
+def test_every_experiment_composes(name: str, strategy: str, launcher: str, pretrained_gpt2: Path) -> None:
+    needs = [f"model.pretrained={pretrained_gpt2}"] if name == "finetune_lora" else []
+    cfg = load_config([f"+experiment={name}", f"strategy={strategy}", f"launcher={launcher}", *needs])
     assert isinstance(cfg, PipelineConfig)
     assert cfg.strategy.name == strategy
     assert cfg.launcher.kind == launcher

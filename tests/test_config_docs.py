@@ -8,7 +8,7 @@ import string
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import docs, schema
+from pipeline.config import docs, schema, workload
 
 STAGES = [("prepare_dirs", "Create the run layout."), ("consolidate", "Merge the shards of `latest`.")]
 
@@ -58,7 +58,7 @@ def test_every_dataclass_leaf_is_a_key() -> None:
     def leaves(cls: type, prefix: str) -> set[str]:
         out: set[str] = set()
         for f in dataclasses.fields(cls):
-            sub = getattr(schema, str(f.type), None)
+            sub = getattr(schema, str(f.type), None) or getattr(workload, str(f.type), None)
             out |= leaves(sub, f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else {f"{prefix}{f.name}"}
         return out
 

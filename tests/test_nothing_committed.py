@@ -46,7 +46,7 @@ def test_train_that_fails_before_any_commit_launches_no_consolidate(tmp_path: Pa
     committed, and consolidate and export are skipped instead of started."""
     proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=n", "run.create=true", "data.num_documents=1")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL train" in proc.stdout and "the corpus gives only" in proc.stdout
+    assert "FAIL train" in proc.stdout and "the data gives only" in proc.stdout
     assert "skip consolidate: train did not succeed" in proc.stdout
     assert "run  consolidate" not in proc.stdout and "FAIL consolidate" not in proc.stdout
     assert "failed; latest = none" in proc.stdout

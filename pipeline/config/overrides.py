@@ -23,9 +23,12 @@ from pipeline.storage.layout import RUN_YAML
 LAST = "last"
 DEFAULT_ROOT = "outputs"
 
-# hydra.* settings a user may change: logging only. Everything else (run/sweep dirs, output_subdir, chdir,
-# launcher, sweeper) is the pipeline's: the run dir is <run.root>/<experiment>/<run.id>.
+# hydra.* settings a user may change: logging, and the config search path (your own conf/, also given as
+# --config-dir). Everything else (run/sweep dirs, output_subdir, chdir, launcher, sweeper) is the pipeline's:
+# the run dir is <run.root>/<experiment>/<run.id>.
+SEARCHPATH = "hydra.searchpath"
 _HYDRA_ALLOWED = (
+    SEARCHPATH,
     "hydra.verbose",
     "hydra.job_logging",
     "hydra.hydra_logging",
@@ -66,11 +69,13 @@ def check_hydra_overrides(parsed: list[Override]) -> None:
 
 
 def carried(overrides: list[str]) -> list[str]:
-    """The overrides a run records for later launches: per-launch keys and hydra.* are left out."""
+    """The overrides a run records for later launches: per-launch keys and hydra.* are left out, except the
+    config search path (a continuation composes the same experiment from the same conf/ dirs)."""
     return [
         str(o.input_line)
         for o in parse(overrides)
-        if not is_per_launch(o.key_or_group) and not o.key_or_group.startswith(("hydra.", "hydra/"))
+        if not is_per_launch(o.key_or_group)
+        and (o.key_or_group == SEARCHPATH or not o.key_or_group.startswith(("hydra.", "hydra/")))
     ]
 
 

@@ -375,7 +375,7 @@ class PipelineConfig:
 
     Another world size or strategy continues the run through a world-size-free form of its newest step."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The model being trained: a ``transformers`` config, pretrained weights, your factory, or the built-in Llama."""
+    """The model: a ``transformers`` config, pretrained weights, your factory, or the built-in Llama."""
     data: DataConfig = field(default_factory=DataConfig)
     """Corpus and tokenizer, prepared by prepare-dirs (token files are read in place)."""
     train: TrainConfig = field(default_factory=TrainConfig)

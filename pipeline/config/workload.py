@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pipeline.config.fields import MUTABLE, PER_LAUNCH
@@ -20,7 +21,7 @@ class LoraConfig:
 
     r: int = 0
     """Rank of the LoRA update (0: no LoRA; the whole model trains)."""
-    alpha: float = 16.0
+    alpha: int = 16
     """LoRA scaling numerator (the update is scaled by ``alpha / r``)."""
     dropout: float = 0.0
     """Dropout on the LoRA input."""
@@ -79,6 +80,16 @@ class ModelConfig:
             )
         if self.config and "model_type" not in self.config:
             raise ConfigError("model.config needs a model_type (e.g. model.config={model_type: gpt2, n_layer: 2})")
+        for key in ("config_dir", "pretrained"):  # fixed where the run is launched, checked before any job runs
+            value = getattr(self, key)
+            if value:
+                path = Path(value).expanduser().resolve()
+                if not (path / "config.json").is_file():
+                    raise ConfigError(
+                        f"model.{key}={value}: no config.json there (a local transformers model directory; "
+                        "nothing is downloaded)"
+                    )
+                setattr(self, key, str(path))
         if self.args and not self._target_:
             raise ConfigError("model.args are the arguments of model._target_: set model._target_ or drop model.args")
         sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
@@ -136,6 +147,10 @@ class DataConfig:
             raise ConfigError(f"data.source={self.source!r}: choose one of {', '.join(DATA_SOURCES)}")
         if self.source != "synthetic" and not self.path:
             raise ConfigError(f"data.source={self.source} reads local files: set data.path=<glob>")
+        if self.path:  # fixed where the run is launched
+            self.path = str(Path(self.path).expanduser().absolute())
+        if self.tokenizer:
+            self.tokenizer = str(Path(self.tokenizer).expanduser().resolve())
         if self.token_dtype not in ("uint16", "uint32"):
             raise ConfigError(f"data.token_dtype={self.token_dtype!r}: use uint16 or uint32")
         for key, low in (("num_documents", 1), ("seq_len", 2), ("vocab_size", 32), ("eval_samples", 0)):

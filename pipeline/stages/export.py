@@ -143,7 +143,7 @@ def _write_config(staging: Path, reference: torch.nn.Module, cfg: PipelineConfig
     if not is_transformers(reference):
         write_json_atomic(staging / "config.json", factory_config(cfg.model))
         return
-    hf_config = base_model(reference).config
+    hf_config: Any = base_model(reference).config
     hf_config.dtype = cfg.export.dtype
     hf_config.save_pretrained(str(staging))
     GenerationConfig.from_model_config(hf_config).save_pretrained(str(staging))
@@ -153,7 +153,7 @@ def _write_adapter(src: Path, staging: Path, reference: torch.nn.Module, cfg: Pi
     """``adapter/``: the LoRA weights alone and their ``adapter_config.json``, as ``peft`` saves an adapter."""
     out = staging / ADAPTER_DIR
     out.mkdir()
-    peft_config = reference.peft_config["default"]  # type: ignore[index, union-attr]
+    peft_config: Any = reference.peft_config["default"]  # type: ignore[index, union-attr]
     peft_config.base_model_name_or_path = cfg.model.pretrained
     peft_config.save_pretrained(str(out))
     tensors = adapter_tensors(_stored_shapes(src), reference)

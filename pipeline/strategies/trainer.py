@@ -108,16 +108,18 @@ def _wrap(model: torch.nn.Module, cfg: PipelineConfig, device: torch.device) -> 
     units = fsdp_units(model)
     if cfg.train.activation_checkpointing:
         if is_transformers(model):
-            base_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable: Any = base_model(model).gradient_checkpointing_enable
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             for unit in units or [model]:
                 checkpoint(unit)
     if cfg.strategy.name == "fsdp2":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kwargs = {"mp_policy": mp} if cfg.strategy.precision == "bf16" else {}
+        mp = MixedPrecisionPolicy()  # fp32: no casts
+        if cfg.strategy.precision == "bf16":  # compute in bf16; master weights and gradient reduction in fp32
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for unit in units:
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
+            fully_shard(unit, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
         return model
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 

@@ -58,7 +58,7 @@ def train_tokenizer(corpus: list[str], cfg: DataConfig) -> PreTrainedTokenizerFa
 
 def source_files(cfg: DataConfig) -> list[Path]:
     """The files ``data.path`` names, sorted (the order is part of the data); at least one."""
-    files = sorted(Path(p).resolve() for p in glob.glob(str(Path(str(cfg.path)).expanduser()), recursive=True))
+    files = sorted({Path(p).resolve() for p in glob.glob(str(Path(str(cfg.path)).expanduser()), recursive=True)})
     files = [f for f in files if f.is_file()]
     if not files:
         raise ConfigError(f"data.path={cfg.path} matches no file (data.source={cfg.source})")

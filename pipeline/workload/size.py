@@ -4,6 +4,7 @@ and from them ``dry_run``'s estimate of the bytes each stage writes (each contra
 from __future__ import annotations
 
 from pipeline.config.schema import PipelineConfig
+from pipeline.config.workload import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = 2
@@ -12,8 +13,40 @@ RECORD_BYTES = 4096
 """About what one manifest, marker or record takes."""
 
 
+class _VocabBound:
+    """Stands in for the tokenizer before prepare-dirs made it: ``data.vocab_size`` tokens, its upper bound."""
+
+    bos_token_id = eos_token_id = pad_token_id = None
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+_BUILT: dict[tuple[str, int], int] = {}
+
+
+def _built_parameters(model: ModelConfig, vocab: int) -> int:
+    from pipeline.workload.model import build_model  # noqa: PLC0415 - transformers only for these routes
+
+    key = (repr(model), vocab)
+    if key not in _BUILT:
+        built = build_model(model, _VocabBound(vocab), meta=True)  # type: ignore[arg-type]
+        _BUILT[key] = sum(p.numel() for p in built.parameters())  # shared (tied) parameters once
+    return _BUILT[key]
+
+
 def parameters(cfg: PipelineConfig) -> int:
-    """Parameters of the Llama the config describes (vocab taken at ``data.vocab_size``, its upper bound)."""
+    """Parameters of the model the config describes: the built-in Llama's by formula, any other route's from
+    its parameter shapes (built on the meta device; vocab taken at ``data.vocab_size``, its upper bound, where
+    the tokenizer decides it)."""
+    if cfg.model.route != "llama":
+        try:
+            return _built_parameters(cfg.model, cfg.data.vocab_size)
+        except Exception:  # noqa: BLE001 - an estimate: a factory that cannot build on meta is counted as unknown
+            return 0
     m, vocab = cfg.model, cfg.data.vocab_size
     head = m.hidden_size // m.num_heads
     attention = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * head * m.num_kv_heads

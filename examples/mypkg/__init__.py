@@ -1,0 +1,1 @@
+"""A user's own package, as the README's "Bring your own model and data" uses it (``model._target_``)."""
