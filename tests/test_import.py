@@ -330,15 +330,18 @@ def test_unreadable_source_fails_in_one_line_before_anything_is_created(root: Pa
     assert not runs.exists(), "nothing is created"
 
 
-def test_weights_that_do_not_fit_the_model_fail_export_in_one_line(root: Path, saved: Saved) -> None:
+def test_weights_that_do_not_fit_the_model_are_refused_before_any_job_runs(root: Path, saved: Saved) -> None:
+    """The export's model is decided before any job: an import it cannot export is refused in one line (exit 2,
+    nothing created); with export=none the same import is committed and consolidated."""
     runs = root / "runs"
     proc = _import(runs, "narrow", saved.plain, INPROCESS, "model.hidden_size=32")
-    assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    hits = [line for line in proc.stdout.splitlines() if line.startswith("FAIL export:")]
-    assert len(hits) == 1 and "do not fit the model" in hits[0], proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "lm_head.weight" in hits[0] and "model.hidden_size=32" in hits[0]
-    assert "choose the +experiment / model.* overrides that match the imported checkpoint" in hits[0]
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "do not fit the model" in lines[0], proc.stderr
+    assert "lm_head.weight" in lines[0] and "model.hidden_size=32" in lines[0] and "export=none" in lines[0]
     layout = RunLayout.for_run(runs, "tiny", "narrow")
-    assert read_manifest(layout.committed_step(3)).format == "torch_save", "import and commit are not the problem"
-    assert not any(layout.export.iterdir()), "export writes nothing"
-    assert read_json(layout.stage_record("export"))["status"] == "failed"
+    assert not layout.run_dir.exists(), "nothing is created"
+    proc = _import(runs, "narrow", saved.plain, INPROCESS, "model.hidden_size=32", "export=none")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert read_manifest(layout.committed_step(3)).format == "torch_save"
+    assert (layout.consolidated_step(3) / "model.safetensors").is_file() and not any(layout.export.iterdir())

@@ -26,7 +26,7 @@ CHUNK_BYTES = 64 << 20
 """Largest slice of a tensor held at once while consolidating."""
 
 
-def _weights(tree: Any, where: Path) -> dict[str, LazyTensor]:
+def model_weights(tree: Any, where: Path) -> dict[str, LazyTensor]:
     # The nested state dict first: a top level that holds it may also hold stray tensors (``torch.get_rng_state()``).
     candidates = [tree[k] for k in WEIGHT_KEYS if isinstance(tree, dict) and isinstance(tree.get(k), dict)] + [tree]
     for cand in candidates:
@@ -43,7 +43,7 @@ def _weights(tree: Any, where: Path) -> dict[str, LazyTensor]:
 def probe_file(path: Path, allow_pickle: bool = False) -> int | None:
     """Check that ``path`` is a model checkpoint this format reads; the step it records, if any."""
     tree = load_lazy(path, allow_pickle=allow_pickle)
-    _weights(tree, path)
+    model_weights(tree, path)
     if isinstance(tree, dict):
         for key in STEP_KEYS:
             value = tree.get(key)
@@ -66,7 +66,7 @@ def consolidate_torch_save(
 ) -> int:
     """Stream the model weights of ``step_dir/checkpoint.pt`` into one safetensors file; the tensor count."""
     path = step_dir / FILE
-    weights = _weights(load_lazy(path, allow_pickle=allow_pickle), path)
+    weights = model_weights(load_lazy(path, allow_pickle=allow_pickle), path)
     specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in weights.items()]
     with StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"}) as writer:
         for spec in specs:

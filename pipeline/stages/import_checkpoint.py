@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, read_latest, step_markers, write_marker
 from pipeline.config.schema import PipelineConfig
@@ -114,18 +115,28 @@ def probe(cfg: PipelineConfig) -> Source:
     )
 
 
+STEP_KEYS = ("train.step", "step", "global_step", "iteration")
+"""Where a DCP checkpoint records its step: the pipeline's ``train.step``, or a top-level scalar tensor as
+training scripts commonly save it (a Python int is stored pickled: it is not read, see import.step)."""
+
+
 def _dcp_step(path: Path) -> int | None:
-    """The pipeline's own ``train.step`` in a DCP checkpoint, when it has one."""
+    """The step a DCP checkpoint records (a scalar tensor under one of :data:`STEP_KEYS`), when it has one."""
     import torch  # noqa: PLC0415
 
     from pipeline.formats.dcp import load_into, read_metadata_safe  # noqa: PLC0415
+    from pipeline.formats.dcp_metadata import TensorStorageMetadata  # noqa: PLC0415
 
     md = read_metadata_safe(path)
-    if "train.step" not in md.state_dict_metadata:
-        return None
-    box = {"train": {"step": torch.tensor(0)}}
-    load_into(box, path, no_dist=True, metadata=md)
-    return int(box["train"]["step"])
+    for key in STEP_KEYS:
+        entry = md.state_dict_metadata.get(key)
+        if not isinstance(entry, TensorStorageMetadata) or entry.size.numel() != 1:
+            continue
+        value = torch.zeros(entry.size, dtype=entry.properties.dtype)
+        box: dict[str, Any] = {"train": {"step": value}} if key == "train.step" else {key: value}
+        load_into(box, path, no_dist=True, metadata=md)
+        return int(value.reshape(()).item())
+    return None
 
 
 def import_step(cfg: PipelineConfig, source: Source) -> int:
@@ -136,7 +147,11 @@ def import_step(cfg: PipelineConfig, source: Source) -> int:
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
-    probe(cfg)
+    """The source reads, and (before any job runs) its model tensors fit the run's model for the export."""
+    source = probe(cfg)
+    from pipeline.stages.import_fit import check_exportable, source_shapes  # noqa: PLC0415
+
+    check_exportable(cfg, layout, source_shapes(source.format, source.root, source.files, cfg.import_.allow_pickle))
 
 
 def not_applicable(cfg: PipelineConfig) -> str | None:

@@ -224,9 +224,11 @@ def probe_logits(trainer: Trainer, stream: SampleStream, device: torch.device) -
     """The trained model's logits on a fixed probe (the corpus' first sample), as the training engine computes
     them (every rank takes part: ZeRO-3 and FSDP2 gather their shards): what an export must reproduce."""
     ids = stream.first_sample()[:PROBE_TOKENS].unsqueeze(0).to(device)
+    trainer.net.eval()  # dropout off, as the exported model is used
     with torch.no_grad():
         out = trainer.net(input_ids=ids)
         logits = (out if isinstance(out, torch.Tensor) else out.logits).float().cpu()
+    trainer.net.train()
     return {"input_ids": ids.cpu().flatten().tolist(), "shape": list(logits.shape), "logits": logits.flatten().tolist()}
 
 
