@@ -40,6 +40,7 @@ DS_STEPS = {2: 3, 3: 2}
 """ZeRO stage -> optimizer steps trained (the step an import of it records)."""
 
 _DS_SCRIPT = r"""
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -73,6 +74,8 @@ for case in cases:
     dist.barrier()
     del engine, model, opt
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # skip interpreter teardown: a native thread left at exit can abort the process under load
 """
 
 

@@ -231,10 +231,9 @@ def test_failed_shard_save_does_not_stop_training_and_is_never_committed(tmp_pat
 
 STRATEGIES = {
     "ddp": ("strategy=ddp",),
-    "fsdp2": ("strategy=fsdp2",),
-    "deepspeed": ("strategy=deepspeed",),  # ZeRO-2
-    "zero3": ("strategy=deepspeed", "strategy.zero_stage=3"),
 }
+"""FSDP2 and DeepSpeed ZeRO-3 resume bit-identically in tests/test_byo.py (with other models: a Mistral config
+under FSDP2, tied GPT-2 under ZeRO-3); ZeRO-1/2/3 <-> FSDP2 and world-size changes in test_resume_anywhere.py."""
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))

@@ -35,6 +35,7 @@ from pipeline.orchestration.contract import Resources, StageContract, TaskContex
 from pipeline.orchestration.preemption import no_requeue_reason, preemptible, preemption_requested
 from pipeline.orchestration.records import producer_attempt, stage_alive
 from pipeline.stages import shard_save
+from pipeline.stages.train_loop import LoopContext, eval_loss, run_user_loop
 from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.layout import RunLayout
@@ -301,48 +302,64 @@ class _Run:
 
     def evaluate(self, step: int) -> None:
         """The mean loss over the held-out samples (each rank takes its share; one all_reduce)."""
-        net = self.trainer.net
-        net.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        with torch.no_grad():
-            for batch in self.stream.eval_batches(rank_batch_size(self.cfg.train, self.world)):
-                total += torch.tensor([float(self.trainer.loss(batch.to(self.device))) * len(batch), len(batch)])
-        net.train()
-        dist.all_reduce(total, group=self.pg)
-        loss = float(total[0] / total[1]) if total[1] else float("nan")
+        batches = self.stream.eval_batches(rank_batch_size(self.cfg.train, self.world))
+        loss, samples = eval_loss(self.trainer, batches, self.device, self.pg)
         if self.rank == 0:
             log.info("step %d eval loss %.4f", step, loss)
-        self.event("eval", step=step, loss=loss, samples=int(total[1]))
+        self.event("eval", step=step, loss=loss, samples=samples)
 
     def loop(self, resume: int) -> int:
         """Train from ``resume`` to the last step, saving at checkpoint steps; returns the last step trained
         (earlier than the final step when a preemption stopped it)."""
-        cfg, trainer = self.cfg, self.trainer
-        last = final_step(cfg)
+        last = final_step(self.cfg)
+        self._step_start = time.monotonic()
+        if self.cfg.train.loop._target_:
+            return run_user_loop(self.loop_context(resume, last))
         for step in range(resume + 1, last + 1):
-            t0 = time.monotonic()
             batch = self.stream.next_batch(step).to(self.device)
-            loss = trainer.train_step(batch)
-            lr = self.sched.get_last_lr()[0]  # the rate this step used
-            self.sched.step()
-            mean = strategy.global_mean(loss, self.world)
-            if self.rank == 0:
-                log.info("step %d loss %.4f", step, mean)
-            tokens = batch.numel() * self.world  # every rank trains on an equal batch
-            step_s = time.monotonic() - t0
-            self.event("step", step=step, loss=mean, lr=lr, tokens=tokens, step_s=step_s, tokens_per_s=tokens / step_s)
-            every = cfg.train.eval_every
-            if every is not None and cfg.data.eval_samples and (step % every == 0 or step == last):
-                self.evaluate(step)
-            stop = preemptible() and strategy.any_rank(preemption_requested(), self.pg)
-            if is_save_step(cfg, step) or stop:
-                if self.saver is not None:
-                    self.save_async(step, self.saver)
-                else:
-                    self.save_sync(step)
-            if stop:
+            loss = self.trainer.train_step(batch)
+            if self.step_done(step, loss, batch.numel()):
                 return step
         return last
+
+    def loop_context(self, resume: int, last: int) -> LoopContext:
+        return LoopContext(
+            self.cfg,
+            self.trainer,
+            self.stream,
+            self.device,
+            self.rank,
+            self.world,
+            resume,
+            last,
+            self.step_done,
+            self.sched,
+        )
+
+    def step_done(self, step: int, loss: torch.Tensor, tokens: int) -> bool:
+        """After a step: the schedule, the step's metrics, eval, the checkpoint and the preemption check (the
+        built-in loop's and a user loop's alike); True when training stops here."""
+        cfg = self.cfg
+        lr = self.sched.get_last_lr()[0]  # the rate this step used
+        self.sched.step()
+        mean = strategy.global_mean(loss.detach().float(), self.world)
+        if self.rank == 0:
+            log.info("step %d loss %.4f", step, mean)
+        tokens *= self.world  # every rank trains on an equal batch
+        now = time.monotonic()
+        step_s, self._step_start = now - self._step_start, now
+        self.event("step", step=step, loss=mean, lr=lr, tokens=tokens, step_s=step_s, tokens_per_s=tokens / step_s)
+        every = cfg.train.eval_every
+        if every is not None and cfg.data.eval_samples and (step % every == 0 or step == final_step(cfg)):
+            self.evaluate(step)
+        stop = preemptible() and strategy.any_rank(preemption_requested(), self.pg)
+        if is_save_step(cfg, step) or stop:
+            if self.saver is not None:
+                self.save_async(step, self.saver)
+            else:
+                self.save_sync(step)
+        self._step_start = time.monotonic()  # a save's time is not the next step's
+        return stop
 
 
 def run(ctx: TaskContext) -> dict[str, object]:

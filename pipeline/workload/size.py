@@ -1,10 +1,10 @@
-"""The run's size from the config alone (nothing is built or read): the model's parameters, train's save rule,
-and from them ``dry_run``'s estimate of the bytes each stage writes (each contract's ``writes_bytes``)."""
+"""The run's size from the config: the model's parameters (the built-in Llama's by formula, any other route's
+from its model built on the meta device: no memory, no weights read), train's save rule, and from them
+``dry_run``'s estimate of the bytes each stage writes (each contract's ``writes_bytes``)."""
 
 from __future__ import annotations
 
 from pipeline.config.schema import PipelineConfig
-from pipeline.config.workload import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = 2
@@ -25,28 +25,31 @@ class _VocabBound:
         return self.size
 
 
-_BUILT: dict[tuple[str, int], int] = {}
+_BUILT: dict[tuple[str, int], tuple[int, int]] = {}
 
 
-def _built_parameters(model: ModelConfig, vocab: int) -> int:
+def _built(cfg: PipelineConfig) -> tuple[int, int]:
+    """(parameters, trainable parameters) of a non-built-in model, from its shapes on the meta device (vocab
+    at ``data.vocab_size``, its upper bound, where the tokenizer decides it); (0, 0) when it cannot be built
+    there (a factory that needs real tensors: unknown, an estimate only)."""
     from pipeline.workload.model import build_model  # noqa: PLC0415 - transformers only for these routes
 
-    key = (repr(model), vocab)
+    key = (repr(cfg.model), cfg.data.vocab_size)
     if key not in _BUILT:
-        built = build_model(model, _VocabBound(vocab), meta=True)  # type: ignore[arg-type]
-        _BUILT[key] = sum(p.numel() for p in built.parameters())  # shared (tied) parameters once
+        try:
+            built = build_model(cfg.model, _VocabBound(cfg.data.vocab_size), meta=True)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - an estimate
+            _BUILT[key] = (0, 0)
+        else:
+            params = list(built.parameters())  # shared (tied) parameters once
+            _BUILT[key] = (sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
     return _BUILT[key]
 
 
 def parameters(cfg: PipelineConfig) -> int:
-    """Parameters of the model the config describes: the built-in Llama's by formula, any other route's from
-    its parameter shapes (built on the meta device; vocab taken at ``data.vocab_size``, its upper bound, where
-    the tokenizer decides it)."""
+    """Parameters of the model the config describes."""
     if cfg.model.route != "llama":
-        try:
-            return _built_parameters(cfg.model, cfg.data.vocab_size)
-        except Exception:  # noqa: BLE001 - an estimate: a factory that cannot build on meta is counted as unknown
-            return 0
+        return _built(cfg)[0]
     m, vocab = cfg.model, cfg.data.vocab_size
     head = m.hidden_size // m.num_heads
     attention = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * head * m.num_kv_heads
@@ -55,8 +58,9 @@ def parameters(cfg: PipelineConfig) -> int:
 
 
 def checkpoint_bytes(cfg: PipelineConfig) -> int:
-    """One checkpoint: fp32 weights and the optimizer's states."""
-    return parameters(cfg) * 4 * (1 + OPTIMIZER_STATES)
+    """One checkpoint: fp32 weights and the optimizer's states (of the trainable parameters: LoRA's adapters)."""
+    trainable = parameters(cfg) if cfg.model.route == "llama" else _built(cfg)[1]
+    return parameters(cfg) * 4 + trainable * 4 * OPTIMIZER_STATES
 
 
 def final_step(cfg: PipelineConfig) -> int:
