@@ -348,3 +348,30 @@ def test_weights_that_do_not_fit_the_model_are_refused_before_any_job_runs(root:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert read_manifest(layout.committed_step(3)).format == "torch_save"
     assert (layout.consolidated_step(3) / "model.safetensors").is_file() and not any(layout.export.iterdir())
+
+
+def test_a_plain_dcp_checkpoint_records_its_step_as_an_int_or_a_scalar_tensor(tmp_path: Path) -> None:
+    """``dcp.save({..., "step": 5})`` (an int, stored pickled) and ``{"global_step": tensor(7)}`` both give the
+    import its step; a stored value that is not a plain int (here one that would run code) is never executed."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from pipeline.stages.import_checkpoint import _dcp_step
+
+    class Boom:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    cases = {
+        "int": ({"step": 5}, 5),
+        "tensor": ({"global_step": torch.tensor(7)}, 7),
+        "hostile": ({"step": Boom()}, None),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is not initialized: assuming a single process"
+        for name, (extra, expected) in cases.items():
+            d = tmp_path / name
+            dcp.save({"fc1.weight": torch.ones(2, 2), **extra}, checkpoint_id=str(d))
+            assert _dcp_step(d) == expected, name
+    assert not (tmp_path / "pwned").exists(), "a stored value was unpickled with its code"

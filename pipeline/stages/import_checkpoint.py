@@ -116,8 +116,9 @@ def probe(cfg: PipelineConfig) -> Source:
 
 
 STEP_KEYS = ("train.step", "step", "global_step", "iteration")
-"""Where a DCP checkpoint records its step: the pipeline's ``train.step``, or a top-level scalar tensor as
-training scripts commonly save it (a Python int is stored pickled: it is not read, see import.step)."""
+"""Where a DCP checkpoint records its step: the pipeline's ``train.step``, or a top-level value as training
+scripts commonly save it: a scalar tensor, or a Python int (DCP stores it as a small torch.save archive, read
+here with the restricted unpickler: an int and nothing else)."""
 
 
 def _dcp_step(path: Path) -> int | None:
@@ -130,13 +131,32 @@ def _dcp_step(path: Path) -> int | None:
     md = read_metadata_safe(path)
     for key in STEP_KEYS:
         entry = md.state_dict_metadata.get(key)
-        if not isinstance(entry, TensorStorageMetadata) or entry.size.numel() != 1:
+        if entry is not None and not isinstance(entry, TensorStorageMetadata):  # bytes: a pickled Python value
+            value = _stored_int(path, md, key)
+            if value is not None:
+                return value
+            continue
+        if entry is None or entry.size.numel() != 1:
             continue
         value = torch.zeros(entry.size, dtype=entry.properties.dtype)
         box: dict[str, Any] = {"train": {"step": value}} if key == "train.step" else {key: value}
         load_into(box, path, no_dist=True, metadata=md)
         return int(value.reshape(()).item())
     return None
+
+
+def _stored_int(path: Path, md: Any, key: str) -> int | None:
+    """A Python int DCP stored under ``key`` (its bytes item), read by the restricted unpickler; else None."""
+    from pipeline.formats.torch_zip import load_archive, open_archive  # noqa: PLC0415
+
+    info = next((i for idx, i in md.storage_data.items() if idx.fqn == key), None)
+    if info is None:
+        return None
+    try:
+        value = load_archive(open_archive(safe_join(path, info.relative_path), info.offset, info.length))
+    except (CheckpointFormatError, OSError, ValueError):
+        return None  # not a plain value: the step is not taken from it
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def import_step(cfg: PipelineConfig, source: Source) -> int:
