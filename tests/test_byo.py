@@ -7,11 +7,13 @@ Every model route trains, resumes and exports a model its real client loads with
   bit-identically;
 * B: a config directory (Mistral: grouped-query attention, a sliding window) under FSDP2, on local text files,
   with clipping, accumulation, a cosine schedule and eval: bit-identical resume, the same samples;
-* C: local pretrained weights + LoRA under DDP, on JSONL: continued at another world size (2 -> 1) with exactly
-  the samples an uninterrupted run trains on; exported merged and as the adapter ``peft`` loads;
-* D: a user factory under FSDP2 on pre-tokenized uint16 files read in place: continued at world size 1 with the
-  same samples; a token file changed afterwards is refused;
-* E: pretrained + LoRA under FSDP2 (exports equal logits).
+* C: local pretrained weights + LoRA on JSONL, steps 1-4 under DDP on 2 ranks, then FSDP2 on 1 rank in bf16 in
+  the user's own loop: exactly the samples an uninterrupted run trains on; exported merged and as the adapter
+  ``peft`` loads;
+* D: a user factory (and the user's loss) under FSDP2 on pre-tokenized uint16 files read in place: continued at
+  world size 1 with the same samples; a token file changed afterwards is refused.
+
+(C and D compare their samples with the uninterrupted order computed in-process from the run's assets.)
 
 A user project outside the repo (its own conf/ and model package, ``--config-dir``, a non-editable install) is in
 ``test_user_project_runs_through_config_dir_against_a_wheel_install``.
@@ -34,7 +36,7 @@ from safetensors.torch import load_file
 
 from pipeline.storage.layout import RunLayout
 from pipeline.workload.corpus import generate_corpus
-from pipeline.workload.data import SAMPLES_ENV
+from pipeline.workload.data import SAMPLES_ENV, SampleStream
 from tests.conftest import ROOT, probe_env, probe_file, read_probe, run_cli, train_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -74,8 +76,36 @@ def _full_and_split(
         logs = {**probe_env(probe_file(root, run_id)), SAMPLES_ENV: str(root / f"samples-{run_id}")}
         _launch(root, *common, f"run.id={run_id}", "run.create=true", *extra, env={**(env or {}), **logs})
     logs = {SAMPLES_ENV: str(root / "samples-split")}
-    _launch(root, "run.id=split", "export=hf", *continue_with, env={**(env or {}), **logs})
+    _launch(root, "run.id=split", *continue_with, env={**(env or {}), **logs})  # export=none is carried
     return "full", "split"
+
+
+def _split(root: Path, args: tuple[str, ...], continue_with: tuple[str, ...], env: dict[str, str]) -> None:
+    """Only the run ``split``: stopped after step 4, then continued (``continue_with``, export on, probe logits
+    written at its end); its samples are checked against the uninterrupted order computed here."""
+    logs = {SAMPLES_ENV: str(root / "samples-split")}
+    first = ("+experiment=tiny", *SHORT, *args, "run.id=split", "run.create=true", "train.stop_after_step=4")
+    _launch(root, *first, "export=none", env={**env, **logs})
+    probe = probe_env(probe_file(root, "full"))  # named "full": what the uninterrupted model would be
+    _launch(root, "run.id=split", "export=hf", *continue_with, env={**env, **logs, **probe})
+
+
+def _assert_uninterrupted_samples(root: Path) -> None:
+    """The split run trained, step by step, on exactly the samples of an uninterrupted run at any world size
+    (its global batches, computed here from the run's assets with one rank taking the whole batch)."""
+    import yaml
+
+    layout = _layout(root, "split")
+    cfg = yaml.safe_load(layout.run_yaml.read_text())["config"]
+    global_batch = cfg["train"]["global_batch_size"] or cfg["train"]["micro_batch_size"] * 2
+    os.environ[SAMPLES_ENV] = str(root / "samples-full")
+    try:
+        stream = SampleStream(layout.assets, cfg["data"]["seq_len"], cfg["train"]["seed"], global_batch, 0, 1)
+    finally:
+        del os.environ[SAMPLES_ENV]
+    for step in range(1, 9):
+        stream.next_batch(step)
+    _assert_same_samples(root)
 
 
 def _assert_bit_identical(root: Path) -> None:
@@ -92,15 +122,16 @@ def _assert_same_samples(root: Path) -> None:
     assert sorted(full) == list(range(1, 9)) and full == split, "a sample was skipped or repeated"
 
 
-def _assert_export_matches_probe(root: Path, run_id: str = "full") -> Any:
+def _assert_export_matches_probe(root: Path, run_id: str = "full", tol: float = 1e-4) -> Any:
+    """The export of ``run_id``'s step 8 loads in ``transformers`` with the logits the trained model had."""
     from transformers import AutoModelForCausalLM
 
-    probe = read_probe(probe_file(root, run_id))
+    probe = read_probe(probe_file(root, "full"))
     model = AutoModelForCausalLM.from_pretrained(str(_layout(root, run_id).export_step(8))).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([probe["input_ids"]])).logits
     expected = torch.tensor(probe["logits"]).view(probe["shape"])
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, expected, rtol=tol, atol=tol)
     return model
 
 
@@ -143,9 +174,13 @@ def test_b_config_dir_under_fsdp2_on_text_files_resumes_bit_identically(tmp_path
     assert list((_layout(tmp_path, "full").run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_c_pretrained_lora_under_ddp_on_jsonl_continues_at_another_world_size(
+def test_c_pretrained_lora_on_jsonl_ddp_then_fsdp2_bf16_user_loop_at_world_size_1(
     tmp_path: Path, pretrained_gpt2: Path
 ) -> None:
+    """Pretrained + LoRA on JSONL: steps 1-4 under DDP on 2 ranks, continued under FSDP2 on 1 rank with bf16
+    compute (``MixedPrecisionPolicy``) in the user's own loop (``train.loop._target_``). Exactly the samples of an
+    uninterrupted run; fp32 weights in the checkpoint; the merged export and the adapter (loaded by ``peft`` on the
+    base model) reproduce the trained logits (to bf16's precision: the probe ran in bf16)."""
     corpus = tmp_path / "corpus.jsonl"
     lines = [json.dumps({"id": i, "content": s}) for i, s in enumerate(generate_corpus(_data_cfg()))]
     corpus.write_text("\n".join(lines) + "\n")
@@ -157,16 +192,25 @@ def test_c_pretrained_lora_under_ddp_on_jsonl_continues_at_another_world_size(
         f"data.path={corpus}",
         "data.field=content",
     )
-    _full_and_split(tmp_path, args, continue_with=("strategy.world_size=1",))
-    _assert_same_samples(tmp_path)
-    merged = _assert_export_matches_probe(tmp_path)
+    then = ("strategy=fsdp2", "strategy.world_size=1", "strategy.precision=bf16")
+    loop = ("train.loop._target_=mypkg.train.loop", "train.loop.args={log_every: 2}")
+    _split(tmp_path, args, (*then, *loop), {"PYTHONPATH": str(ROOT / "examples")})
+    _assert_uninterrupted_samples(tmp_path)
+    layout = _layout(tmp_path, "split")
+    train_logs = "".join(p.read_text() for p in (layout.logs / "train").rglob("*.out"))
+    assert "my loop: step 8 loss" in train_logs, "the user's loop ran"
+    events = [json.loads(x) for x in layout.metrics.read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [4, 8]
+    state = load_file(str(layout.consolidated_step(8) / "model.safetensors"))
+    assert {t.dtype for t in state.values()} == {torch.float32}, "fp32 master weights in the checkpoint"
+    merged = _assert_export_matches_probe(tmp_path, "split", tol=0.05)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(pretrained_gpt2)).eval()
     ids = torch.tensor([read_probe(probe_file(tmp_path, "full"))["input_ids"]])
-    assert read_probe(probe_file(tmp_path, "full"))["logits"] != _logits(base, ids), "the adapter trained"
-    adapted = PeftModel.from_pretrained(base, str(_layout(tmp_path, "full").export_step(8) / "adapter")).eval()
+    assert _logits(merged, ids) != _logits(base, ids), "the adapter trained"
+    adapted = PeftModel.from_pretrained(base, str(layout.export_step(8) / "adapter")).eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
@@ -208,9 +252,9 @@ def test_d_user_factory_under_fsdp2_on_token_files_continues_at_world_size_1(
         "train.step.args={label_smoothing: 0.1}",
     )
     # the jobs import the user's package (examples/mypkg)
-    _full_and_split(tmp_path, args, continue_with=("strategy.world_size=1",), env={"PYTHONPATH": env_path})
-    _assert_same_samples(tmp_path)
-    export = _layout(tmp_path, "full").export_step(8)
+    _split(tmp_path, args, ("strategy.world_size=1",), {"PYTHONPATH": env_path})
+    _assert_uninterrupted_samples(tmp_path)
+    export = _layout(tmp_path, "split").export_step(8)
     assert json.loads((export / "config.json").read_text()) == {
         "pipeline_factory": "mypkg.models.build",
         "args": {"dim": 48},
@@ -225,39 +269,11 @@ def test_d_user_factory_under_fsdp2_on_token_files_continues_at_world_size_1(
     with torch.no_grad():
         logits = model(torch.tensor([probe["input_ids"]]))
     torch.testing.assert_close(logits, torch.tensor(probe["logits"]).view(probe["shape"]), rtol=1e-4, atol=1e-4)
-    assert not list(_layout(tmp_path, "full").assets.glob("*.safetensors")), "token files are read in place"
+    assert not list(_layout(tmp_path, "split").assets.glob("*.safetensors")), "token files are read in place"
     with open(bins / "train_001.bin", "ab") as f:  # the data changes under the run
         f.write(np.asarray([1, 2, 3], dtype=np.uint16).tobytes())
     out = _launch(tmp_path, "run.id=split", "train.steps=12", ok=False)
     assert "train_001.bin changed since the run was prepared" in out, out
-
-
-def test_e_pretrained_lora_under_fsdp2_bf16_in_a_user_loop_exports_the_trained_logits(
-    tmp_path: Path, pretrained_gpt2: Path
-) -> None:
-    """The user's whole loop (``train.loop._target_``) under FSDP2 with bf16 compute (``MixedPrecisionPolicy``):
-    the checkpoint holds fp32 master weights, and the export reproduces the trained model's logits (to bf16's
-    precision: the probe ran in bf16)."""
-    args = ("+experiment=finetune_lora", f"model.pretrained={pretrained_gpt2}", "strategy=fsdp2", "run.id=full")
-    loop = ("train.loop._target_=mypkg.train.loop", "train.loop.args={log_every: 2}", "strategy.precision=bf16")
-    env = {**probe_env(probe_file(tmp_path, "full")), "PYTHONPATH": str(ROOT / "examples")}
-    out = _launch(tmp_path, *args, *loop, "run.create=true", env=env)
-    layout = _layout(tmp_path, "full", "finetune_lora")
-    train_logs = "".join(p.read_text() for p in (layout.logs / "train").rglob("*.out"))
-    assert "my loop: step 8 loss" in train_logs, "the user's loop ran"
-    events = [json.loads(x) for x in layout.metrics.read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, 9)), out
-    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [4, 8]
-    state = load_file(str(layout.consolidated_step(8) / "model.safetensors"))
-    assert {t.dtype for t in state.values()} == {torch.float32}, "fp32 master weights in the checkpoint"
-    probe = read_probe(probe_file(tmp_path, "full"))
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(layout.export_step(8))).eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([probe["input_ids"]])).logits
-    torch.testing.assert_close(logits, torch.tensor(probe["logits"]).view(probe["shape"]), rtol=0.05, atol=0.05)
-    assert (layout.export_step(8) / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def _run_in(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -208,8 +208,9 @@ class TrainConfig:
     """Every this many steps (and at the last), the mean loss over the held-out ``data.eval_samples``."""
     step: HookConfig = field(default_factory=HookConfig)
     """``train.step._target_``: your loss function, ``fn(model, batch, **args) -> loss`` (batch: token ids)."""
-    loop: HookConfig = field(default_factory=HookConfig)
-    """``train.loop._target_``: your whole loop, ``fn(ctx, **args)`` in every rank (see README)."""
+    loop: HookConfig = field(default_factory=HookConfig, metadata=MUTABLE)
+    """``train.loop._target_``: your whole loop, ``fn(ctx, **args)`` in every rank (see README); may change between
+    launches of a run (it must train the same way: the checkpoint, data position and schedule are the run's)."""
     seed: int = 42
     """Base seed for the data order and per-rank RNG (rank k uses seed + k)."""
     stop_after_step: int | None = field(default=None, metadata=PER_LAUNCH)

@@ -41,7 +41,7 @@ from pipeline.orchestration.contract import Resources, StageContract, TaskContex
 from pipeline.storage.atomic import read_json, write_json_atomic
 from pipeline.storage.layout import RunLayout, step_name
 from pipeline.workload.corpus import load_tokenizer
-from pipeline.workload.exported import ExportTensor, adapter_tensors, check_fits, export_tensors
+from pipeline.workload.exported import ExportTensor, adapter_tensors, check_fits, export_tensors, model_hint
 from pipeline.workload.model import base_model, build_model, factory_config, is_transformers
 from pipeline.workload.size import DTYPE_BYTES, parameters
 
@@ -116,17 +116,10 @@ def _stored_shapes(src: Path) -> dict[str, tuple[int, ...]]:
         raise _unreadable(src, e) from None
 
 
-def _model_hint(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> str:
-    if model.route == "llama":
-        sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
-        return ", ".join(f"model.{k}={getattr(model, k)}" for k in sizes) + f", vocab {len(tokenizer)}"
-    return f"model route {model.route}"
-
-
 def check_fits_model(src: Path, model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
     """The run's model on the meta device, once the stored weights are known to fit it (else a one-line error)."""
     reference = build_model(model, tokenizer, meta=True)
-    check_fits(_stored_shapes(src), reference, str(src), _model_hint(model, tokenizer))
+    check_fits(_stored_shapes(src), reference, str(src), model_hint(model, tokenizer))
     return reference
 
 

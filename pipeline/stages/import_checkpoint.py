@@ -132,9 +132,9 @@ def _dcp_step(path: Path) -> int | None:
     for key in STEP_KEYS:
         entry = md.state_dict_metadata.get(key)
         if entry is not None and not isinstance(entry, TensorStorageMetadata):  # bytes: a pickled Python value
-            value = _stored_int(path, md, key)
-            if value is not None:
-                return value
+            stored = _stored_int(path, md, key)
+            if stored is not None:
+                return stored
             continue
         if entry is None or entry.size.numel() != 1:
             continue
@@ -169,7 +169,7 @@ def import_step(cfg: PipelineConfig, source: Source) -> int:
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
     """The source reads, and (before any job runs) its model tensors fit the run's model for the export."""
     source = probe(cfg)
-    from pipeline.stages.import_fit import check_exportable, source_shapes  # noqa: PLC0415
+    from pipeline.workload.import_fit import check_exportable, source_shapes  # noqa: PLC0415
 
     check_exportable(cfg, layout, source_shapes(source.format, source.root, source.files, cfg.import_.allow_pickle))
 

@@ -35,7 +35,6 @@ from pipeline.orchestration.contract import Resources, StageContract, TaskContex
 from pipeline.orchestration.preemption import no_requeue_reason, preemptible, preemption_requested
 from pipeline.orchestration.records import producer_attempt, stage_alive
 from pipeline.stages import shard_save
-from pipeline.stages.train_loop import LoopContext, eval_loss, run_user_loop
 from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.layout import RunLayout
@@ -43,6 +42,7 @@ from pipeline.storage.metrics import MetricsWriter
 from pipeline.strategies import trainer as strategy
 from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
 from pipeline.strategies.trainer import Trainer
+from pipeline.strategies.user_loop import LoopContext, eval_loss, run_user_loop
 from pipeline.workload.corpus import check_unchanged
 from pipeline.workload.data import DataPosition, SampleStream
 from pipeline.workload.size import checkpoint_bytes, final_step, is_save_step, save_count

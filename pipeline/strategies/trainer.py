@@ -100,7 +100,9 @@ def lr_factor(train: TrainConfig, step: int) -> float:
 
 
 def make_schedule(opt: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, train))
+    # A plain function, not a functools.partial: LambdaLR's state dict stores a callable object's __dict__ (an
+    # empty dict, which DCP's flattening drops, so a world-size-free load would miss the key); a function: None.
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(train, step))
 
 
 def _wrap(model: torch.nn.Module, cfg: PipelineConfig, device: torch.device) -> torch.nn.Module:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipeline.config.workload import ModelConfig
 from pipeline.errors import ConfigError
 
 PEFT_PREFIX = "base_model.model."
@@ -73,6 +74,14 @@ def check_fits(stored: dict[str, tuple[int, ...]], reference: torch.nn.Module, w
             "the run the model the checkpoint was trained as (model.config / model.config_dir / model.pretrained / "
             "model._target_, in a new run or with run.overwrite=true), or export=none (the consolidated file only)"
         )
+
+
+def model_hint(model: ModelConfig, tokenizer: Any) -> str:
+    """The run's model in a few words, for an error: the built-in Llama's sizes, else its route."""
+    if model.route == "llama":
+        sizes = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
+        return ", ".join(f"model.{k}={getattr(model, k)}" for k in sizes) + f", vocab {len(tokenizer)}"
+    return f"model route {model.route}"
 
 
 def _plain(name: str) -> Reader:

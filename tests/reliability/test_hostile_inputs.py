@@ -1627,6 +1627,14 @@ def test_gap_g6_deeply_nested_latest_crashes_the_committer(baseline: Baseline) -
 def test_gap_g7_export_reader_on_malformed_safetensors(baseline: Baseline, tmp_path: Path) -> None:
     family = Family("consolidated model.safetensors -> export's reader, marker rewritten to match (G7)")
     real = (baseline.run.consolidated_step(STEP) / "model.safetensors").read_bytes()
+    from pipeline.workload.corpus import load_tokenizer
+    from pipeline.workload.exported import export_tensors
+
+    tokenizer = load_tokenizer(baseline.run.assets)
+
+    def write(src: Path, out_dir: Path) -> list[str]:  # what export's run does: fit the model, then write
+        reference = export.check_fits_model(src, baseline.cfg.model, tokenizer)
+        return export._write(src, out_dir, baseline.cfg.export, export_tensors(export._stored_shapes(src), reference))
 
     @hostile(ci=100, large=500)
     @given(mutation=safetensors_mutations(real))
@@ -1636,9 +1644,9 @@ def test_gap_g7_export_reader_on_malformed_safetensors(baseline: Baseline, tmp_p
         src = tmp_path / "model.safetensors"
         src.write_bytes(raw)
         out_dir = Path(tempfile.mkdtemp(dir=tmp_path))
-        out = call(lambda: export._write_weights(src, out_dir, baseline.cfg.export))
+        out = call(lambda: write(src, out_dir))
         shutil.rmtree(out_dir)
-        family.judge("export._write_weights", out, may_accept=safetensors_valid(raw), what=how)
+        family.judge("export (fit + write)", out, may_accept=safetensors_valid(raw), what=how)
 
     run_family(family, case)
 

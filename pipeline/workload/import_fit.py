@@ -13,7 +13,7 @@ from typing import Any
 from pipeline.config.schema import PipelineConfig
 from pipeline.formats.registry import TORCH_SAVE
 from pipeline.storage.layout import RunLayout
-from pipeline.workload.exported import check_fits
+from pipeline.workload.exported import check_fits, model_hint
 
 
 def source_shapes(fmt: str, root: Path, files: dict[str, str], allow_pickle: bool) -> dict[str, tuple[int, ...]] | None:
@@ -55,8 +55,7 @@ def check_exportable(cfg: PipelineConfig, layout: RunLayout, shapes: dict[str, t
     tokenizer = _plan_tokenizer(cfg, layout)
     if tokenizer is None:
         return
-    from pipeline.stages.export import _model_hint  # noqa: PLC0415
     from pipeline.workload.model import build_model  # noqa: PLC0415
 
     reference = build_model(cfg.model, tokenizer, meta=True)
-    check_fits(shapes, reference, f"import.source={cfg.import_.source}", _model_hint(cfg.model, tokenizer))
+    check_fits(shapes, reference, f"import.source={cfg.import_.source}", model_hint(cfg.model, tokenizer))
