@@ -61,6 +61,14 @@ pid_alive() {  # pid_alive PIDFILE EXE_BASENAME  (guards against PID reuse)
   return 1
 }
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+reap_orphans() {  # reap_orphans USER EXE: stop every EXE run by USER (SIGTERM, then SIGKILL after 30 s)
+  local user=$1 exe=$2
+  pgrep -u "$user" -x "$exe" >/dev/null || return 0
+  log "stopping a leftover $exe ($(pgrep -u "$user" -x "$exe" | tr '\n' ' '))"
+  pkill -TERM -u "$user" -x "$exe"
+  wait_for 300 0.1 bash -c "! pgrep -u $user -x $exe" || pkill -KILL -u "$user" -x "$exe"
+  wait_for 50 0.1 bash -c "! pgrep -u $user -x $exe"
+}
 wait_for() {  # wait_for TRIES SLEEP CMD...
   local n=$1 s=$2; shift 2
   for _ in $(seq "$n"); do "$@" >/dev/null 2>&1 && return 0; sleep "$s"; done
@@ -211,6 +219,8 @@ chown munge:munge /run/munge /var/log/munge /var/lib/munge /etc/munge
 chmod 0755 /run/munge; chmod 0700 /var/log/munge /var/lib/munge /etc/munge
 [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
 chown munge:munge /etc/munge/munge.key; chmod 0400 /etc/munge/munge.key
+# a munged (or mariadbd below) of an earlier start that lost its PID file is invisible to stop.sh: stop it here
+reap_orphans munge munged
 rm -f /run/munge/munged.pid /run/munge/munge.socket.2*
 runuser -u munge -- /usr/sbin/munged --num-threads 2
 wait_for 50 0.1 bash -c 'munge -n </dev/null | unmunge' || die "munged not working"
@@ -222,12 +232,13 @@ if [ "$SLURM_ACCOUNTING" = 1 ]; then
     log "initialising MariaDB datadir"
     mariadb-install-db --user=mysql --datadir=/var/lib/mysql >/dev/null
   fi
+  reap_orphans mysql mariadbd  # it would hold the datadir's locks: a new one could never start
   rm -f /run/mysqld/mysqld.pid "$MYSOCK"
   setsid /usr/sbin/mariadbd --user=mysql --skip-networking --socket="$MYSOCK" \
       --pid-file=/run/mysqld/mysqld.pid --log-error="$SLURM_ROOT/log/mariadb/mariadb.log" \
       --innodb-buffer-pool-size=256M --innodb-lock-wait-timeout=900 \
       </dev/null >/dev/null 2>&1 &
-  wait_for 150 0.1 mariadb-admin --socket="$MYSOCK" ping || die "mariadbd did not start (see $SLURM_ROOT/log/mariadb/mariadb.log)"
+  wait_for 600 0.1 mariadb-admin --socket="$MYSOCK" ping || die "mariadbd did not start (see $SLURM_ROOT/log/mariadb/mariadb.log)"
   wait_for 50 0.1 test -s /run/mysqld/mysqld.pid
   mariadb --socket="$MYSOCK" <<SQL
 $( [ "$SLURM_KEEP_STATE" != 1 ] && echo "DROP DATABASE IF EXISTS slurm_acct_db;" )
