@@ -11,14 +11,17 @@ error under CI (``$CI`` set) and a skip elsewhere. Every test under ``tests/slur
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import subprocess
 import time
 import warnings
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -47,12 +50,12 @@ class SlurmCluster:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    parallel = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if item.path.is_relative_to(HERE):
             item.add_marker(pytest.mark.slurm)
-            if parallel:  # one worker runs them all: the session's one cluster is started (and stopped) once
-                item.add_marker(pytest.mark.xdist_group("slurm"))
+            # a grouping hint for pytest-xdist; measured here, the group does not reach the workers' node ids, so
+            # the tests may spread over workers: the cluster fixture is shared between them (see _users)
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def _output(cmd: list[str]) -> str | None:
@@ -103,17 +106,57 @@ def _run_script(script: Path, env: dict[str, str], timeout_s: float) -> subproce
     )
 
 
+@contextmanager
+def _users(slurm_root: Path) -> Iterator[dict[str, Any]]:
+    """The test sessions (xdist workers) using the cluster, under an exclusive lock: the first starts it, the
+    last one out stops what a session started (the SLURM tests may run on several workers)."""
+    slurm_root.mkdir(parents=True, exist_ok=True)
+    path = slurm_root / "test-sessions.json"
+    with open(slurm_root / "test-sessions.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = json.loads(path.read_text()) if path.exists() else {"pids": [], "started": False}
+        state["pids"] = [p for p in state.get("pids", []) if _alive(p)]  # a crashed session is no user
+        yield state
+        path.write_text(json.dumps(state))
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     if os.geteuid() != 0:
         pytest.skip(f"needs root: run `sudo bash {START_SCRIPT.relative_to(ROOT)}`, then the tests as root")
-    cluster = running_cluster()
-    if cluster is not None:
-        yield cluster  # not started here, so not stopped here
-        return
-
     slurm_root = Path(os.environ.get("SLURM_ROOT") or DEFAULT_SLURM_ROOT)
     env = {**os.environ, "SLURM_ROOT": str(slurm_root)}
+    with _users(slurm_root) as users:
+        if not users["pids"]:
+            users["started"] = False
+        cluster = running_cluster()
+        if cluster is None:
+            cluster = _start(slurm_root, env)
+            users["started"] = True
+        users["pids"].append(os.getpid())
+    try:
+        yield cluster
+    finally:
+        with _users(slurm_root) as users:
+            users["pids"] = [p for p in users["pids"] if p != os.getpid()]
+            if not users["pids"] and users["started"]:
+                users["started"] = False
+                stopped = _run_script(STOP_SCRIPT, env, STOP_TIMEOUT_S)
+                if stopped.returncode != 0:
+                    warnings.warn(f"stop.sh failed (exit status {stopped.returncode}):\n{stopped.stdout}", stacklevel=1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _start(slurm_root: Path, env: dict[str, str]) -> SlurmCluster:
     started = time.monotonic()
     for attempt in (1, 2):  # a daemon slow to come up on a loaded machine: start.sh restarts a half-up cluster
         try:
@@ -130,16 +173,11 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         # no stop.sh after a failed start: start.sh may have refused a cluster of another SLURM_ROOT, whose
         # jobs and shared daemons (munged, mariadbd) stop.sh would take down; start.sh cleans up half-up ones
         _cannot_start(f"start.sh failed (exit status {result.returncode})", result.stdout, skip=False)
-    try:
-        cluster = running_cluster()
-        if cluster is None:
-            _cannot_start("start.sh succeeded but the cluster does not answer", result.stdout, skip=False)
-        print(f"\nslurm: started in {time.monotonic() - started:.1f}s (SLURM_ROOT={slurm_root})")
-        yield cluster
-    finally:
-        stopped = _run_script(STOP_SCRIPT, env, STOP_TIMEOUT_S)
-        if stopped.returncode != 0:
-            warnings.warn(f"stop.sh failed (exit status {stopped.returncode}):\n{stopped.stdout}", stacklevel=1)
+    cluster = running_cluster()
+    if cluster is None:
+        _cannot_start("start.sh succeeded but the cluster does not answer", result.stdout, skip=False)
+    print(f"\nslurm: started in {time.monotonic() - started:.1f}s (SLURM_ROOT={slurm_root})")
+    return cluster
 
 
 def wait_for_jobs(job_ids: Iterable[str], timeout_s: float) -> None:

@@ -8,12 +8,15 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import submitit
 import torch
 import torch.distributed as dist
 
 from pipeline.orchestration.jobs import job_alive
 from tests.slurm.conftest import SlurmCluster, sacct_states, wait_for_jobs
+
+pytestmark = pytest.mark.xdist_group("slurm")  # one xdist worker: the session's one cluster
 
 JOB_TIMEOUT_S = 60
 

@@ -20,7 +20,7 @@ from pipeline.storage.layout import RunLayout
 from tests.conftest import run_cli
 from tests.slurm.conftest import SlurmCluster, sacct_states, wait_for_jobs
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group("slurm")]  # one cluster
 
 FAST = ("launcher.poll_interval_s=0.3",)
 
