@@ -216,3 +216,12 @@ def sacct_states(job_ids: Iterable[str]) -> dict[str, str]:
     """Each job's SLURM state (``COMPLETED``, ``FAILED``, ``CANCELLED``, ...); jobs SLURM does not know are
     missing."""
     return slurm_states(job_ids)
+
+
+@pytest.fixture(autouse=True)
+def _one_slurm_test_at_a_time() -> Iterator[None]:
+    """The SLURM tests assume the cluster is theirs alone (``squeue`` empty, the node's CPUs free), and pytest-xdist
+    may run them on several workers: one at a time, by an exclusive lock across the workers."""
+    with open(Path(os.environ.get("TMPDIR", "/tmp")) / "pipeline-slurm-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
