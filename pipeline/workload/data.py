@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.errors import ConfigError
-from pipeline.workload.corpus import TOKENS_FILE, data_source, load_tokenizer, recorded_files
+from pipeline.storage.atomic import read_json
+from pipeline.workload.corpus import DATA_FILE, TOKENS_FILE, data_source, load_tokenizer
 
 __all__ = ["DataPosition", "SampleStream", "load_tokenizer"]
 
@@ -58,10 +59,10 @@ class TokenSamples:
 def open_samples(assets: Path, seq_len: int) -> TokenSamples:
     """The run's samples: its tokenized corpus, or its token files (memory-mapped in place)."""
     if data_source(assets) == "tokens":
-        meta = json.loads((assets / "data.json").read_text())
+        meta = read_json(assets / DATA_FILE)  # one read: the dtype and the fingerprinted files
         dtype = np.dtype(meta.get("dtype", "uint16"))
         arrays: list[np.ndarray | torch.Tensor] = [
-            np.memmap(rec["path"], dtype=dtype, mode="r") for rec in recorded_files(assets)
+            np.memmap(rec["path"], dtype=dtype, mode="r") for rec in meta.get("files", [])
         ]
         return TokenSamples(arrays, seq_len)
     return TokenSamples([load_file(str(assets / TOKENS_FILE))["tokens"]], seq_len)

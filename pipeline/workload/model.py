@@ -96,7 +96,10 @@ def hf_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Pretraine
             raise ConfigError(f"model.config: {str(e).splitlines()[0][:300]}") from None
     else:
         key = f"model.{route}"
-        conf = AutoConfig.from_pretrained(str(_local_dir(getattr(cfg, route), key)), local_files_only=True)
+        try:
+            conf = AutoConfig.from_pretrained(str(_local_dir(getattr(cfg, route), key)), local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:  # malformed config.json, unknown model_type
+            raise ConfigError(f"{key}={getattr(cfg, route)}: {str(e).splitlines()[0][:300]}") from None
     vocab = getattr(conf, "vocab_size", None)
     if isinstance(vocab, int) and vocab < len(tokenizer):
         raise ConfigError(

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import pytest
 
 from pipeline.orchestration.jobs import ACTIVE_STATES, slurm_states
+from pipeline.orchestration.records import pid_alive
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -115,7 +116,7 @@ def _users(slurm_root: Path) -> Iterator[dict[str, Any]]:
     with open(slurm_root / "test-sessions.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         state = json.loads(path.read_text()) if path.exists() else {"pids": [], "started": False}
-        state["pids"] = [p for p in state.get("pids", []) if _alive(p)]  # a crashed session is no user
+        state["pids"] = [p for p in state.get("pids", []) if pid_alive(p)]  # a crashed session is no user
         yield state
         path.write_text(json.dumps(state))
 
@@ -144,16 +145,6 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
                 stopped = _run_script(STOP_SCRIPT, env, STOP_TIMEOUT_S)
                 if stopped.returncode != 0:
                     warnings.warn(f"stop.sh failed (exit status {stopped.returncode}):\n{stopped.stdout}", stacklevel=1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _start(slurm_root: Path, env: dict[str, str]) -> SlurmCluster:
