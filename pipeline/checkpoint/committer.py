@@ -269,43 +269,9 @@ class Committer:
         publish the step, then move ``latest``; returns the manifest's hash."""
         layout = self.layout
         staged = layout.staged_step(step)
-        world = {m.world_size for m in markers}
-        attempts = {m.attempt for m in markers}
-        if len(world) != 1 or len(markers) not in world or len(attempts) != 1:
-            raise VerificationError(
-                f"markers of step {step} in {staged} disagree: {len(markers)} markers, world sizes {sorted(world)}, "
-                f"attempts {sorted(attempts)}"
-            )
-        formats = {m.format for m in markers}
-        if len(formats) != 1 or not formats <= FORMATS.keys():
-            raise VerificationError(
-                f"markers of step {step} in {staged} name format(s) {sorted(formats)}; known: {sorted(FORMATS)}"
-            )
-        fmt = FORMATS[markers[0].format]
-        files = tuple(f for m in markers for f in m.files)
-        paths = [f.path for f in files]
-        dupes = sorted(p for p, n in Counter(paths).items() if n > 1)
-        if dupes:
-            raise VerificationError(
-                f"markers of step {step} in {staged} claim the same file(s) {dupes}: files are rank-private"
-            )
+        fmt, files = check_agreement(step, markers, str(staged))
         _verify_marked(staged, markers, fmt)
-        # The format's own metadata (hashed above, so these are verified bytes) names every file holding data,
-        # and how many ranks wrote them (read once: a DCP step's ranks follow from its file names).
-        allow = self.policy.allow_pickle
-        stored = fmt.stored_files(staged, allow)
-        unlisted = sorted(stored - set(paths))
-        if unlisted:
-            raise VerificationError(
-                f"step {step} in {staged}: {unlisted} hold checkpoint data but no marker lists them (a marker that "
-                "lists fewer files than its rank wrote)"
-            )
-        written_by = fmt.world_size_of(staged, stored, allow)
-        if written_by != markers[0].world_size:
-            raise VerificationError(
-                f"step {step} in {staged}: the {fmt.name} files were written by {plural(written_by, 'rank')}, the "
-                f"markers say {markers[0].world_size}"
-            )
+        check_stored(fmt, staged, step, markers, self.policy.allow_pickle)
         manifest = Manifest(
             step=step,
             world_size=markers[0].world_size,
@@ -321,6 +287,58 @@ class Committer:
         write_latest(layout, step, manifest_hash)
         log.info("committed step %d (%d files) -> %s", step, len(files), layout.committed_step(step))
         return manifest_hash
+
+
+def check_agreement(step: int, markers: list[Marker], where: str) -> tuple[Format, tuple[FileEntry, ...]]:
+    """The markers of one step agree (one world size, as many markers, one attempt, one known format) and no
+    file is claimed twice: the step's format and every file the markers list."""
+    world = {m.world_size for m in markers}
+    attempts = {m.attempt for m in markers}
+    if len(world) != 1 or len(markers) not in world or len(attempts) != 1:
+        raise VerificationError(
+            f"markers of step {step} in {where} disagree: {len(markers)} markers, world sizes {sorted(world)}, "
+            f"attempts {sorted(attempts)}"
+        )
+    formats = {m.format for m in markers}
+    if len(formats) != 1 or not formats <= FORMATS.keys():
+        raise VerificationError(
+            f"markers of step {step} in {where} name format(s) {sorted(formats)}; known: {sorted(FORMATS)}"
+        )
+    files = tuple(f for m in markers for f in m.files)
+    dupes = sorted(p for p, n in Counter(f.path for f in files).items() if n > 1)
+    if dupes:
+        raise VerificationError(
+            f"markers of step {step} in {where} claim the same file(s) {dupes}: files are rank-private"
+        )
+    return FORMATS[markers[0].format], files
+
+
+def check_stored(fmt: Format, step_dir: Path, step: int, markers: list[Marker], allow_pickle: bool) -> None:
+    """The format's own metadata (verified bytes by now) names every file holding data, and how many ranks wrote
+    them (read once: a DCP step's ranks follow from its file names): all listed, by the markers' world size."""
+    paths = {f.path for m in markers for f in m.files}
+    stored = fmt.stored_files(step_dir, allow_pickle)
+    unlisted = sorted(stored - paths)
+    if unlisted:
+        raise VerificationError(
+            f"step {step} in {step_dir}: {unlisted} hold checkpoint data but no marker lists them (a marker that "
+            "lists fewer files than its rank wrote)"
+        )
+    written_by = fmt.world_size_of(step_dir, stored, allow_pickle)
+    if written_by != markers[0].world_size:
+        raise VerificationError(
+            f"step {step} in {step_dir}: the {fmt.name} files were written by {plural(written_by, 'rank')}, the "
+            f"markers say {markers[0].world_size}"
+        )
+
+
+def foreign_files(markers: list[Marker], fmt: Format) -> tuple[Marker, list[str]] | None:
+    """The first marker that lists a file its format names as another rank's, with those files."""
+    for m in markers:
+        foreign = [f.path for f in m.files if fmt.owner(f.path) not in (None, m.rank)]
+        if foreign:
+            return m, foreign
+    return None
 
 
 def _verify_marked(staged: Path, markers: list[Marker], fmt: Format) -> None:

@@ -23,12 +23,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from pipeline.checkpoint.async_save import Persist, Progress
 from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
+from pipeline.checkpoint.remote import Remote
 from pipeline.errors import VerificationError, exception_line
 from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
-from pipeline.storage.atomic import clear_file
+from pipeline.storage.atomic import clear_file, remove_tree
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry, describe
-from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.layout import CheckpointLayout, step_name
 from pipeline.storage.writers import auto_writer_threads
 
 __all__ = ["RankTarget", "SaveResult", "auto_writer_threads", "dcp_persist", "finish", "prepare", "save_dcp"]
@@ -49,6 +50,9 @@ class RankTarget:
     writer_threads: int = 1
     fail_on_error: bool = False
     """Raise a failed save instead of returning ``ok=False`` (training goes on without that step)."""
+    remote: Remote | None = None
+    """Checkpoints in a bucket: the rank writes into a rank-private scratch dir, then uploads its files and,
+    last, its marker object (``pipeline/checkpoint/remote.py``)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,20 @@ class SaveResult:
     """Why the save failed (first line of the error, its root cause for DCP's CheckpointException)."""
 
 
+def scratch_dir(t: RankTarget, step: int) -> Path:
+    """Rank-private: where a rank writes a step it then uploads (``staging/.upload-rank_K/step_N``)."""
+    return t.layout.staging / f".upload-rank_{t.rank}" / step_name(step)
+
+
 def prepare(t: RankTarget, step: int) -> Path:
-    """The step's staging dir, created if needed, without this rank's marker from an older attempt."""
+    """The step's staging dir, created if needed, without this rank's marker from an older attempt (with a
+    bucket: this rank's own scratch dir, emptied)."""
+    if t.remote is not None:
+        scratch = scratch_dir(t, step)
+        if scratch.exists():
+            remove_tree(scratch)  # rank-private: only this rank ever writes here
+        scratch.mkdir(parents=True)
+        return scratch
     staged = t.layout.staged_step(step)
     staged.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
     clear_file(marker_path(staged, t.rank))  # our own stale marker from an older attempt, if any
@@ -85,10 +101,12 @@ def finish(
             raise VerificationError(f"{staged / entry.path}: {entry.size} bytes hashed while writing, size differs")
     inject("shard_save.before_marker", rank=t.rank, step=step)
     before_marker()
-    write_marker(
-        staged,
-        Marker(step=step, rank=t.rank, world_size=t.world_size, format=fmt, attempt=t.attempt, files=entries),
-    )
+    marker = Marker(step=step, rank=t.rank, world_size=t.world_size, format=fmt, attempt=t.attempt, files=entries)
+    if t.remote is None:
+        write_marker(staged, marker)
+        return
+    t.remote.upload_rank(staged, marker)  # the files, then the marker object last
+    remove_tree(staged)
 
 
 def write_dcp(

@@ -16,7 +16,8 @@ from omegaconf import MISSING
 
 from pipeline.config.fields import MUTABLE, PER_LAUNCH
 from pipeline.config.workload import DataConfig, ModelConfig, TrainConfig
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.storage.s3 import S3Url
 from pipeline.storage.sizes import parse_size
 from pipeline.storage.writers import auto_writer_threads
 
@@ -260,6 +261,10 @@ def rank_batch_size(train: TrainConfig, world_size: int) -> int:
 class CheckpointConfig:
     every: int = 4
     """Save a checkpoint every this many steps (and always at the last step)."""
+    storage: str | None = None
+    """Where checkpoints live: null = the run dir's ``checkpoints/``; ``s3://<bucket>[/<prefix>]`` = an
+    S3-compatible bucket, under ``<prefix>/<experiment>/<run_id>/`` (endpoint, region and credentials from the
+    standard AWS environment variables and config files: never from the config). Part of the run's identity."""
     marker_deadline_s: float = field(default=300.0, metadata=MUTABLE)
     """How long verify-manifest waits for every rank's done-marker while the train job is still running."""
     fail_on_save_error: bool = field(default=False, metadata=MUTABLE)
@@ -297,6 +302,11 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError(f"checkpoint.every={self.every} must be >= 1")
+        if self.storage is not None:
+            try:
+                S3Url.parse(self.storage)
+            except PipelineError as e:
+                raise ConfigError(str(e)) from None
         if not self.marker_deadline_s > 0:
             raise ConfigError(f"checkpoint.marker_deadline_s={self.marker_deadline_s} must be > 0")
         if self.writer_threads is not None and not 1 <= self.writer_threads <= 64:

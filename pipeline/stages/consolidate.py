@@ -12,7 +12,6 @@ for tensor, to DeepSpeed's ``zero_to_fp32``).
 
 from __future__ import annotations
 
-from pipeline.checkpoint.manifest import read_latest
 from pipeline.checkpoint.outputs import (
     CONSOLIDATED_MARKER,
     CONSOLIDATED_WEIGHTS,
@@ -22,10 +21,11 @@ from pipeline.checkpoint.outputs import (
     verified_output,
 )
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import PipelineError, VerificationError
+from pipeline.errors import PipelineError
 from pipeline.formats.dcp_stream import consolidate_dcp
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.orchestration.records import resume_command
+from pipeline.stages import storage
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RunLayout
 from pipeline.workload.size import parameters
@@ -46,6 +46,7 @@ __all__ = ["CONTRACT", "consolidate_dcp", "consolidate_step", "run"]
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
+    storage.pull(cfg, layout)  # with a bucket: the verified copy of its latest step, read by what follows
     if lstat_kind(layout.latest) is None:  # e.g. train ended well but none of its saves was committed
         raise PipelineError(
             f"nothing to consolidate: no step of run {layout.run_id} is committed ({layout.latest} does not exist); "
@@ -56,8 +57,8 @@ def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
 
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     try:
-        latest = read_latest(layout)
-    except (VerificationError, OSError, ValueError):
+        latest = storage.committed_latest(cfg, layout)
+    except (PipelineError, OSError, ValueError):
         return None
     if latest is None:
         return None

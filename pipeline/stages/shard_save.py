@@ -25,6 +25,7 @@ from pipeline.checkpoint.async_save import AsyncSaver
 from pipeline.checkpoint.portable import TrainState, write_train_state
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult
 from pipeline.orchestration.contract import StageContract, TaskContext
+from pipeline.stages import storage
 from pipeline.storage.integrity import FileEntry
 from pipeline.strategies import zero
 
@@ -51,6 +52,7 @@ def target(ctx: TaskContext) -> RankTarget:
         attempt=ctx.attempt,
         writer_threads=ck.writer_threads_for(ctx.world_size),
         fail_on_error=ck.fail_on_save_error,
+        remote=storage.remote(ctx.cfg, ctx.layout),
     )
 
 
@@ -69,7 +71,7 @@ def save_deepspeed(ctx: TaskContext, step: int, engine: Any, train: TrainState, 
     """Save ``step`` through DeepSpeed (every rank calls it: DeepSpeed's save has its own barriers)."""
 
     def write(staged: Path) -> tuple[FileEntry, ...]:
-        written = zero.save(engine, ctx.layout.staging, staged.name)
+        written = zero.save(engine, staged.parent, staged.name)  # staging/, or the rank's upload scratch
         return (*written, write_train_state(staged, ctx.rank, train))
 
     return rank_save.save_files(target(ctx), step, fmt, write)

@@ -28,13 +28,13 @@ import torch.distributed as dist
 
 from pipeline.checkpoint import resume as resume_rule
 from pipeline.checkpoint.async_save import AsyncSaver, Settled, stuck_writers
-from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_latest, read_manifest, step_markers
+from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_manifest, step_markers
 from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.orchestration.preemption import no_requeue_reason, preemptible, preemption_requested
 from pipeline.orchestration.records import producer_attempt, stage_alive
-from pipeline.stages import shard_save
+from pipeline.stages import shard_save, storage
 from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.layout import RunLayout
@@ -82,10 +82,10 @@ def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
         raise PipelineError(f"{why}: run stage=prepare_dirs for run {layout.run_id} first")
 
 
-def _latest_step(layout: RunLayout) -> int:
+def _latest_step(cfg: PipelineConfig, layout: RunLayout) -> int:
     try:
-        latest = read_latest(layout)
-    except (VerificationError, OSError, ValueError):
+        latest = storage.committed_latest(cfg, layout)
+    except (PipelineError, OSError, ValueError):  # damaged, or a bucket that does not answer
         return -1
     return latest.step if latest else 0
 
@@ -98,8 +98,10 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     if cfg.import_.source:
         return "this run imports import.source instead of training"
     target = final_step(cfg)
-    if _latest_step(layout) >= target:
+    if _latest_step(cfg, layout) >= target:
         return f"step {target} is committed"
+    if cfg.checkpoint.storage:
+        return None  # a step staged in the bucket: train starts, and waits for the committer to commit it
     if is_real_dir(layout.committed_step(target)) and lstat_kind(layout.committed_step(target) / MANIFEST) == "file":
         return f"step {target} is published (verify_manifest moves latest)"
     staged = layout.staged_step(target)
@@ -122,6 +124,17 @@ def _resume_step(cfg: PipelineConfig, layout: RunLayout) -> int | str:
             log.error("NO COMMITTER IS RUNNING beside train (%s has no live record): nothing gets committed", COMMITTER)
         return alive
 
+    remote = storage.remote(cfg, layout)
+    if remote is not None:
+        return resume_rule.decide_remote(
+            remote,
+            cfg.strategy.world_size,
+            deadline_s=cfg.checkpoint.marker_deadline_s,
+            committer_alive=committer_alive,
+            upto=final_step(cfg),
+            committer_hint=f" (is {COMMITTER} running beside train? run stage={COMMITTER} for run {layout.run_id})",
+            repair_hint="; run stage=verify_manifest (it quarantines the damage and moves latest back)",
+        )
     return resume_rule.decide(
         layout,
         cfg.strategy.world_size,

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from pipeline.checkpoint.committer import CommitPolicy, Committer, latest_step
+from pipeline.checkpoint.remote_committer import RemoteCommitter
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.orchestration.contract import JobRef, Resources, StageContract, TaskContext
 from pipeline.orchestration.jobs import LOCAL_CLUSTERS, job_alive
 from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
+from pipeline.stages import storage
 from pipeline.storage.integrity import is_real_dir
 from pipeline.storage.layout import RunLayout
 from pipeline.workload.size import RECORD_BYTES, save_count
@@ -72,8 +75,19 @@ def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
         )
 
 
+def committer(cfg: PipelineConfig, layout: RunLayout, **kw: Any) -> Committer | RemoteCommitter:
+    """The run's committer: of the run dir's ``checkpoints/``, or of its bucket (``checkpoint.storage``)."""
+    remote = storage.remote(cfg, layout)
+    if remote is None:
+        return Committer(layout, policy(cfg), **kw)
+    return RemoteCommitter(layout, remote, policy(cfg), **kw)
+
+
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
-    step = Committer(layout, policy(cfg)).is_clean()
+    try:
+        step = committer(cfg, layout).is_clean()
+    except PipelineError:  # a bucket that does not answer: the job finds out and says so
+        return None
     if step is None:
         return None
     return f"latest is step {step}, its manifest verifies, and nothing newer is staged"
@@ -132,16 +146,16 @@ def _job_alive_cached(ref: JobRef) -> bool:
 
 def run(ctx: TaskContext) -> dict[str, object]:
     layout = ctx.layout
-    committer = Committer(layout, policy(ctx.cfg), save_errors=lambda: _save_errors(layout))
-    with committer.hold():
-        committer.recover()
+    c = committer(ctx.cfg, layout, save_errors=lambda: _save_errors(layout))
+    with c.hold():
+        c.recover()
         if ctx.beside is not None:
-            committer.follow(alive=lambda: _producer_alive(ctx))
-        committer.finish(producer_attempt(layout, PRODUCER), alive=lambda: stage_alive(layout, PRODUCER))
-        committer.raise_problems()
-    committed = committer.report.committed
+            c.follow(alive=lambda: _producer_alive(ctx))
+        c.finish(producer_attempt(layout, PRODUCER), alive=lambda: stage_alive(layout, PRODUCER))
+        c.raise_problems()
+    committed = c.report.committed
     return {
         "committed": list(committed),
-        "latest": latest_step(layout),
+        "latest": c.latest_step() if isinstance(c, RemoteCommitter) else latest_step(layout),
         "committed_at": {str(k): v for k, v in committed.items()},
     }

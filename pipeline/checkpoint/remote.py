@@ -1,0 +1,370 @@
+"""Checkpoints in a bucket: the protocol's names as keys, and the reads and writes of each party.
+
+Under the checkpoints root ``s3://<bucket>/<prefix>`` (the app adds ``<experiment>/<run_id>``):
+
+* ``step_N/<attempt>/<file>``: rank K's files of step N, uploaded by rank K (multipart, hashed while read for
+  upload: the hash must equal the one taken while the file was written), then ``step_N/<attempt>/rank_K.done.json``;
+  an attempt is one launch of train (every rank of it shares the name), so two attempts never write one key;
+* ``step_N/manifest.json``: written by the one committer with ``If-None-Match: *`` once every file verified.
+  **The commit point**: a step is committed exactly when its manifest exists and verifies; two committers can
+  never both write it. The manifest names the attempt whose files it lists;
+* ``latest``: ``{"step", "dir", "manifest_hash"}``, moved only forward by compare-and-swap (``If-Match``), and
+  only after the manifest exists;
+* ``quarantine/step_N-<attempt>/``: a refused attempt's objects (server-side copies), with ``reason.txt``.
+
+Readers trust manifests, never listings: :meth:`Remote.pull` downloads a committed step's listed files into a
+local cache (``<run_dir>/s3-cache/checkpoints/step_N``, published by one rename once every hash matched), and
+every local reader (resume, consolidate, export) works on that copy unchanged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, complete_markers, write_latest
+from pipeline.errors import VerificationError
+from pipeline.storage import atomic
+from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, safe_join
+from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
+from pipeline.storage.s3 import Conflict, S3Store, S3Url
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+QUARANTINE = "quarantine"
+_PART_RE = re.compile(r"^[A-Za-z0-9_.=+-][A-Za-z0-9_.=+ -]*$")
+TRANSFER_THREADS = 4
+"""Objects uploaded, verified or downloaded at once (each with its own ranged requests)."""
+
+
+def safe_key_path(rel: str, where: str) -> str:
+    """A relative path read from a marker or manifest, as key components: never absolute, no ``.``/``..`` or empty
+    parts, no backslash or control characters; so a key built from it cannot leave the attempt's prefix."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") or not _PART_RE.match(p) for p in parts):
+        raise VerificationError(f"{where} names {rel!r}: a path that could leave its step's prefix is refused")
+    return rel
+
+
+def parse_record(data: bytes, what: str, where: str) -> Any:
+    if len(data) > MAX_RECORD_BYTES:
+        raise VerificationError(f"{what} {where} is larger than {MAX_RECORD_BYTES} bytes: not one this pipeline wrote")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise VerificationError(f"{what} {where} is not valid JSON ({str(e)[:200]})") from None
+
+
+def record_bytes(obj: Any) -> bytes:
+    return atomic.json_bytes(obj)
+
+
+def digest(data: bytes) -> str:
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Remote:
+    """One checkpoints root in a bucket, and the local cache its readers use."""
+
+    root: S3Url
+    cache_dir: Path
+    """``<run_dir>/s3-cache``: a :class:`CheckpointLayout` root holding verified copies of committed steps."""
+
+    @property
+    def store(self) -> S3Store:
+        return S3Store(self.root.bucket)
+
+    @property
+    def cache(self) -> CheckpointLayout:
+        return CheckpointLayout(self.cache_dir)
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.root.prefix, *parts) if p)
+
+    def step_prefix(self, step: int) -> str:
+        return self.key(step_name(step)) + "/"
+
+    def attempt_prefix(self, step: int, attempt: str) -> str:
+        if not _PART_RE.match(attempt) or attempt in (".", ".."):
+            raise VerificationError(f"attempt {attempt!r} of step {step} is not a safe key component")
+        return self.key(step_name(step), attempt) + "/"
+
+    def manifest_key(self, step: int) -> str:
+        return self.key(step_name(step), MANIFEST)
+
+    def marker_key(self, step: int, attempt: str, rank: int) -> str:
+        return self.attempt_prefix(step, attempt) + f"rank_{rank}.done.json"
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.root.bucket}/{key}"
+
+    # -- a rank ---------------------------------------------------------------------------------------------
+
+    def upload_rank(self, scratch: Path, marker: Marker) -> None:
+        """Upload rank ``marker.rank``'s files from its private ``scratch`` dir (each hash must equal the one its
+        marker took while writing), then its marker: the marker object is written last."""
+        prefix = self.attempt_prefix(marker.step, marker.attempt)
+        store = self.store
+
+        def one(e: FileEntry) -> None:
+            size, h = store.upload_file(prefix + safe_key_path(e.path, "marker"), safe_join(scratch, e.path))
+            if (size, h) != (e.size, e.hash):
+                raise VerificationError(
+                    f"{scratch / e.path} changed between its write and its upload to {self.url(prefix + e.path)} "
+                    f"({size} bytes, hash {h}; written: {e.size} bytes, hash {e.hash})"
+                )
+
+        with cf.ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+            for f in [pool.submit(one, e) for e in marker.files]:
+                f.result()
+        store.put(self.marker_key(marker.step, marker.attempt, marker.rank), record_bytes(marker.to_json()))
+
+    # -- the committer --------------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Step numbers that have any object (a listing: it only nominates)."""
+        return sorted(s for s in (parse_step(n) for n in self.store.children(self.root.prefix + "/")) if s is not None)
+
+    def attempts(self, step: int) -> list[str]:
+        return [n for n in self.store.children(self.step_prefix(step)) if n != MANIFEST and _PART_RE.match(n)]
+
+    def read_marker(self, step: int, attempt: str, rank: int) -> Marker | None:
+        key = self.marker_key(step, attempt, rank)
+        got = self.store.get(key)
+        if got is None:
+            return None
+        m = Marker.from_json(parse_record(got[0], "marker", self.url(key)), self.url(key))
+        if (m.step, m.rank, m.attempt) != (step, rank, attempt):
+            raise VerificationError(
+                f"{self.url(key)} claims rank {m.rank} of step {m.step} (attempt {m.attempt}): a marker must name "
+                "its own rank, step and attempt"
+            )
+        return m
+
+    def markers(self, step: int, attempt: str, world_size: int) -> list[Marker | None]:
+        first = self.read_marker(step, attempt, 0)
+        world = first.world_size if first is not None and first.world_size >= 1 else world_size
+        with cf.ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+            rest = list(pool.map(lambda r: self.read_marker(step, attempt, r), range(1, world)))
+        out = [first, *rest]
+        for r, m in enumerate(out):
+            if m is not None and m.world_size != world:
+                raise VerificationError(
+                    f"{self.url(self.marker_key(step, attempt, r))} says a world of {m.world_size}, rank 0's {world}"
+                )
+        return out
+
+    def read_manifest(self, step: int) -> tuple[Manifest, bytes] | None:
+        key = self.manifest_key(step)
+        got = self.store.get(key)
+        if got is None:
+            return None
+        manifest = Manifest.from_json(parse_record(got[0], "manifest", self.url(key)), self.url(key))
+        if manifest.step != step:
+            raise VerificationError(f"{self.url(key)} records step {manifest.step}, not {step}")
+        self.attempt_prefix(step, manifest.attempt)
+        for e in manifest.files:
+            safe_key_path(e.path, self.url(key))
+        return manifest, got[0]
+
+    def read_manifest_or_none(self, step: int) -> Manifest | None:
+        """The step's manifest when it exists and parses (a damaged one counts as none)."""
+        try:
+            found = self.read_manifest(step)
+        except VerificationError:
+            return None
+        return found[0] if found else None
+
+    def create_manifest(self, manifest: Manifest) -> str:
+        """Write ``step_N/manifest.json`` only if none exists (the commit point); returns its hash. The same
+        bytes already there (a retried request that had landed) count as ours; anything else is a Conflict."""
+        data = record_bytes(manifest.to_json())
+        key = self.manifest_key(manifest.step)
+        try:
+            self.store.put(key, data, if_none_match=True)
+        except Conflict:
+            got = self.store.get(key)
+            if got is None or got[0] != data:
+                raise Conflict(
+                    f"{self.url(key)} already exists and is not this commit's manifest (another committer committed "
+                    "the step, or an object was planted there)"
+                ) from None
+        return digest(data)
+
+    def read_latest(self) -> tuple[Latest | None, str | None]:
+        """``latest`` as written (not yet checked against its manifest) and its ETag (None: no such object)."""
+        key = self.key(LATEST)
+        got = self.store.get(key)
+        if got is None:
+            return None, None
+        obj = parse_record(got[0], "latest pointer", self.url(key))
+        step, h = (obj.get("step"), obj.get("manifest_hash")) if isinstance(obj, dict) else (None, None)
+        if type(step) is not int or step < 0 or not isinstance(h, str) or obj.get("dir") != step_name(step):
+            raise VerificationError(
+                f"{self.url(key)} is malformed ({repr(obj)[:120]}): it must name step, dir and hash"
+            )
+        return Latest(step=step, manifest_hash=h), got[1]
+
+    def move_latest(self, step: int, manifest_hash: str, *, back: bool = False) -> None:
+        """Compare-and-swap ``latest`` to ``step``: forward only (``back``: the repair of a damaged latest)."""
+        key = self.key(LATEST)
+        data = record_bytes({"step": step, "dir": step_name(step), "manifest_hash": manifest_hash})
+        for _ in range(20):
+            try:
+                current, etag = self.read_latest()
+            except VerificationError:  # a damaged latest: replaced (the committer's repair decided to)
+                info = self.store.head(key)
+                current, etag = None, (info.etag if info else None)
+            if current is not None and not back and current.step >= step:
+                return
+            try:
+                if etag is None:
+                    self.store.put(key, data, if_none_match=True)
+                else:
+                    self.store.put(key, data, if_match=etag)
+                return
+            except Conflict:
+                continue  # it moved under us: look again
+        raise Conflict(
+            f"{self.url(key)} kept changing under 20 compare-and-swap attempts: is a second committer running?"
+        )
+
+    def fetch_verified(self, manifest: Manifest, dest: Path | None, files: tuple[FileEntry, ...] = ()) -> None:
+        """Read every file of ``manifest`` (or ``files`` of its attempt) from the bucket, checking size and
+        hash; into ``dest`` when given (created fresh). The first bad file is named."""
+        prefix = self.attempt_prefix(manifest.step, manifest.attempt)
+        entries = files or manifest.files
+        sizes = self.store.listing(prefix)
+        for e in entries:
+            found = sizes.get(prefix + safe_key_path(e.path, "manifest"))
+            if found is None:
+                raise VerificationError(f"{self.url(prefix + e.path)} is missing (step {manifest.step})")
+            if found.size != e.size:
+                raise VerificationError(
+                    f"{self.url(prefix + e.path)} has {found.size} bytes, its manifest/marker says {e.size}"
+                )
+        store = self.store
+
+        def one(e: FileEntry) -> None:
+            target = None
+            if dest is not None:
+                target = dest / e.path
+                target.parent.mkdir(parents=True, exist_ok=True)
+            size, h = store.download(prefix + e.path, e.size, target)
+            if (size, h) != (e.size, e.hash):
+                raise VerificationError(
+                    f"{self.url(prefix + e.path)} does not match its record: {size} bytes, hash {h} (recorded "
+                    f"{e.size} bytes, {e.hash}): changed or replaced after it was written"
+                )
+
+        with cf.ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+            futures = [pool.submit(one, e) for e in entries]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    # -- readers --------------------------------------------------------------------------------------------
+
+    def verified_latest(self) -> tuple[Manifest, bytes] | None:
+        """The step ``latest`` names, with its manifest checked against ``latest``'s hash (not its files)."""
+        latest, _ = self.read_latest()
+        if latest is None:
+            return None
+        found = self.read_manifest(latest.step)
+        if found is None or digest(found[1]) != latest.manifest_hash:
+            raise VerificationError(
+                f"{self.url(self.key(LATEST))} names step {latest.step}, but "
+                f"{self.url(self.manifest_key(latest.step))} is missing or differs"
+            )
+        return found
+
+    def pull(self, step: int | None = None) -> CheckpointLayout:
+        """A local, verified copy of ``step`` (default: the one ``latest`` names) in the cache, which gets a
+        ``latest`` naming it; returns the cache's layout. A copy already there with the same manifest is reused."""
+        cache = self.cache
+        found = self.verified_latest() if step is None else self.read_manifest(step)
+        if found is None and step is None:
+            return cache
+        if found is None:
+            raise VerificationError(
+                f"{self.url(self.manifest_key(step or 0))} is missing: step {step} is not committed"
+            )
+        manifest, raw = found
+        mhash = digest(raw)
+        final = cache.committed_step(manifest.step)
+        have = final / MANIFEST
+        if not (have.is_file() and digest(have.read_bytes()) == mhash):
+            cache.checkpoints.mkdir(parents=True, exist_ok=True)
+            tmp = cache.checkpoints / f".pull-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            try:
+                markers = self.markers(manifest.step, manifest.attempt, manifest.world_size)
+                self.fetch_verified(manifest, tmp)
+                for m in markers:
+                    if m is not None:
+                        atomic.write_json_atomic(tmp / f"rank_{m.rank}.done.json", m.to_json())
+                atomic.write_bytes_atomic(tmp / MANIFEST, raw)
+                if final.exists():
+                    atomic.remove_tree(final)
+                atomic.publish_dir(tmp, final)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+            log.info("pulled step %d from %s into %s", manifest.step, self.root, final)
+        write_latest(cache, manifest.step, mhash)
+        for old in cache.checkpoints.iterdir():
+            s = parse_step(old.name)
+            if s is not None and s != manifest.step:
+                atomic.remove_tree(old)  # the cache holds one step: the bucket is the store
+        return cache
+
+    def committed(self) -> list[int]:
+        """Steps whose manifest object exists (listing nominates, each manifest is read by its user)."""
+        listing = self.store.listing(self.root.prefix + "/")
+        out = []
+        for key in listing:
+            rest = key[len(self.root.prefix) + 1 :]
+            name, _, leaf = rest.partition("/")
+            step = parse_step(name)
+            if step is not None and leaf == MANIFEST:
+                out.append(step)
+        return sorted(out)
+
+
+def is_marker_name(name: str) -> bool:
+    return MARKER_RE.match(name) is not None
+
+
+def staged_uncommitted(remote: Remote, world_size: int, upto: int | None = None) -> list[int]:
+    """Steps newer than ``latest`` with every rank's marker (one attempt) but no manifest: what a resuming
+    trainer waits for (the bucket's :func:`pipeline.checkpoint.committer.staged_uncommitted`)."""
+    try:
+        latest, _ = remote.read_latest()
+    except VerificationError:
+        return []
+    done = latest.step if latest else 0
+    committed = set(remote.committed())
+    pending = []
+    for step in remote.steps():
+        if step <= done or step in committed or (upto is not None and step > upto):
+            continue
+        for attempt in remote.attempts(step):
+            try:
+                if complete_markers(remote.markers(step, attempt, world_size), None):
+                    pending.append(step)
+                    break
+            except VerificationError:
+                continue
+    return pending
