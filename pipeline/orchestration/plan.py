@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, SlurmLauncherConfig, rank_batch_size
-from pipeline.errors import ConfigError, RunNotFoundError, plural
+from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, plural
 from pipeline.orchestration.contract import Resources, StageContract
-from pipeline.stages import INSIDE, ORDER, get_stage
+from pipeline.stages import INSIDE, ORDER, get_stage, storage
 from pipeline.storage.integrity import mtimes_ns
 from pipeline.storage.layout import RunLayout
 from pipeline.strategies.devices import check_backend
@@ -219,6 +219,12 @@ def check_machine(plan: Plan) -> None:
         check_backend(cfg.strategy)
     if any(s.contract.distributed for s in to_run):
         rank_batch_size(cfg.train, cfg.strategy.world_size)
+    remote = storage.remote(cfg, plan.layout)
+    if remote is not None and to_run:
+        try:  # the bucket answers and enforces the conditional writes every commit relies on
+            remote.store.check_conditional_writes(remote.root.prefix)
+        except PipelineError as e:
+            raise ConfigError(f"checkpoint.storage: {e}") from None
     for s in to_run:
         if s.contract.check_before_launch:  # e.g. an import source that cannot be read is refused up front
             get_stage(s.name).check_inputs(cfg, plan.layout)

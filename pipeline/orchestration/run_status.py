@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest
+from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
 from pipeline.checkpoint.retention import output_areas, record_path
 from pipeline.config.identity import read_run_record
@@ -23,10 +24,12 @@ from pipeline.errors import PipelineError
 from pipeline.orchestration import jobs
 from pipeline.orchestration.lease import read_lease
 from pipeline.orchestration.records import pid_alive, resume_command, stage_alive
+from pipeline.orchestration.remote_status import remote_checkpoints
 from pipeline.stages import ORDER, get_stage
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.integrity import lstat_kind, read_record_json
 from pipeline.storage.layout import CheckpointLayout, RunLayout, parse_step
+from pipeline.storage.s3 import S3Url
 
 Status = dict[str, Any]
 
@@ -220,6 +223,19 @@ def _checkpoints(layout: CheckpointLayout, world_size: int | None) -> Status:
     }
 
 
+def _run_checkpoints(layout: RunLayout, config: dict[str, Any], world_size: int | None) -> Status:
+    """The run dir's checkpoints, or its bucket's (``checkpoint.storage`` in ``run.yaml``)."""
+    ck = config.get("checkpoint")
+    url = ck.get("storage") if isinstance(ck, dict) else None
+    if not isinstance(url, str) or not url:
+        return _checkpoints(layout, world_size)
+    try:
+        root = S3Url.parse(url).join(layout.run_dir.parent.name, layout.run_id)
+    except PipelineError as e:
+        return {"latest": None, "latest_error": str(e), "committed": [], "staged": [], "quarantined": []}
+    return remote_checkpoints(Remote(root=root, cache_dir=layout.run_dir))
+
+
 def collect(layout: RunLayout) -> Status:
     """Everything the status view shows, as one JSON-able dict."""
     config, config_error = _config(layout)
@@ -252,7 +268,7 @@ def collect(layout: RunLayout) -> Status:
         "owner": owner,
         "owner_error": owner_error,
         "stages": stages,
-        "checkpoints": _checkpoints(layout, world_size if type(world_size) is int else None),
+        "checkpoints": _run_checkpoints(layout, config, world_size if type(world_size) is int else None),
         "consolidated": _outputs(*output_areas(layout)["consolidated"]),
         "exported": _outputs(*output_areas(layout)["export"]),
         "resume": resume_command(layout),

@@ -18,11 +18,10 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-from pipeline.checkpoint.manifest import read_latest
 from pipeline.config.identity import RunRecord, differences, read_run_record, recorded_changes, write_run_record
 from pipeline.config.overrides import carried
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, SlurmLauncherConfig
-from pipeline.errors import ConfigError, RunNotFoundError, VerificationError
+from pipeline.errors import ConfigError, PipelineError, RunNotFoundError
 from pipeline.orchestration.jobs import ACTIVE_STATES, job_alive, slurm_states
 from pipeline.orchestration.lease import RunLease
 from pipeline.orchestration.plan import Plan, make_plan
@@ -38,7 +37,7 @@ from pipeline.orchestration.supervise import (
     StageJob,
     latest_text,
 )
-from pipeline.stages import get_stage
+from pipeline.stages import get_stage, storage
 from pipeline.storage.atomic import write_bytes_atomic
 from pipeline.storage.layout import RunLayout
 
@@ -217,17 +216,21 @@ def _summarize(plan: Plan, times: dict[str, float], t0: float, say: Say, *, fail
     if times:
         say("times: " + ", ".join(f"{n} {s:.1f}s" for n, s in times.items()) + f"; total {time.monotonic() - t0:.1f}s")
     latest = None
-    with contextlib.suppress(VerificationError, OSError, ValueError):
-        latest = read_latest(layout) if layout.latest.exists() else None
+    remote = storage.remote(cfg, layout)
+    with contextlib.suppress(PipelineError, OSError, ValueError):
+        latest = storage.committed_latest(cfg, layout) if remote or layout.latest.exists() else None
     if latest is None:
         say("no committed step yet")
+    elif remote is not None:
+        say(f"manifest: {remote.url(remote.manifest_key(latest.step))}")
+        say(f"latest:   {remote.url(remote.key('latest'))} -> step {latest.step}")
     else:
         say(f"manifest: {layout.committed_step(latest.step) / 'manifest.json'}")
         say(f"latest:   {layout.latest} -> step {latest.step}")
         if layout.export_step(latest.step).exists():
             say(f"export:   {layout.export_step(latest.step)}")
     if failed:
-        say(f"failed; latest = {latest_text(layout)}; after fixing the cause, resume: {resume_command(layout)}")
+        say(f"failed; latest = {latest_text(layout, cfg)}; after fixing the cause, resume: {resume_command(layout)}")
     elif latest is not None and latest.step < cfg.train.steps and cfg.stage == STAGE_ALL and not cfg.import_.source:
         say(f"stopped at step {latest.step} of {cfg.train.steps}; resume: {resume_command(layout)}")
 

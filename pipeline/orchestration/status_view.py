@@ -58,7 +58,7 @@ def _stage_lines(stages: list[Status]) -> list[str]:
 
 
 def _checkpoint_lines(ck: Status) -> list[str]:
-    lines = ["checkpoints:"]
+    lines = [f"checkpoints: {ck['store']}" if ck.get("store") else "checkpoints:"]
     latest = ck["latest"]
     lines.append(f"  latest: step {latest['step']}" if latest else f"  latest: {ck['latest_error'] or 'none'}")
     rows = [["committed", "files", "size", "format", ""]]
@@ -73,12 +73,14 @@ def _checkpoint_lines(ck: Status) -> list[str]:
     for s in ck["staged"]:
         of = f" of {s['world_size']}" if s.get("world_size") else ""
         text = s["error"] if "error" in s else f"{s['markers']}{of} rank markers"
-        lines.append(f"  staged: step {s['step']}: {text}")
+        attempt = f" (attempt {s['attempt']})" if s.get("attempt") else ""
+        lines.append(f"  staged: step {s['step']}{attempt}: {text}")
     for q in ck["quarantined"]:
         what = f"step {q['step']}" if q.get("step") is not None else "not a step"
         when = f", {q['time']}" if q.get("time") else ""
         lines.append(f"  quarantined: {q['name']} ({what}{when}): {q.get('reason') or q.get('error')}")
-    lines += _retention_lines(ck["retention"], ck["retention_error"])
+    if "retention" in ck:
+        lines += _retention_lines(ck["retention"], ck["retention_error"])
     return lines
 
 

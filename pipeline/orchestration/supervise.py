@@ -22,7 +22,7 @@ from typing import Protocol
 
 from pipeline.checkpoint.manifest import read_latest
 from pipeline.config.schema import PipelineConfig
-from pipeline.errors import PipelineError, VerificationError
+from pipeline.errors import PipelineError
 from pipeline.orchestration.contract import JobRef, Resources, StageContract
 from pipeline.orchestration.lease import RunLease
 from pipeline.orchestration.plan import Plan, PlannedStage
@@ -117,11 +117,17 @@ class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not an
         super().__init__(signal.Signals(signum).name)
 
 
-def latest_text(layout: RunLayout) -> str:
-    """``step N``, ``none`` or ``unreadable (...)``: ``latest`` as the console says it."""
+def latest_text(layout: RunLayout, cfg: PipelineConfig | None = None) -> str:
+    """``step N``, ``none`` or ``unreadable (...)``: ``latest`` as the console says it (with ``cfg``: the
+    bucket's, for ``checkpoint.storage``)."""
+    from pipeline.stages import storage  # noqa: PLC0415 (stages import orchestration's contracts)
+
     try:
-        latest = read_latest(layout) if layout.latest.exists() else None
-    except (VerificationError, OSError, ValueError) as e:
+        if cfg is not None and cfg.checkpoint.storage:
+            latest = storage.committed_latest(cfg, layout)
+        else:
+            latest = read_latest(layout) if layout.latest.exists() else None
+    except (PipelineError, OSError, ValueError) as e:
         return f"unreadable ({e})"
     return f"step {latest.step}" if latest else "none"
 
@@ -376,4 +382,6 @@ class Execution:
                 self.active.remove(act)
                 self.say(f"skip {act.planned.name}: interrupted again")
         where = others[0].planned.name if others else "the launch"
-        self.say(f"interrupted in {where}; latest = {latest_text(layout)}; resume: {resume_command(layout)}")
+        self.say(
+            f"interrupted in {where}; latest = {latest_text(layout, self.plan.cfg)}; resume: {resume_command(layout)}"
+        )

@@ -87,6 +87,8 @@ class ObjectInfo:
 
 
 _clients: dict[int, Any] = {}
+_CONDITIONAL_OK: set[tuple[str, str]] = set()
+"""(endpoint, bucket) pairs whose conditional writes were checked by this process."""
 _clients_lock = threading.Lock()
 
 
@@ -346,7 +348,11 @@ class S3Store:
 
     def check_conditional_writes(self, prefix: str) -> None:
         """Refuse (one line) a server that does not enforce ``If-None-Match: *`` and ``If-Match``, also for
-        concurrent requests: committing there could let two committers both commit, or ``latest`` go back."""
+        concurrent requests: committing there could let two committers both commit, or ``latest`` go back.
+        Asked once per process and endpoint/bucket (the probe costs seconds on a server that serializes them)."""
+        asked = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "", self.bucket)
+        if asked in _CONDITIONAL_OK:
+            return
         key = f"{prefix.rstrip('/')}/.conditional-probe-{uuid.uuid4().hex}"
         why = _probe(self, key)
         self.delete([key])
@@ -356,6 +362,7 @@ class S3Store:
                 "commits only where a second create and a stale compare-and-swap are refused (use a server with "
                 "If-None-Match/If-Match support, e.g. AWS S3 or SeaweedFS >= 4)"
             )
+        _CONDITIONAL_OK.add(asked)
 
 
 def _probe(store: S3Store, key: str) -> str:

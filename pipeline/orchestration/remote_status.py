@@ -1,0 +1,77 @@
+"""``python -m pipeline.status`` for a run whose checkpoints live in a bucket: the same view, read from there.
+
+Committed steps are the steps whose manifest object exists (each read and parsed; a listing only nominates),
+``latest`` is checked against its manifest's hash, staged steps are attempts without a manifest (with how many
+marker objects each has), and quarantine entries come with their ``reason.txt``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.checkpoint.remote import QUARANTINE, Remote, digest, is_marker_name
+from pipeline.errors import PipelineError
+from pipeline.storage.layout import parse_step
+
+Status = dict[str, Any]
+
+
+def remote_checkpoints(remote: Remote) -> Status:
+    """The bucket's checkpoints as :func:`pipeline.orchestration.run_status.collect` shows a run dir's."""
+    out: Status = {"store": str(remote.root), "latest": None, "latest_error": None, "committed": [], "staged": []}
+    try:
+        listing = remote.store.listing(remote.root.prefix + "/")
+    except PipelineError as e:
+        out["latest_error"] = f"cannot list {remote.root}: {e}"
+        out["quarantined"] = []
+        return out
+    try:
+        found = remote.verified_latest()
+        if found is not None:
+            out["latest"] = {"step": found[0].step, "manifest_hash": digest(found[1])}
+    except PipelineError as e:
+        out["latest_error"] = str(e)
+    latest_step = out["latest"]["step"] if out["latest"] else None
+    by_step: dict[int, dict[str, list[str]]] = {}
+    for key in listing:
+        name, _, rest = key[len(remote.root.prefix) + 1 :].partition("/")
+        step = parse_step(name)
+        if step is not None:
+            attempt, _, leaf = rest.partition("/")
+            by_step.setdefault(step, {}).setdefault(attempt, []).append(leaf)
+    for step, attempts in sorted(by_step.items()):
+        if "manifest.json" in attempts:
+            entry: Status = {"step": step, "latest": step == latest_step}
+            try:
+                manifest = remote.read_manifest(step)
+                if manifest is None:
+                    raise PipelineError("manifest vanished while listing")
+                m = manifest[0]
+                entry.update(files=len(m.files), bytes=sum(f.size for f in m.files), format=m.format)
+                entry["world_size"] = m.world_size
+            except PipelineError as e:
+                entry["error"] = str(e)
+            out["committed"].append(entry)
+            continue
+        for attempt, leaves in sorted(attempts.items()):
+            markers = sum(1 for leaf in leaves if is_marker_name(leaf))
+            out["staged"].append({"step": step, "attempt": attempt, "markers": markers, "world_size": None})
+    out["quarantined"] = _quarantined(remote, listing)
+    return out
+
+
+def _quarantined(remote: Remote, listing: dict[str, Any]) -> list[Status]:
+    base = remote.key(QUARANTINE) + "/"
+    names = sorted({k[len(base) :].split("/", 1)[0] for k in listing if k.startswith(base)})
+    out = []
+    for name in names:
+        entry: Status = {"name": name, "path": remote.url(base + name)}
+        step = name.split("-", 1)[0]
+        entry["step"] = parse_step(step)
+        try:
+            got = remote.store.get(base + name + "/reason.txt")
+            entry["reason"] = got[0].decode("utf-8", "replace").strip() if got else "no reason.txt"
+        except PipelineError as e:
+            entry["error"] = str(e)
+        out.append(entry)
+    return out

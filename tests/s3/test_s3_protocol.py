@@ -1,0 +1,299 @@
+"""The commit protocol against a real S3-compatible server (SeaweedFS on loopback), in-process.
+
+Faults are injected at every request boundary (the client's own fault points: each PUT, UploadPart,
+CompleteMultipartUpload, the manifest PUT and the ``latest`` swap); after each, the invariants hold: ``latest``
+names a step that verifies, no step is partially visible, and a fresh committer finishes the work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from pathlib import Path
+
+import boto3
+import pytest
+
+from pipeline.checkpoint import rank_save
+from pipeline.checkpoint.rank_save import RankTarget
+from pipeline.checkpoint.remote import digest, record_bytes, staged_uncommitted
+from pipeline.errors import PipelineError, VerificationError
+from pipeline.storage import s3
+from pipeline.storage.faults import InjectedFault
+from pipeline.storage.s3 import S3Store, StoreError
+from tests.s3.helpers import assert_invariants, committer, keys, make_remote, stage_rank, stage_step
+
+
+def test_commit_then_pull_round_trip(tmp_path: Path, bucket: str, prefix: str) -> None:
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    stage_step(layout, remote, 4)
+    assert staged_uncommitted(remote, 2) == [4]
+    c = committer(layout, remote)
+    with c.hold():
+        c.recover()
+        assert c.commit_ready() == [4]
+    assert assert_invariants(layout, remote) == 4
+    assert staged_uncommitted(remote, 2) == []
+    # ranks' scratch dirs are gone once uploaded; nothing was staged in the run dir
+    assert not any(layout.staging.rglob("*.distcp"))
+    cache = remote.pull()
+    assert (cache.committed_step(4) / "__1_0.distcp").read_bytes().startswith(b"step=4 rank=1")
+    from pipeline.checkpoint.manifest import read_latest, verify_committed
+
+    latest = read_latest(cache)
+    assert latest is not None and latest.step == 4
+    verify_committed(cache.committed_step(4), 4)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "verify.before_publish",  # before the manifest PUT
+        "s3.put@key={P}/step_8/manifest.json",  # the manifest PUT itself
+        "verify.before_latest",  # the manifest exists, latest not moved
+        "s3.put@key={P}/latest",  # the latest swap
+        "s3.get@key={P}/step_8/a1/__1_0.distcp",  # the verifying re-read
+        "s3.list",  # any listing
+    ],
+)
+def test_committer_fault_at_each_request_leaves_a_verified_latest(
+    tmp_path: Path, bucket: str, prefix: str, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    stage_step(layout, remote, 4)
+    c = committer(layout, remote)
+    with c.hold():
+        c.commit_ready()
+    stage_step(layout, remote, 8)
+    monkeypatch.setenv("PIPELINE_FAULTS", fault.replace("{P}", prefix))
+    c = committer(layout, remote)
+    with pytest.raises((InjectedFault, PipelineError)), c.hold():
+        c.recover()
+        c.commit_ready()
+    monkeypatch.delenv("PIPELINE_FAULTS")
+    assert assert_invariants(layout, remote) in (4, 8)  # never a step that does not verify
+    c = committer(layout, remote)
+    with c.hold():
+        c.recover()
+        c.commit_ready()
+    assert assert_invariants(layout, remote) == 8
+    assert remote.committed() == [4, 8]
+
+
+@pytest.mark.parametrize(
+    "point", ["s3.put@key={P}/step_4/a1/__1_0.distcp", "s3.put@key={P}/step_4/a1/rank_1.done.json"]
+)
+def test_rank_upload_fault_never_commits_the_step(
+    tmp_path: Path, bucket: str, prefix: str, point: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    stage_rank(layout, remote, 4, 0)
+    monkeypatch.setenv("PIPELINE_FAULTS", point.replace("{P}", prefix))
+    with pytest.raises(InjectedFault):
+        stage_rank(layout, remote, 4, 1)
+    monkeypatch.delenv("PIPELINE_FAULTS")
+    c = committer(layout, remote)
+    with c.hold():
+        c.recover()
+        assert c.commit_ready() == []
+        c.finish(None, alive=lambda: False)
+    assert c.report.incomplete and "rank(s) 1 wrote no done-marker" in c.report.incomplete[0][1]
+    assert remote.read_latest()[0] is None and remote.committed() == []
+
+
+@pytest.mark.parametrize("point", ["s3.create_multipart", "s3.upload_part@part=2", "s3.complete"])
+def test_multipart_fault_aborts_and_the_retry_commits(
+    tmp_path: Path, bucket: str, prefix: str, point: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    big = bytes(range(256)) * (40 << 12)  # 40 MiB: three parts
+    stage_rank(layout, remote, 4, 0, payload=big)
+    monkeypatch.setenv("PIPELINE_FAULTS", point)
+    with pytest.raises(InjectedFault):
+        stage_rank(layout, remote, 4, 1, payload=big)
+    monkeypatch.delenv("PIPELINE_FAULTS")
+    assert boto3.client("s3").list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads") in (
+        None,
+        [],
+    )  # aborted
+    stage_rank(layout, remote, 4, 1, payload=big)  # the rank saves again
+    c = committer(layout, remote)
+    with c.hold():
+        assert c.commit_ready() == [4]
+    assert assert_invariants(layout, remote) == 4
+
+
+def test_writer_killed_mid_upload_leaves_an_upload_the_committer_aborts(
+    tmp_path: Path, bucket: str, prefix: str
+) -> None:
+    """A dead writer's incomplete multipart upload (started here and never completed) is aborted by the
+    committer's sweep once ``latest`` has passed its step."""
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    c3 = boto3.client("s3")
+    c3.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/step_4/dead/__0_0.distcp")
+    c3.put_object(Bucket=bucket, Key=f"{prefix}/step_4/dead/__1_0.distcp", Body=b"orphan")
+    stage_step(layout, remote, 8)
+    c = committer(layout, remote)
+    with c.hold():
+        c.commit_ready()
+        c.finish(None, alive=lambda: False)
+    assert not c3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads")
+    assert f"{prefix}/step_4/dead/__1_0.distcp" not in keys(bucket, prefix)
+    assert assert_invariants(layout, remote) == 8
+
+
+@pytest.mark.parametrize("damage", ["truncated", "replaced", "missing", "extra"])
+def test_damaged_objects_are_quarantined_and_named(tmp_path: Path, bucket: str, prefix: str, damage: str) -> None:
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    stage_step(layout, remote, 4)
+    key = f"{prefix}/step_4/a1/__1_0.distcp"
+    s3 = boto3.client("s3")
+    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    if damage == "truncated":
+        s3.put_object(Bucket=bucket, Key=key, Body=body[:-10])
+    elif damage == "replaced":
+        s3.put_object(Bucket=bucket, Key=key, Body=body[:-1] + b"X")
+    elif damage == "missing":
+        s3.delete_object(Bucket=bucket, Key=key)
+    else:
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/step_4/a1/__7_0.distcp", Body=b"planted")
+    c = committer(layout, remote)
+    with c.hold():
+        assert c.commit_ready() == []
+    assert len(c.report.quarantined) == 1
+    line = c.report.quarantined[0]
+    assert ("__7_0.distcp" if damage == "extra" else "__1_0.distcp") in line
+    assert remote.committed() == [] and remote.read_latest()[0] is None
+    assert any(
+        k.startswith(f"{prefix}/quarantine/step_4-a1-") and k.endswith("reason.txt") for k in keys(bucket, prefix)
+    )
+    assert not any(k.startswith(f"{prefix}/step_4/") for k in keys(bucket, prefix))
+
+
+def test_two_committers_racing_commit_exactly_one_attempt(tmp_path: Path, bucket: str, prefix: str) -> None:
+    """Two complete attempts of one step, two committers (no shared lock): exactly one manifest is written,
+    the other committer loses the If-None-Match and says so; latest names the winner, which verifies."""
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    stage_step(layout, remote, 4, attempt="a1")
+    stage_step(layout, remote, 4, attempt="a2")
+    results: dict[str, object] = {}
+
+    def run(name: str, attempt: str) -> None:
+        c = committer(layout, remote)
+        markers = remote.markers(4, attempt, 2)
+        try:
+            results[name] = c.commit(4, [m for m in markers if m is not None])
+        except Exception as e:  # noqa: BLE001
+            results[name] = e
+
+    threads = [threading.Thread(target=run, args=(f"c{i}", a)) for i, a in enumerate(["a1", "a2"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [v for v in results.values() if isinstance(v, str)]
+    losers = [v for v in results.values() if isinstance(v, Exception)]
+    assert len(winners) == 1 and len(losers) == 1, results
+    assert "already exists" in str(losers[0])
+    assert assert_invariants(layout, remote) == 4
+    manifest = remote.read_manifest(4)
+    assert manifest is not None and digest(manifest[1]) == winners[0]
+
+
+def test_planted_manifest_is_never_trusted(tmp_path: Path, bucket: str, prefix: str) -> None:
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    stage_step(layout, remote, 4)
+    c = committer(layout, remote)
+    with c.hold():
+        c.commit_ready()
+    stage_step(layout, remote, 8)
+    s3 = boto3.client("s3")
+    # an object planted where step 8's manifest goes, naming a key outside the prefix
+    planted = {
+        "step": 8,
+        "world_size": 1,
+        "format": "test-bytes",
+        "attempt": "a1",
+        "run_id": "x",
+        "format_version": 1,
+        "files": [{"path": "../../../etc/passwd", "size": 1, "hash": "0"}],
+    }
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/step_8/manifest.json", Body=record_bytes(planted))
+    with pytest.raises(VerificationError, match="could leave its step's prefix"):
+        remote.read_manifest(8)
+    c = committer(layout, remote)
+    with c.hold():
+        c.recover()  # the planted manifest does not verify: quarantined, latest stays at 4
+        c.commit_ready()
+    assert assert_invariants(layout, remote) in (4, 8)
+    # latest never named the planted step's bytes
+    latest, _ = remote.read_latest()
+    assert latest is not None
+    got = remote.read_manifest(latest.step)
+    assert got is not None and "../" not in got[1].decode()
+
+
+def test_damaged_latest_moves_back_to_newest_verifying_step(tmp_path: Path, bucket: str, prefix: str) -> None:
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    c = committer(layout, remote)
+    for step in (4, 8):
+        stage_step(layout, remote, step)
+        with c.hold():
+            c.commit_ready()
+    boto3.client("s3").put_object(Bucket=bucket, Key=f"{prefix}/step_8/a1/__0_0.distcp", Body=b"rot")
+    c = committer(layout, remote)
+    with c.hold():
+        c.recover()
+    assert any("step 8" in q for q in c.report.quarantined)
+    assert assert_invariants(layout, remote) == 4
+    assert remote.committed() == [4]
+
+
+def test_server_without_conditional_writes_is_refused(s3_env: dict[str, str], bucket: str, prefix: str) -> None:
+    """A server that ignores If-None-Match/If-Match (here: a client that drops them before sending) is refused
+    with one line: nothing would stop two committers, or latest going back."""
+    store = S3Store(bucket)
+    orig = store.put
+
+    def careless(key: str, data: bytes, **_: object) -> str:
+        return orig(key, data)
+
+    store.put = careless  # type: ignore[method-assign]
+    s3._CONDITIONAL_OK.clear()
+    with pytest.raises(StoreError, match="does not enforce conditional writes"):
+        store.check_conditional_writes(f"{prefix}")
+    S3Store(bucket).check_conditional_writes(f"{prefix}")  # the real server passes
+
+
+def test_retention_deletes_manifest_first_and_never_a_referenced_object(
+    tmp_path: Path, bucket: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    c = committer(layout, remote, keep_last=2)
+    for step in (1, 2, 3, 4, 5, 6):
+        stage_step(layout, remote, step)
+        if step == 5:  # a crash inside retention, after the manifest of step 3 went
+            monkeypatch.setenv(
+                "PIPELINE_FAULTS",
+                f"s3.delete@key={prefix}/step_3/a1/__0_0.distcp",
+            )
+        with c.hold(), contextlib.suppress(InjectedFault):
+            c.commit_ready()
+        monkeypatch.delenv("PIPELINE_FAULTS", raising=False)
+        assert_invariants(layout, remote)
+        for kept in remote.committed():  # every committed step's objects are all there
+            got = remote.read_manifest(kept)
+            assert got is not None
+            remote.fetch_verified(got[0], None)
+    assert remote.committed() == [5, 6]
+    with c.hold():
+        c.sweep()
+    left = {k.split("/")[2] for k in keys(bucket, f"{prefix}/step_")}
+    assert left == {"step_5", "step_6"}
+
+
+def test_rank_target_scratch_is_rank_private(tmp_path: Path, bucket: str, prefix: str) -> None:
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    a = rank_save.prepare(RankTarget(layout=layout, rank=0, world_size=2, attempt="a", remote=remote), 4)
+    b = rank_save.prepare(RankTarget(layout=layout, rank=1, world_size=2, attempt="a", remote=remote), 4)
+    assert a != b and a.parent.parent == b.parent.parent == layout.staging
