@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.formats.registry import FORMATS, Format, _dcp_owner
 from pipeline.orchestration.task import execute_task
 from pipeline.storage.layout import RunLayout
+from tests.s3.server import S3Server, seaweedfs
 from tests.seed_helpers import TEST_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,3 +185,36 @@ def pretrained_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
+
+
+# --- a real S3-compatible server (SeaweedFS) for checkpoint.storage=s3://... -----------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One SeaweedFS per test session (per xdist worker), on loopback."""
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """This process (and its children) pointed at the server; a fresh client per test."""
+    from pipeline.storage import s3  # noqa: PLC0415
+
+    env = s3_server.env()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s3._clients.clear()
+    return env
+
+
+@pytest.fixture
+def bucket(s3_server: S3Server, s3_env: dict[str, str]) -> str:
+    """The session's bucket (a new bucket costs SeaweedFS a volume growth of seconds): tests use their own prefix."""
+    return s3_server.bucket
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}/r1"

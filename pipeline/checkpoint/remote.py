@@ -137,7 +137,10 @@ class Remote:
         return sorted(s for s in (parse_step(n) for n in self.store.children(self.root.prefix + "/")) if s is not None)
 
     def attempts(self, step: int) -> list[str]:
-        return [n for n in self.store.children(self.step_prefix(step)) if n != MANIFEST and _PART_RE.match(n)]
+        """The attempts with at least one object under ``step_N/`` (a store may keep an emptied "directory")."""
+        prefix = self.step_prefix(step)
+        names = {k[len(prefix) :].split("/", 1)[0] for k in self.store.listing(prefix) if "/" in k[len(prefix) :]}
+        return sorted(n for n in names if _PART_RE.match(n))
 
     def read_marker(self, step: int, attempt: str, rank: int) -> Marker | None:
         key = self.marker_key(step, attempt, rank)

@@ -80,7 +80,7 @@ class RemoteCommitter:
     def _candidates(self) -> list[int]:
         after = self.latest_step()
         committed = set(self.remote.committed())
-        return [s for s in self.remote.steps() if s > after and s not in committed]
+        return [s for s in self.remote.steps() if s > after and s not in committed and self.remote.attempts(s)]
 
     def pending(self) -> list[int]:
         return self._candidates()
