@@ -350,15 +350,15 @@ class ImportConfig:
     ``import_``)."""
 
     source: str | None = None
-    """A DCP directory, a DeepSpeed checkpoint directory or a ``torch.save`` file; set, the run imports it
-    instead of training."""
+    """A DCP directory, a DeepSpeed checkpoint directory or a ``torch.save`` file (or ``s3://bucket/prefix``
+    holding one: downloaded first); set, the run imports it instead of training."""
     allow_pickle: bool = field(default=False, metadata=MUTABLE)
     """Read files that need full unpickling (arbitrary code on load): only for a source you trust."""
     step: int | None = None
     """Step number of the imported checkpoint (null: the step it records, else 1)."""
 
     def __post_init__(self) -> None:
-        if self.source:  # fixed where the run is launched (a relative path, a symlink to the newest file)
+        if self.source and not self.source.startswith("s3://"):  # fixed where the run is launched (a relative path)
             self.source = str(Path(self.source).expanduser().resolve())
         if self.step is not None and self.step < 1:
             raise ConfigError(f"import.step={self.step} must be >= 1 (or null: the step the checkpoint records)")

@@ -16,17 +16,20 @@ Done-marker: a step is committed (``latest``), or staged with every marker of an
 from __future__ import annotations
 
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, read_latest, step_markers, write_marker
+from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, step_markers, write_marker
+from pipeline.checkpoint.remote import download_prefix
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError, plural
 from pipeline.formats.dcp_names import METADATA_FILE
 from pipeline.formats.registry import TORCH_SAVE, get_format
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.storage.atomic import clear_file, copy_file_atomic
+from pipeline.stages import storage
+from pipeline.storage.atomic import clear_file, copy_file_atomic, remove_tree
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry, is_real_dir, lstat_kind, safe_join
 from pipeline.storage.layout import RunLayout
@@ -59,6 +62,11 @@ class Source:
 def _source_path(cfg: PipelineConfig) -> Path:
     if not cfg.import_.source:
         raise ConfigError("this run imports nothing: set import.source=<dir or file>")
+    if cfg.import_.source.startswith("s3://"):  # a local copy of the prefix, then read as a directory
+        try:
+            return download_prefix(cfg.import_.source, Path(tempfile.gettempdir()) / "pipeline-imports")
+        except PipelineError as e:
+            raise ConfigError(str(e)) from None
     return Path(cfg.import_.source).expanduser().absolute()
 
 
@@ -182,11 +190,13 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
     if not cfg.import_.source:
         return "no import.source: this run trains"
     try:
-        latest = read_latest(layout)
-    except (VerificationError, OSError, ValueError):
+        latest = storage.committed_latest(cfg, layout)
+    except (PipelineError, OSError, ValueError):
         latest = None
     if latest is not None:
         return f"step {latest.step} is committed"
+    if cfg.checkpoint.storage:
+        return None  # a step staged in the bucket: the import runs again (idempotent), the committer commits
     for staged in sorted(layout.staging.glob("step_*")) if is_real_dir(layout.staging) else []:
         try:
             step = int(staged.name.split("_", 1)[1])
@@ -224,22 +234,26 @@ def run(ctx: TaskContext) -> dict[str, object]:
         total += size
         log.info("imported %s (%d bytes)", name, size)
     inject("import.before_markers", step=step)
+    remote = storage.remote(cfg, layout)
     for rank, entries in by_rank.items():
         if not entries:
             raise PipelineError(f"rank {rank} of {source.root} wrote no file the checkpoint names")
-        write_marker(
-            staged,
-            Marker(
-                step=step,
-                rank=rank,
-                world_size=source.world_size,
-                format=source.format,
-                attempt=ctx.attempt,
-                files=tuple(entries),
-            ),
+        marker = Marker(
+            step=step,
+            rank=rank,
+            world_size=source.world_size,
+            format=source.format,
+            attempt=ctx.attempt,
+            files=tuple(entries),
         )
+        if remote is None:
+            write_marker(staged, marker)
+        else:  # checkpoints in a bucket: each rank's files, then its marker object, as a rank uploads them
+            remote.upload_rank(staged, marker)
+    if remote is not None:
+        remove_tree(staged)
     return {
-        "source": str(_source_path(cfg)),
+        "source": cfg.import_.source if str(cfg.import_.source).startswith("s3://") else str(_source_path(cfg)),
         "format": source.format,
         "world_size": source.world_size,
         "step": step,

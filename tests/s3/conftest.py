@@ -1,1 +1,1 @@
-"""Fixtures: ``s3_server``, ``s3_env``, ``bucket`` and ``prefix`` live in ``tests/conftest.py`` (SLURM tests use them too)."""
+"""S3 fixtures (s3_server, s3_env, bucket, prefix) are in tests/conftest.py: the SLURM tests use them too."""

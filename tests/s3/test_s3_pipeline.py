@@ -64,6 +64,19 @@ def test_tiny_on_s3_killed_resumed_and_equal_to_a_local_run(
     for step in (4, 8):
         assert _hashes_remote(remote, step) == _hashes_local(local_layout, step)
 
+    # a committed step as a foreign DCP checkpoint in the bucket, imported into a bucket-backed run
+    src = f"{prefix}/foreign"
+    c = boto3.client("s3")
+    for f in (local_layout.committed_step(8)).iterdir():
+        if not f.name.endswith(".json"):
+            c.upload_file(str(f), bucket, f"{src}/{f.name}")
+    imp = run_cli(*base, "run.id=i", f"import.source=s3://{bucket}/{src}", storage, env=s3_env)
+    assert imp.returncode == 0, imp.stdout + imp.stderr
+    imported = Remote(root=S3Url(bucket, prefix).join("tiny", "i"), cache_dir=tmp_path)
+    assert imported.committed() == [8]
+    assert _hashes_remote(imported, 8) == _hashes_local(local_layout, 8)
+    assert (RunLayout.for_run(tmp_path, "tiny", "i").export_step(8) / "config.json").is_file()
+
     status = subprocess.run(
         [sys.executable, "-m", "pipeline.status", str(layout.run_dir)], capture_output=True, text=True, check=False
     )

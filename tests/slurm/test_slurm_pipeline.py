@@ -13,10 +13,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import boto3
 import pytest
 
 from pipeline.checkpoint.manifest import read_latest, read_manifest
+from pipeline.checkpoint.remote import Remote
 from pipeline.storage.layout import RunLayout
+from pipeline.storage.s3 import S3Url
 from tests.conftest import run_cli
 from tests.slurm.conftest import SlurmCluster, sacct_states, wait_for_jobs
 
@@ -212,16 +215,26 @@ def test_time_limit_requeues_and_resumes(slurm_cluster: SlurmCluster, tmp_path: 
     assert sacct_states([train_job])[train_job] == "FAILED"
 
 
-def test_scancel_of_train_then_rerun_resumes_from_latest(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """scancel train mid-run: the committer commits what was complete and ends; a rerun resumes from the
-    newest committed step."""
-    proc = _launch(tmp_path, "sc", "train.steps=1000000", "checkpoint.every=200")
+def test_scancel_of_train_then_rerun_resumes_from_latest(
+    slurm_cluster: SlurmCluster, tmp_path: Path, s3_env: dict[str, str], bucket: str, prefix: str
+) -> None:
+    """With checkpoints in a bucket (SeaweedFS on loopback; the jobs get the AWS variables from the submitting
+    environment): scancel train mid-run; the committer commits what was complete and ends; a rerun resumes from
+    the bucket's newest committed step, and no incomplete multipart upload is left behind."""
+    storage = f"checkpoint.storage=s3://{bucket}/{prefix}"
+    proc = _launch(tmp_path, "sc", "train.steps=1000000", "checkpoint.every=200", storage, env=s3_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     ids = _job_ids(proc.stdout)
     layout = RunLayout.for_run(tmp_path, "tiny", "sc")
+    remote = Remote(root=S3Url(bucket, prefix).join("tiny", "sc"), cache_dir=layout.run_dir)
+
+    def latest_step() -> int:
+        latest, _ = remote.read_latest()
+        return latest.step if latest else 0
+
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        latest = read_latest(layout) if layout.latest.exists() else None
-        if latest is not None and latest.step >= 400:
+        if latest_step() >= 400:
             break
         time.sleep(1)
     else:
@@ -229,19 +242,23 @@ def test_scancel_of_train_then_rerun_resumes_from_latest(slurm_cluster: SlurmClu
     running = _status_json(layout)  # the status of a running run
     train = next(st for st in running["stages"] if st["stage"] == "train")
     assert train["state"] == "running" and train["slurm_state"] == "RUNNING", train
+    assert running["checkpoints"]["store"] == str(remote.root)
     subprocess.run(["scancel", ids[1]], check=True)
     wait_for_jobs(ids, timeout_s=120)
     after = next(st for st in _status_json(layout)["stages"] if st["stage"] == "train")
     assert after["slurm_state"] == "CANCELLED" and after["state"] != "running", after
     states = sacct_states(ids)
     assert states[ids[1]] == "CANCELLED" and states[ids[2]] in ("COMPLETED", "FAILED"), states
-    committed = read_latest(layout).step  # type: ignore[union-attr]
+    committed = latest_step()
     assert committed >= 400
 
-    rerun = _launch(tmp_path, "sc", f"train.stop_after_step={committed + 200}", "launcher.wait=true")
+    rerun = _launch(
+        tmp_path, "sc", f"train.stop_after_step={committed + 200}", "launcher.wait=true", storage, env=s3_env
+    )
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert _record(layout, "train")["summary"]["resumed_from"] == committed
-    assert read_latest(layout).step == committed + 200  # type: ignore[union-attr]
+    assert latest_step() == committed + 200
+    assert not boto3.client("s3").list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads")
 
 
 def test_retention_survives_a_crash_midway(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
