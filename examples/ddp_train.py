@@ -48,6 +48,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=5, help="save every N steps")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to watch or kill it)")
+    p.add_argument("--storage", default=None, help="s3://bucket/prefix: checkpoints in a bucket (AWS env vars)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -59,7 +60,7 @@ def main() -> None:
     data = Batches(rank, world)
     torch.manual_seed(1 + rank)  # dropout differs per rank; its generator is saved per rank
 
-    ckpt = Checkpointer(args.out, every_steps=args.every, keep_last=3)  # ckpt
+    ckpt = Checkpointer(args.out, every_steps=args.every, keep_last=3, storage=args.storage)  # ckpt
     state = {"model": model, "optim": opt, "sched": sched, "data": data, "rng": RankRNG(rank)}  # ckpt
     start = ckpt.load_latest(into=state)  # ckpt
     for step in range(start + 1, args.steps + 1):

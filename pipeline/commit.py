@@ -20,6 +20,8 @@ from pathlib import Path
 from types import FrameType
 
 from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, latest_step
+from pipeline.checkpoint.remote import remote_at
+from pipeline.checkpoint.remote_committer import RemoteCommitter
 from pipeline.errors import PipelineError
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import CheckpointLayout
@@ -33,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, default=None, help="retention: keep the newest N committed steps")
     p.add_argument("--keep-every", type=int, default=None, help="retention: also keep every step divisible by N")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default: %(default)s)")
+    p.add_argument("--storage", default=None, help="s3://bucket/prefix: the checkpoints live in that bucket")
     p.add_argument("--idle-exit", type=float, default=None, help="with --follow: exit after S seconds idle")
     return p
 
@@ -60,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    committer = Committer(layout, policy)
+    try:
+        remote = remote_at(args.storage, layout.run_dir, "--storage")
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    committer = Committer(layout, policy) if remote is None else RemoteCommitter(layout, remote, policy)
     try:
         with committer.hold():
             committer.recover()
@@ -82,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     report = committer.report
-    print(f"committed: {sorted(report.committed) or 'nothing new'}; latest = step {latest_step(layout) or 'none'}")
+    newest = committer.latest_step() if isinstance(committer, RemoteCommitter) else latest_step(layout)
+    print(f"committed: {sorted(report.committed) or 'nothing new'}; latest = step {newest or 'none'}")
     for line in report.quarantined:
         print(f"quarantined: {line}", file=sys.stderr)
     return 1 if report.quarantined else 0

@@ -24,8 +24,10 @@ import pytest
 from safetensors.torch import load_file
 
 from pipeline.checkpoint.manifest import read_latest, verify_committed
+from pipeline.checkpoint.remote import Remote
 from pipeline.errors import VerificationError
 from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.s3 import S3Url
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -187,3 +189,29 @@ def _safe_latest(layout: CheckpointLayout) -> int:
     except (VerificationError, OSError):
         return 0
     return latest.step if latest else 0
+
+
+def test_example_with_checkpoints_in_a_bucket_resumes_from_it(
+    references: dict[str, tuple[dict[int, str], Path]], tmp_path: Path, s3_env: dict[str, str], bucket: str, prefix: str
+) -> None:
+    """``Checkpointer(..., storage="s3://...")`` (SeaweedFS on loopback): the run stops at step 12, the same
+    command continues from the bucket's latest with the uninterrupted run's losses, and the external committer
+    CLI reads the same bucket."""
+    ref_losses, _ = references["ddp_train.py"]
+    out, storage = tmp_path / "run", f"s3://{bucket}/{prefix}"
+    first = _losses(_run("ddp_train.py", out, "--storage", storage, "--steps", "12"))
+    assert first == {s: ref_losses[s] for s in range(1, 13)}
+    remote = Remote(root=S3Url(bucket, prefix), cache_dir=out)
+    assert remote.read_latest()[0].step == 12  # type: ignore[union-attr]
+    second = _losses(_run("ddp_train.py", out, "--storage", storage))
+    assert second == {s: ref_losses[s] for s in range(13, STEPS + 1)}
+    assert remote.committed() == [16, 20, 24]  # keep_last=3, applied in the bucket
+    assert not list((out / "checkpoints" / "staging").rglob("*.distcp"))  # scratch is gone once uploaded
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.commit", str(out), "--storage", storage],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0 and "latest = step 24" in done.stdout, done.stdout + done.stderr

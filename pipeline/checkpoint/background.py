@@ -12,6 +12,8 @@ import threading
 import time
 
 from pipeline.checkpoint.committer import CommitPolicy, Committer
+from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.remote_committer import RemoteCommitter
 from pipeline.errors import PipelineError
 from pipeline.storage.layout import CheckpointLayout
 
@@ -19,8 +21,10 @@ log = logging.getLogger(__name__)
 
 
 class BackgroundCommitter:
-    def __init__(self, layout: CheckpointLayout, policy: CommitPolicy) -> None:
-        self.committer = Committer(layout, policy)
+    def __init__(self, layout: CheckpointLayout, policy: CommitPolicy, remote: Remote | None = None) -> None:
+        self.committer: Committer | RemoteCommitter = (
+            Committer(layout, policy) if remote is None else RemoteCommitter(layout, remote, policy)
+        )
         self.errors: list[str] = []
         self._stop = threading.Event()
         self.recovered = threading.Event()

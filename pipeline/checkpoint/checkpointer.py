@@ -45,6 +45,7 @@ from pipeline.checkpoint.background import BackgroundCommitter
 from pipeline.checkpoint.committer import CommitPolicy
 from pipeline.checkpoint.manifest import read_manifest
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult
+from pipeline.checkpoint.remote import remote_at
 from pipeline.checkpoint.state import STEP_KEY, load_state, save_state
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.backend import held_elsewhere
@@ -74,6 +75,7 @@ class Checkpointer:
         fail_on_save_error: bool = False,
         preemption_signals: tuple[int, ...] = (signal.SIGUSR2,),
         poll_interval_s: float = 0.5,
+        storage: str | None = None,
     ) -> None:
         """Every rank constructs it alike (a collective).
 
@@ -85,6 +87,9 @@ class Checkpointer:
         ``writer_threads``: files per rank written in parallel (None: the CPUs a rank has to itself, at most 4).
         ``preemption_signals``: signals that set the preemption flag (SLURM's ``--signal=USR2@...``); installed
         only from the main thread.
+        ``storage``: ``s3://bucket/prefix`` keeps the checkpoints in an S3-compatible bucket (AWS environment
+        variables and config files say where and as whom); ``directory`` then holds the committer lock and the
+        verified local copy of the step :meth:`load_latest` loads.
         """
         if committer not in COMMITTERS:
             raise PipelineError(f"committer={committer!r}: choose one of {', '.join(COMMITTERS)}")
@@ -104,6 +109,7 @@ class Checkpointer:
                 "the environment): every rank constructs it"
             )
         self.layout = CheckpointLayout(Path(directory).resolve())
+        self.remote = remote_at(storage, self.layout.run_dir)
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.deadline_s = deadline_s
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -120,7 +126,9 @@ class Checkpointer:
             raise PipelineError(str(decided))
         self.attempt = decided[0]
         threads = writer_threads if writer_threads is not None else rank_save.auto_writer_threads(self.world_size)
-        self.target = RankTarget(self.layout, self.rank, self.world_size, self.attempt, threads, fail_on_save_error)
+        self.target = RankTarget(
+            self.layout, self.rank, self.world_size, self.attempt, threads, fail_on_save_error, self.remote
+        )
         self._saver: AsyncSaver | None = None
         self._last_save = time.monotonic()
         self._closed = False
@@ -140,7 +148,7 @@ class Checkpointer:
                     keep_last=keep_last,
                     keep_every=keep_every,
                 )
-                self._committer = BackgroundCommitter(self.layout, policy)
+                self._committer = BackgroundCommitter(self.layout, policy, self.remote)
                 self._committer.start()
         except (PipelineError, OSError) as e:
             return f"cannot open checkpoints in {self.layout.checkpoints}: {e}"
@@ -271,12 +279,21 @@ class Checkpointer:
                 return self._committer.alive()
             return held_elsewhere(self.layout.committer_lock) or time.monotonic() - start < _EXTERNAL_START_S
 
+        hint = f" (is the committer running? python -m pipeline.commit {self.layout.run_dir} --follow)"
+        if self.remote is not None:
+            return resume.decide_remote(
+                self.remote,
+                self.world_size,
+                deadline_s=self.deadline_s,
+                committer_alive=committer_alive,
+                committer_hint=hint,
+            )
         return resume.decide(
             self.layout,
             self.world_size,
             deadline_s=self.deadline_s,
             committer_alive=committer_alive,
-            committer_hint=f" (is the committer running? python -m pipeline.commit {self.layout.run_dir} --follow)",
+            committer_hint=hint,
         )
 
     # -- end ---------------------------------------------------------------------------------------------------

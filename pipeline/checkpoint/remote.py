@@ -47,6 +47,11 @@ TRANSFER_THREADS = 4
 """Objects uploaded, verified or downloaded at once (each with its own ranged requests)."""
 
 
+def remote_at(url: str | None, cache_dir: Path, what: str = "storage") -> Remote | None:
+    """The checkpoints root ``url`` (``s3://bucket/prefix``; None: none) with its local cache in ``cache_dir``."""
+    return None if url is None else Remote(root=S3Url.parse(url, what), cache_dir=cache_dir)
+
+
 def safe_key_path(rel: str, where: str) -> str:
     """A relative path read from a marker or manifest, as key components: never absolute, no ``.``/``..`` or empty
     parts, no backslash or control characters; so a key built from it cannot leave the attempt's prefix."""
