@@ -43,7 +43,8 @@ def test_tiny_on_s3_killed_resumed_and_equal_to_a_local_run(
     latest, _ = remote.read_latest()
     assert latest is not None and latest.step == 4 and remote.committed() == [4]
 
-    proc = run_cli(*base, "run.id=k", storage, env=s3_env)  # a plain rerun resumes from the bucket
+    # a plain rerun resumes from the bucket; its saves upload in the background (async_save)
+    proc = run_cli(*base, "run.id=k", storage, "checkpoint.async_save=true", env=s3_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     layout = RunLayout.for_run(tmp_path, "tiny", "k")
     assert json.loads(layout.stage_record("train").read_text())["summary"]["resumed_from"] == 4
