@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
         "pipeline.orchestration.records",
         "pipeline.orchestration.jobs",
         "pipeline.orchestration.preemption",
+        "pipeline.orchestration.checkpoint_store",
     ),
     ("pipeline.stages",),
     ("pipeline.orchestration",),

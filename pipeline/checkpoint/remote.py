@@ -23,7 +23,6 @@ import concurrent.futures as cf
 import json
 import logging
 import re
-import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,7 +328,7 @@ class Remote:
                 atomic.publish_dir(tmp, final)
             finally:
                 if tmp.exists():
-                    shutil.rmtree(tmp, ignore_errors=True)
+                    atomic.remove_tree(tmp)
             log.info("pulled step %d from %s into %s", manifest.step, self.root, final)
         write_latest(cache, manifest.step, mhash)
         for old in cache.checkpoints.iterdir():
@@ -376,41 +375,3 @@ def staged_uncommitted(remote: Remote, world_size: int, upto: int | None = None)
             except VerificationError:
                 continue
     return pending
-
-
-def download_prefix(url: str, dest_root: Path) -> Path:
-    """A local copy of every object under ``url`` (``s3://bucket/prefix``): a foreign checkpoint to import,
-    read like a local directory afterwards by the restricted readers. Cached under ``dest_root`` by the
-    listing's keys, sizes and ETags (the same listing reuses the copy); keys are checked as relative paths."""
-    src = S3Url.parse(url, "import.source")
-    store = S3Store(src.bucket)
-    base = src.prefix + "/" if src.prefix else ""
-    listing = store.listing(base)
-    if not listing:
-        raise VerificationError(f"import.source={url} holds no objects")
-    sig = digest(json.dumps(sorted((k, o.size, o.etag) for k, o in listing.items())).encode())
-    final = dest_root / f"s3-import-{sig[:16]}"
-    if final.is_dir():
-        return final
-    dest_root.mkdir(parents=True, exist_ok=True)
-    tmp = dest_root / f".s3-import-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        with cf.ThreadPoolExecutor(TRANSFER_THREADS) as pool:
-            futures = []
-            for key, info in listing.items():
-                rel = safe_key_path(key[len(base) :], f"import.source={url}")
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                futures.append(pool.submit(store.download, key, info.size, tmp / rel))
-            for f in futures:
-                f.result()
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not final.is_dir():  # another process published the same copy first
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    log.info("downloaded import.source %s (%d objects) into %s", url, len(listing), final)
-    return final

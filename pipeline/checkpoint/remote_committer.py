@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from pipeline.checkpoint.committer import (
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker, complete_markers, describe_incomplete
 from pipeline.checkpoint.remote import QUARANTINE, Remote, digest, is_marker_name
 from pipeline.errors import DeadlineError, VerificationError
+from pipeline.storage.atomic import remove_tree
 from pipeline.storage.backend import POSIX
 from pipeline.storage.faults import inject
 from pipeline.storage.layout import CheckpointLayout
@@ -271,7 +271,7 @@ class RemoteCommitter:
             remote.fetch_verified(manifest, tmp)  # every byte re-read and hashed
             check_stored(fmt, tmp, step, markers, self.policy.allow_pickle)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
         inject("verify.before_publish", step=step)
         manifest_hash = remote.create_manifest(manifest)
         inject("verify.before_latest", step=step)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
+import pipeline.orchestration.checkpoint_store as storage
 from pipeline.config.identity import RunRecord, differences, read_run_record, recorded_changes, write_run_record
 from pipeline.config.overrides import carried
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, SlurmLauncherConfig
@@ -37,7 +38,7 @@ from pipeline.orchestration.supervise import (
     StageJob,
     latest_text,
 )
-from pipeline.stages import get_stage, storage
+from pipeline.stages import get_stage
 from pipeline.storage.atomic import write_bytes_atomic
 from pipeline.storage.layout import RunLayout
 

@@ -120,7 +120,7 @@ class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not an
 def latest_text(layout: RunLayout, cfg: PipelineConfig | None = None) -> str:
     """``step N``, ``none`` or ``unreadable (...)``: ``latest`` as the console says it (with ``cfg``: the
     bucket's, for ``checkpoint.storage``)."""
-    from pipeline.stages import storage  # noqa: PLC0415 (stages import orchestration's contracts)
+    import pipeline.orchestration.checkpoint_store as storage  # noqa: PLC0415 (stages import orchestration's contracts)
 
     try:
         if cfg is not None and cfg.checkpoint.storage:

@@ -15,24 +15,28 @@ Done-marker: a step is committed (``latest``), or staged with every marker of an
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import json
 import logging
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pipeline.orchestration.checkpoint_store as storage
 from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, step_markers, write_marker
-from pipeline.checkpoint.remote import download_prefix
+from pipeline.checkpoint.remote import TRANSFER_THREADS, digest, safe_key_path
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError, plural
 from pipeline.formats.dcp_names import METADATA_FILE
 from pipeline.formats.registry import TORCH_SAVE, get_format
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.stages import storage
 from pipeline.storage.atomic import clear_file, copy_file_atomic, remove_tree
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry, is_real_dir, lstat_kind, safe_join
 from pipeline.storage.layout import RunLayout
+from pipeline.storage.s3 import S3Store, S3Url
 
 CONTRACT = StageContract(
     name="import_checkpoint",
@@ -260,3 +264,41 @@ def run(ctx: TaskContext) -> dict[str, object]:
         "files": len(source.files),
         "bytes": total,
     }
+
+
+def download_prefix(url: str, dest_root: Path) -> Path:
+    """A local copy of every object under ``url`` (``s3://bucket/prefix``): a foreign checkpoint to import,
+    read like a local directory afterwards by the restricted readers. Cached under ``dest_root`` by the
+    listing's keys, sizes and ETags (the same listing reuses the copy); keys are checked as relative paths."""
+    src = S3Url.parse(url, "import.source")
+    store = S3Store(src.bucket)
+    base = src.prefix + "/" if src.prefix else ""
+    listing = store.listing(base)
+    if not listing:
+        raise VerificationError(f"import.source={url} holds no objects")
+    sig = digest(json.dumps(sorted((k, o.size, o.etag) for k, o in listing.items())).encode())
+    final = dest_root / f"s3-import-{sig[:16]}"
+    if final.is_dir():
+        return final
+    dest_root.mkdir(parents=True, exist_ok=True)
+    tmp = dest_root / f".s3-import-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        with cf.ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+            futures = []
+            for key, info in listing.items():
+                rel = safe_key_path(key[len(base) :], f"import.source={url}")
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                futures.append(pool.submit(store.download, key, info.size, tmp / rel))
+            for f in futures:
+                f.result()
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not final.is_dir():  # another process published the same copy first
+                raise
+    finally:
+        if tmp.exists():
+            remove_tree(tmp)
+    log.info("downloaded import.source %s (%d objects) into %s", url, len(listing), final)
+    return final

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import pipeline.orchestration.checkpoint_store as storage
 from pipeline.checkpoint import resume as resume_rule
 from pipeline.checkpoint.async_save import AsyncSaver, Settled, stuck_writers
 from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_manifest, step_markers
@@ -34,7 +35,7 @@ from pipeline.errors import PipelineError, VerificationError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
 from pipeline.orchestration.preemption import no_requeue_reason, preemptible, preemption_requested
 from pipeline.orchestration.records import producer_attempt, stage_alive
-from pipeline.stages import shard_save, storage
+from pipeline.stages import shard_save
 from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.layout import RunLayout

@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Any
 
+import pipeline.orchestration.checkpoint_store as storage
 from pipeline.checkpoint.committer import CommitPolicy, Committer, latest_step
 from pipeline.checkpoint.remote_committer import RemoteCommitter
 from pipeline.config.schema import PipelineConfig
@@ -28,7 +29,6 @@ from pipeline.errors import PipelineError
 from pipeline.orchestration.contract import JobRef, Resources, StageContract, TaskContext
 from pipeline.orchestration.jobs import LOCAL_CLUSTERS, job_alive
 from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
-from pipeline.stages import storage
 from pipeline.storage.integrity import is_real_dir
 from pipeline.storage.layout import RunLayout
 from pipeline.workload.size import RECORD_BYTES, save_count
