@@ -21,7 +21,9 @@ from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import s3
 from pipeline.storage.faults import InjectedFault
 from pipeline.storage.s3 import S3Store, StoreError
+from tests.s3.flaky_proxy import flaky_proxy
 from tests.s3.helpers import assert_invariants, committer, keys, make_remote, stage_rank, stage_step
+from tests.s3.server import S3Server
 
 
 def test_commit_then_pull_round_trip(tmp_path: Path, bucket: str, prefix: str) -> None:
@@ -297,3 +299,29 @@ def test_rank_target_scratch_is_rank_private(tmp_path: Path, bucket: str, prefix
     a = rank_save.prepare(RankTarget(layout=layout, rank=0, world_size=2, attempt="a", remote=remote), 4)
     b = rank_save.prepare(RankTarget(layout=layout, rank=1, world_size=2, attempt="a", remote=remote), 4)
     assert a != b and a.parent.parent == b.parent.parent == layout.staging
+
+
+def test_connection_resets_lost_responses_and_stalls_are_retried(
+    tmp_path: Path, s3_server: S3Server, bucket: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a loopback proxy that resets new connections, loses responses after the server acted (a manifest
+    PUT that landed, retried into its own If-None-Match) and stalls others past the read timeout: the client's
+    retries carry the saves and commits through, and the bucket ends exactly as without faults."""
+    modes = ["drop", "ok", "reset", "ok", "stall", "ok"]
+    with flaky_proxy(s3_server.endpoint, lambda i: modes[i % len(modes)]) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        monkeypatch.setenv("PIPELINE_S3_TIMEOUT_S", "1")
+        monkeypatch.setenv("PIPELINE_S3_ATTEMPTS", "8")
+        s3._clients.clear()
+        layout, remote = make_remote(tmp_path, bucket, prefix)
+        for step in (4, 8):
+            stage_step(layout, remote, step)
+            c = committer(layout, remote)
+            with c.hold():
+                c.recover()
+                assert c.commit_ready() == [step]
+        assert {m for _, m in proxy.faults} == {"drop", "reset", "stall"}, proxy.faults
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    s3._clients.clear()
+    assert assert_invariants(layout, remote) == 8
+    assert remote.committed() == [4, 8] and not c.report.quarantined
