@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.outputs import consolidate_latest
+from pipeline.checkpoint.remote import remote_at
 from pipeline.errors import PipelineError
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import CheckpointLayout
@@ -23,23 +24,33 @@ from pipeline.storage.layout import CheckpointLayout
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.consolidate", description=__doc__.splitlines()[0])
     p.add_argument("dir", help="a checkpoint dir (holding checkpoints/) or a run dir")
+    p.add_argument("--storage", default=None, help="s3://bucket/prefix: read the step from that bucket first")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
-    return build_output(args.dir, consolidate_latest, lambda out: f"{out['tensors']} tensors -> {out['out']}")
+    return build_output(
+        args.dir, consolidate_latest, lambda out: f"{out['tensors']} tensors -> {out['out']}", args.storage
+    )
 
 
 def build_output(
-    directory: str, build: Callable[[CheckpointLayout], dict[str, Any]], made: Callable[[dict[str, Any]], str]
+    directory: str,
+    build: Callable[[CheckpointLayout], dict[str, Any]],
+    made: Callable[[dict[str, Any]], str],
+    storage: str | None = None,
 ) -> int:
     """Run ``build`` on the checkpoint dir ``directory`` as a command line does: one line for what it made or
-    that its output already verifies; a bad dir (exit 2) or a failure (exit 1) as one line on stderr."""
+    that its output already verifies; a bad dir (exit 2) or a failure (exit 1) as one line on stderr. With
+    ``storage`` (``s3://bucket/prefix``) the step ``latest`` names there is pulled, verified, first."""
     layout = CheckpointLayout(Path(directory).resolve())
     if lstat_kind(layout.checkpoints) != "dir":
         print(f"error: {layout.checkpoints} is not a directory: not a checkpoint dir", file=sys.stderr)
         return 2
     try:
+        remote = remote_at(storage, layout.run_dir, "--storage")
+        if remote is not None:
+            remote.pull()
         out = build(layout)
     except (PipelineError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

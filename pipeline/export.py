@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--max-shard-size", default="5GB", help="largest shard (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="redo it even if the output verifies")
+    p.add_argument("--storage", default=None, help="s3://bucket/prefix: read the step from that bucket first")
     try:
         args = p.parse_args(argv)
     except SystemExit as e:
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dir,
         lambda layout: export_latest(layout, args.dtype, max_bytes, force=args.force),
         lambda out: f"{out['files']} files -> {out['out']}",
+        args.storage,
     )
 
 

@@ -215,3 +215,12 @@ def test_example_with_checkpoints_in_a_bucket_resumes_from_it(
         check=False,
     )
     assert done.returncode == 0 and "latest = step 24" in done.stdout, done.stdout + done.stderr
+    cons = subprocess.run(
+        [sys.executable, "-m", "pipeline.consolidate", str(out), "--storage", storage],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cons.returncode == 0 and "step 24:" in cons.stdout, cons.stdout + cons.stderr
+    assert (out / "consolidated" / "step_24" / "model.safetensors").is_file()
