@@ -150,12 +150,16 @@ def run(
 def _hand_over_if_jobs_live(lease: RunLease, say: Say) -> None:
     """Jobs this launch submitted to a scheduler that are still queued or running own the run after it exits:
     the lease stays (a later launch breaks it once the scheduler says every one has finished)."""
-    deadline = time.monotonic() + 15  # a job that just ended shows COMPLETING for a moment
+    # A job that just ended shows COMPLETING for a moment, or no state at all: gone from squeue, not yet in
+    # sacct (slurmdbd writes accounting a little later, more so under load). Both are asked again, up to 15 s;
+    # a job that is plainly queued or running owns the run at once.
+    deadline = time.monotonic() + 15
     while True:
         ids = [j["job_id"] for j in lease.record["jobs"] if j["cluster"] == "slurm"]
         states = slurm_states(ids)
         live = [j for j in ids if states.get(j) is None or states[j] in ACTIVE_STATES]
-        if not live or any(states.get(j) != "COMPLETING" for j in live) or time.monotonic() > deadline:
+        settling = all(states.get(j) in (None, "COMPLETING") for j in live)
+        if not live or not settling or time.monotonic() > deadline:
             break
         time.sleep(1)
     if live:

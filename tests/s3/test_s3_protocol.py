@@ -20,10 +20,12 @@ from pipeline.checkpoint.remote import digest, record_bytes, staged_uncommitted
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import s3
 from pipeline.storage.faults import InjectedFault
+from pipeline.storage.integrity import describe
 from pipeline.storage.s3 import S3Store, StoreError
 from tests.s3.flaky_proxy import flaky_proxy
 from tests.s3.helpers import assert_invariants, committer, keys, make_remote, stage_rank, stage_step
 from tests.s3.server import S3Server
+from tests.seed_helpers import TEST_FORMAT
 
 
 def test_commit_then_pull_round_trip(tmp_path: Path, bucket: str, prefix: str) -> None:
@@ -325,3 +327,17 @@ def test_connection_resets_lost_responses_and_stalls_are_retried(
     s3._clients.clear()
     assert assert_invariants(layout, remote) == 8
     assert remote.committed() == [4, 8] and not c.report.quarantined
+
+
+def test_a_file_changed_after_its_write_is_never_uploaded_as_it(tmp_path: Path, bucket: str, prefix: str) -> None:
+    """The hash taken while uploading must equal the one taken while writing: a file changed in between (same
+    size, other bytes) fails the rank's save, and no marker object is written."""
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    t = RankTarget(layout=layout, rank=0, world_size=1, attempt="a1", remote=remote)
+    scratch = rank_save.prepare(t, 4)
+    (scratch / "__0_0.distcp").write_bytes(b"A" * 1000)
+    entry = describe(scratch, "__0_0.distcp")
+    (scratch / "__0_0.distcp").write_bytes(b"B" * 1000)
+    with pytest.raises(VerificationError, match="changed between its write and its upload"):
+        rank_save.finish(t, scratch, 4, TEST_FORMAT, (entry,))
+    assert remote.read_marker(4, "a1", 0) is None
