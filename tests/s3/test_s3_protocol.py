@@ -198,7 +198,7 @@ def test_two_committers_racing_commit_exactly_one_attempt(tmp_path: Path, bucket
     winners = [v for v in results.values() if isinstance(v, str)]
     losers = [v for v in results.values() if isinstance(v, Exception)]
     assert len(winners) == 1 and len(losers) == 1, results
-    assert "already exists" in str(losers[0])
+    assert "already exists and is not this commit's manifest" in str(losers[0])
     assert assert_invariants(layout, remote) == 4
     manifest = remote.read_manifest(4)
     assert manifest is not None and digest(manifest[1]) == winners[0]
