@@ -37,7 +37,7 @@ from pipeline.errors import DeadlineError, VerificationError
 from pipeline.storage.atomic import remove_tree
 from pipeline.storage.backend import POSIX
 from pipeline.storage.faults import inject
-from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.layout import CheckpointLayout, parse_step
 from pipeline.storage.s3 import Conflict
 from pipeline.storage.waiting import wait_until
 
@@ -347,11 +347,17 @@ class RemoteCommitter:
                 for k in remote.store.listing(prefix)
                 if not (keep and k.startswith(keep)) and k != remote.manifest_key(step)
             ]
-            for up in remote.store.abort_uploads(prefix) if keep is None else []:
-                log.warning("aborted an incomplete upload of a dead writer: %s", remote.url(up))
             if doomed:
                 remote.store.delete(doomed)
                 deleted += doomed
         if deleted:
             log.info("sweep: deleted %d unreferenced object(s) under %s", len(deleted), remote.root)
+        root = remote.root.prefix + "/"
+
+        def dead(key: str) -> bool:  # an upload of a step at or below latest: no live writer uploads there
+            step = parse_step(key[len(root) :].split("/", 1)[0])
+            return step is not None and step <= latest
+
+        for up in remote.store.abort_uploads(root, dead):
+            log.warning("aborted an incomplete upload of a dead writer: %s", remote.url(up))
         return deleted

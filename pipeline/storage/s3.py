@@ -27,7 +27,7 @@ import re
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,14 +330,17 @@ class S3Store:
 
     # -- multipart housekeeping -------------------------------------------------------------------------------
 
-    def abort_uploads(self, prefix: str) -> list[str]:
-        """Abort every incomplete multipart upload under ``prefix`` (a dead writer's); returns their keys."""
+    def abort_uploads(self, prefix: str, which: Callable[[str], bool] = lambda _key: True) -> list[str]:
+        """Abort every incomplete multipart upload under ``prefix`` whose key ``which`` accepts (a dead
+        writer's); returns their keys."""
         inject("s3.list", prefix=prefix)
         c = client()
         aborted = []
         try:
             for page in c.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
                 for up in page.get("Uploads", []):
+                    if not which(up["Key"]):
+                        continue
                     c.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
                     aborted.append(up["Key"])
         except Exception as e:

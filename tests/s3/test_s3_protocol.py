@@ -8,6 +8,9 @@ names a step that verifies, no step is partially visible, and a fresh committer 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -127,22 +130,43 @@ def test_multipart_fault_aborts_and_the_retry_commits(
     assert assert_invariants(layout, remote) == 4
 
 
+_KILLED_WRITER = """
+import sys
+from pathlib import Path
+from tests.s3.helpers import make_remote, stage_rank
+layout, remote = make_remote(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+stage_rank(layout, remote, 4, 0, attempt="dead", payload=bytes(range(256)) * (40 << 12))
+"""
+
+
 def test_writer_killed_mid_upload_leaves_an_upload_the_committer_aborts(
-    tmp_path: Path, bucket: str, prefix: str
+    tmp_path: Path, bucket: str, prefix: str, s3_env: dict[str, str]
 ) -> None:
-    """A dead writer's incomplete multipart upload (started here and never completed) is aborted by the
-    committer's sweep once ``latest`` has passed its step."""
-    layout, remote = make_remote(tmp_path, bucket, prefix)
+    """A writer process killed (os._exit) between two parts of its multipart upload leaves an incomplete
+    upload and no marker: its step never commits, and the committer's sweep aborts the upload once ``latest``
+    has passed that step."""
+    kill = {**os.environ, "PIPELINE_FAULTS": "s3.upload_part@part=2@action=exit"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(tmp_path / "w"), bucket, prefix],
+        env=kill,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 17, proc.stderr[-2000:]
     c3 = boto3.client("s3")
-    c3.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/step_4/dead/__0_0.distcp")
-    c3.put_object(Bucket=bucket, Key=f"{prefix}/step_4/dead/__1_0.distcp", Body=b"orphan")
+    assert c3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads"), "the dead writer left no upload"
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    assert remote.read_marker(4, "dead", 0) is None
     stage_step(layout, remote, 8)
     c = committer(layout, remote)
     with c.hold():
         c.commit_ready()
         c.finish(None, alive=lambda: False)
     assert not c3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads")
-    assert f"{prefix}/step_4/dead/__1_0.distcp" not in keys(bucket, prefix)
+    assert not any(k.startswith(f"{prefix}/step_4/") for k in keys(bucket, prefix))
     assert assert_invariants(layout, remote) == 8
 
 
