@@ -215,8 +215,12 @@ def test_example_with_checkpoints_in_a_bucket_resumes_from_it(
         check=False,
     )
     assert done.returncode == 0 and "latest = step 24" in done.stdout, done.stdout + done.stderr
-    cons = subprocess.run(
-        [sys.executable, "-m", "pipeline.consolidate", str(out), "--storage", storage],
+    status = subprocess.run(
+        [sys.executable, "-m", "pipeline.status", str(out)], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert status.returncode == 0 and f"checkpoints: {storage}" in status.stdout, status.stdout + status.stderr
+    cons = subprocess.run(  # the dir records its bucket: no --storage needed
+        [sys.executable, "-m", "pipeline.consolidate", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -45,7 +45,7 @@ from pipeline.checkpoint.background import BackgroundCommitter
 from pipeline.checkpoint.committer import CommitPolicy
 from pipeline.checkpoint.manifest import read_manifest
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult
-from pipeline.checkpoint.remote import remote_at
+from pipeline.checkpoint.remote import record_store, recorded_store, remote_at
 from pipeline.checkpoint.state import STEP_KEY, load_state, save_state
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.backend import held_elsewhere
@@ -109,7 +109,8 @@ class Checkpointer:
                 "the environment): every rank constructs it"
             )
         self.layout = CheckpointLayout(Path(directory).resolve())
-        self.remote = remote_at(storage, self.layout.run_dir)
+        self._storage = storage
+        self.remote = None if storage is None else remote_at(storage, self.layout.run_dir)
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.deadline_s = deadline_s
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -140,6 +141,11 @@ class Checkpointer:
         try:
             for d in self.layout.checkpoint_dirs():
                 d.mkdir(parents=True, exist_ok=True)
+            recorded = recorded_store(self.layout)
+            if recorded is not None and recorded != self._storage:
+                return f"{self.layout.run_dir} keeps its checkpoints in {recorded}: pass storage={recorded!r}"
+            if self._storage is not None and recorded is None:
+                record_store(self.layout, self._storage)  # the command lines find the bucket by the dir alone
             if not self._external:
                 policy = CommitPolicy(
                     world_size=self.world_size,

@@ -33,7 +33,7 @@ import xxhash
 from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, complete_markers, write_latest
 from pipeline.errors import VerificationError
 from pipeline.storage import atomic
-from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, safe_join
+from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, read_record_json, safe_join
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 from pipeline.storage.s3 import Conflict, S3Store, S3Url
 
@@ -46,9 +46,34 @@ TRANSFER_THREADS = 4
 """Objects uploaded, verified or downloaded at once (each with its own ranged requests)."""
 
 
+STORE_RECORD = "storage.json"
+"""``<dir>/checkpoints/storage.json``: where a library checkpoint dir keeps its checkpoints (``{"storage": url}``),
+written by the :class:`~pipeline.checkpoint.Checkpointer` so the command lines find the bucket by the dir alone."""
+
+
 def remote_at(url: str | None, cache_dir: Path, what: str = "storage") -> Remote | None:
-    """The checkpoints root ``url`` (``s3://bucket/prefix``; None: none) with its local cache in ``cache_dir``."""
+    """The checkpoints root ``url`` (``s3://bucket/prefix``; None: the one ``cache_dir`` records, if any) with its
+    local cache in ``cache_dir``."""
+    if url is None:
+        url = recorded_store(CheckpointLayout(cache_dir))
     return None if url is None else Remote(root=S3Url.parse(url, what), cache_dir=cache_dir)
+
+
+def record_store(layout: CheckpointLayout, url: str) -> None:
+    atomic.write_json_atomic(layout.checkpoints / STORE_RECORD, {"storage": url})
+
+
+def recorded_store(layout: CheckpointLayout) -> str | None:
+    """The bucket a library checkpoint dir records (None: its checkpoints are local)."""
+    path = layout.checkpoints / STORE_RECORD
+    try:
+        obj = read_record_json(path, "storage record")
+    except FileNotFoundError:
+        return None
+    url = obj.get("storage") if isinstance(obj, dict) else None
+    if not isinstance(url, str):
+        raise VerificationError(f'{path} is malformed: it must be {{"storage": "s3://..."}}')
+    return url
 
 
 def safe_key_path(rel: str, where: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest
-from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
 from pipeline.checkpoint.retention import output_areas, record_path
 from pipeline.config.identity import read_run_record
@@ -305,6 +305,15 @@ def _job_state(job: dict[str, str], slurm: dict[str, str]) -> str:
 # --- text view ---------------------------------------------------------------------------------------------------
 
 
+def _library_checkpoints(layout: CheckpointLayout) -> Status:
+    """A library dir's checkpoints: local, or in the bucket its ``checkpoints/storage.json`` names."""
+    try:
+        remote = remote_at(None, layout.run_dir)
+    except PipelineError as e:
+        return {"latest": None, "latest_error": str(e), "committed": [], "staged": [], "quarantined": []}
+    return _checkpoints(layout, None) if remote is None else remote_checkpoints(remote)
+
+
 def collect_checkpoints(layout: CheckpointLayout) -> Status:
     """A checkpoint dir written by the library (a ``torchrun`` script's ``Checkpointer``): no run.yaml, no stage
     records; its checkpoints and outputs as the run view shows them."""
@@ -313,7 +322,7 @@ def collect_checkpoints(layout: CheckpointLayout) -> Status:
         "run_dir": str(layout.run_dir),
         "library": True,
         "committer_running": held_elsewhere(layout.committer_lock),
-        "checkpoints": _checkpoints(layout, None),
+        "checkpoints": _library_checkpoints(layout),
         "consolidated": _outputs(*output_areas(layout)["consolidated"]),
         "exported": _outputs(*output_areas(layout)["export"]),
         "resume": "run the training script again (Checkpointer.load_latest resumes from latest)",
