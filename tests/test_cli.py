@@ -100,7 +100,7 @@ def test_run_root_that_is_a_file_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_multirun_sweep_makes_one_run_per_point_with_hydra_files_inside(tmp_path: Path) -> None:
-    proc = run_cli("-m", "+experiment=tiny", f"run.root={tmp_path}", "train.seed=1,2", "train.steps=4")
+    proc = run_cli("-m", "+experiment=tiny", f"run.root={tmp_path}", "train.seed=1,2", "train.steps=4", "export=none")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = sorted(d for d in (tmp_path / "tiny").iterdir() if (d / "run.yaml").exists())
     assert len(runs) == 2, runs
@@ -109,5 +109,5 @@ def test_multirun_sweep_makes_one_run_per_point_with_hydra_files_inside(tmp_path
         overrides = (run / ".hydra" / "overrides.yaml").read_text()
         assert "train.steps=4" in overrides and (run / ".hydra" / "config.yaml").exists()
         seeds.add(next(s for s in ("train.seed=1", "train.seed=2") if s in overrides))
-        assert (run / "export" / "step_4" / "provenance.json").exists()
+        assert (run / "consolidated" / "step_4" / "model.safetensors").exists()
     assert seeds == {"train.seed=1", "train.seed=2"}

@@ -387,7 +387,7 @@ def test_train_appends_events_across_attempts(tmp_path: Path) -> None:
     """Train stopped after step 4, then resumed: each attempt's events carry its record's attempt, and the
     second attempt appends to the first's lines."""
     layout = RunLayout.for_run(tmp_path, "tiny", "m")
-    _cli(tmp_path, "run.create=true", "train.stop_after_step=4")  # the whole pipeline: step 4 is committed
+    _cli(tmp_path, "run.create=true", "train.stop_after_step=4", "export=none")  # step 4 is committed
     first = read_json(layout.stage_record("train"))["attempt"]
     before = layout.metrics.read_bytes()
     _cli(tmp_path, "stage=train")  # resumes from step 4

