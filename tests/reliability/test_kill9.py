@@ -186,7 +186,7 @@ def test_kill9_at_random_times_keeps_committed_steps_and_recovers(tmp_path: Path
     rng, seed = seeded_rng("kill9")
     trials = []
     t0 = time.monotonic()
-    for i in range(int(os.environ.get("RELIABILITY_KILLS", sized(ci=3, large=50)))):
+    for i in range(int(os.environ.get("RELIABILITY_KILLS", sized(ci=2, large=50)))):
         trial = _trial(i, TARGETS[i % len(TARGETS)], rng, tmp_path)
         print(f"trial {i}: {trial.target}: {trial.landed or 'missed (target gone before the kill)'}")
         trials.append(trial)
