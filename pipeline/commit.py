@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, latest_step
+from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy
 from pipeline.checkpoint.remote import remote_at
 from pipeline.checkpoint.remote_committer import RemoteCommitter
 from pipeline.errors import PipelineError
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     report = committer.report
-    newest = committer.latest_step() if isinstance(committer, RemoteCommitter) else latest_step(layout)
+    newest = committer.latest_step()
     print(f"committed: {sorted(report.committed) or 'nothing new'}; latest = step {newest or 'none'}")
     for line in report.quarantined:
         print(f"quarantined: {line}", file=sys.stderr)

@@ -285,21 +285,13 @@ class Checkpointer:
                 return self._committer.alive()
             return held_elsewhere(self.layout.committer_lock) or time.monotonic() - start < _EXTERNAL_START_S
 
-        hint = f" (is the committer running? python -m pipeline.commit {self.layout.run_dir} --follow)"
-        if self.remote is not None:
-            return resume.decide_remote(
-                self.remote,
-                self.world_size,
-                deadline_s=self.deadline_s,
-                committer_alive=committer_alive,
-                committer_hint=hint,
-            )
         return resume.decide(
             self.layout,
             self.world_size,
             deadline_s=self.deadline_s,
             committer_alive=committer_alive,
-            committer_hint=hint,
+            committer_hint=f" (is the committer running? python -m pipeline.commit {self.layout.run_dir} --follow)",
+            remote=self.remote,
         )
 
     # -- end ---------------------------------------------------------------------------------------------------

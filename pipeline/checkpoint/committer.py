@@ -196,9 +196,13 @@ class Committer:
                 continue
             self._commit_or_quarantine(step, markers)
 
+    def latest_step(self) -> int:
+        """The step ``latest`` names (0: none)."""
+        return latest_step(self.layout)
+
     def raise_problems(self) -> None:
         """Fail (one line) if a step was quarantined or a step newer than ``latest`` could not complete."""
-        newest = latest_step(self.layout)
+        newest = self.latest_step()
         reported = self.save_errors()
         pending = [
             msg + (f" (the trainer reported: {reported[s]})" if s in reported else "")

@@ -25,7 +25,7 @@ from pathlib import Path
 from pipeline.checkpoint import retention
 from pipeline.checkpoint.committer import (
     CommitPolicy,
-    CommitReport,
+    Committer,
     CommitterBusy,
     check_agreement,
     check_stored,
@@ -44,8 +44,9 @@ from pipeline.storage.waiting import wait_until
 log = logging.getLogger(__name__)
 
 
-class RemoteCommitter:
-    """Commits the steps staged in one bucket root. Not thread-safe: one thread drives it."""
+class RemoteCommitter(Committer):
+    """Commits the steps staged in one bucket root. Not thread-safe: one thread drives it. Following the producer
+    (:meth:`follow`) and the final verdict (:meth:`raise_problems`) are the run dir committer's."""
 
     def __init__(
         self,
@@ -54,11 +55,8 @@ class RemoteCommitter:
         policy: CommitPolicy,
         save_errors: Callable[[], dict[int, str]] = dict,
     ) -> None:
-        self.layout = layout
+        super().__init__(layout, policy, save_errors=save_errors)
         self.remote = remote
-        self.policy = policy
-        self.save_errors = save_errors
-        self.report = CommitReport()
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -157,14 +155,6 @@ class RemoteCommitter:
                     break
         return done
 
-    def follow(self, alive: Callable[[], bool], stop: Callable[[], bool] = lambda: False) -> None:
-        while True:
-            running = alive() and not stop()
-            self.commit_ready()
-            if not running:
-                return
-            time.sleep(self.policy.poll_interval_s)
-
     def finish(self, attempt: str | None, alive: Callable[[], bool]) -> None:
         for step in self._candidates():
             try:
@@ -201,17 +191,6 @@ class RemoteCommitter:
             return complete_markers(got[1], None) if got is not None else None
 
         return wait_until(complete, deadline_s=self.policy.marker_deadline_s, what=missing, alive=alive)
-
-    def raise_problems(self) -> None:
-        newest = self.latest_step()
-        reported = self.save_errors()
-        pending = [
-            msg + (f" (the trainer reported: {reported[s]})" if s in reported else "")
-            for s, msg in self.report.incomplete
-            if s > newest
-        ]
-        if self.report.quarantined or pending:
-            raise VerificationError("; ".join(self.report.quarantined + pending) + f" (latest stays at step {newest})")
 
     def is_clean(self) -> int | None:
         try:

@@ -125,17 +125,6 @@ def _resume_step(cfg: PipelineConfig, layout: RunLayout) -> int | str:
             log.error("NO COMMITTER IS RUNNING beside train (%s has no live record): nothing gets committed", COMMITTER)
         return alive
 
-    remote = storage.remote(cfg, layout)
-    if remote is not None:
-        return resume_rule.decide_remote(
-            remote,
-            cfg.strategy.world_size,
-            deadline_s=cfg.checkpoint.marker_deadline_s,
-            committer_alive=committer_alive,
-            upto=final_step(cfg),
-            committer_hint=f" (is {COMMITTER} running beside train? run stage={COMMITTER} for run {layout.run_id})",
-            repair_hint="; run stage=verify_manifest (it quarantines the damage and moves latest back)",
-        )
     return resume_rule.decide(
         layout,
         cfg.strategy.world_size,
@@ -144,6 +133,7 @@ def _resume_step(cfg: PipelineConfig, layout: RunLayout) -> int | str:
         upto=final_step(cfg),
         committer_hint=f" (is {COMMITTER} running beside train? run stage={COMMITTER} for run {layout.run_id})",
         repair_hint="; run stage=verify_manifest (it quarantines the damage and moves latest back)",
+        remote=storage.remote(cfg, layout),
     )
 
 

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 import pipeline.orchestration.checkpoint_store as storage
-from pipeline.checkpoint.committer import CommitPolicy, Committer, latest_step
+from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.remote_committer import RemoteCommitter
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
@@ -156,6 +156,6 @@ def run(ctx: TaskContext) -> dict[str, object]:
     committed = c.report.committed
     return {
         "committed": list(committed),
-        "latest": c.latest_step() if isinstance(c, RemoteCommitter) else latest_step(layout),
+        "latest": c.latest_step(),
         "committed_at": {str(k): v for k, v in committed.items()},
     }
