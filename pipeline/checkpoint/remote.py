@@ -33,7 +33,7 @@ import xxhash
 from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, complete_markers, write_latest
 from pipeline.errors import VerificationError
 from pipeline.storage import atomic
-from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, read_record_json, safe_join
+from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, lstat_kind, read_record_json, safe_join
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 from pipeline.storage.s3 import Conflict, S3Store, S3Url
 
@@ -337,7 +337,9 @@ class Remote:
         mhash = digest(raw)
         final = cache.committed_step(manifest.step)
         have = final / MANIFEST
-        if not (have.is_file() and digest(have.read_bytes()) == mhash):
+        # lstat, never followed: a link planted where the copy goes is replaced, not read or reused
+        reuse = lstat_kind(final) == "dir" and lstat_kind(have) == "file" and digest(have.read_bytes()) == mhash
+        if not reuse:
             cache.checkpoints.mkdir(parents=True, exist_ok=True)
             tmp = cache.checkpoints / f".pull-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
@@ -348,8 +350,8 @@ class Remote:
                     if m is not None:
                         atomic.write_json_atomic(tmp / f"rank_{m.rank}.done.json", m.to_json())
                 atomic.write_bytes_atomic(tmp / MANIFEST, raw)
-                if final.exists():
-                    atomic.remove_tree(final)
+                if lstat_kind(final) is not None:
+                    atomic.remove_tree(final)  # renames the entry itself (a link is moved, not followed)
                 atomic.publish_dir(tmp, final)
             finally:
                 if tmp.exists():

@@ -18,6 +18,7 @@ import boto3
 import pytest
 
 from pipeline.checkpoint import rank_save
+from pipeline.checkpoint.manifest import verify_committed
 from pipeline.checkpoint.rank_save import RankTarget
 from pipeline.checkpoint.remote import digest, record_bytes, staged_uncommitted
 from pipeline.errors import PipelineError, VerificationError
@@ -365,3 +366,23 @@ def test_a_file_changed_after_its_write_is_never_uploaded_as_it(tmp_path: Path, 
     with pytest.raises(VerificationError, match="changed between its write and its upload"):
         rank_save.finish(t, scratch, 4, TEST_FORMAT, (entry,))
     assert remote.read_marker(4, "a1", 0) is None
+
+
+def test_pull_replaces_a_link_planted_where_the_copy_goes(tmp_path: Path, bucket: str, prefix: str) -> None:
+    """A symlink at ``checkpoints/step_4`` (even to a dir holding the right manifest) is never read or reused:
+    the pull moves it aside and publishes a real, verified directory."""
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    stage_step(layout, remote, 4)
+    c = committer(layout, remote)
+    with c.hold():
+        c.commit_ready()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    got = remote.read_manifest(4)
+    assert got is not None
+    (elsewhere / "manifest.json").write_bytes(got[1])
+    (layout.checkpoints / "step_4").symlink_to(elsewhere)
+    cache = remote.pull()
+    assert not cache.committed_step(4).is_symlink() and cache.committed_step(4).is_dir()
+    verify_committed(cache.committed_step(4), 4)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["manifest.json"]  # nothing written through the link
