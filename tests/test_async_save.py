@@ -47,9 +47,9 @@ def _state(mb: int) -> dict[str, Any]:
 def test_staging_buffer_is_reused_and_holds_the_state_of_its_step(tmp_path: Path, one_rank: Any) -> None:
     seen: list[dict[str, torch.Tensor]] = []
 
-    def persist(staged: dict[str, Any], _group: Any, _progress: Progress) -> int:
+    def persist(staged: dict[str, Any], _group: Any, _progress: Progress) -> tuple[int, int]:
         seen.append({k: v.clone() for k, v in staged["model"].items()})
-        return 1
+        return 1, 0
 
     saver = AsyncSaver(0, one_rank, deadline_s=10, threads=1)
     state = _state(1)

@@ -58,6 +58,8 @@ class Settled:
     persist_s: float
     """The writer's time from start to marker (0 when it did not finish)."""
     error: str = ""
+    shared: int = 0
+    """Bytes shared with the latest committed step instead of written (:mod:`pipeline.checkpoint.pieces`)."""
 
 
 @dataclass
@@ -68,6 +70,7 @@ class _Job:
     started: float = field(default_factory=time.monotonic)
     doing: str = "starting"
     bytes: int | None = None
+    shared: int = 0
     persist_s: float = 0.0
     error: BaseException | None = None
     abandoned: bool = False
@@ -126,8 +129,9 @@ class Progress:
         self.doing("data files written; waiting for the other ranks (DCP metadata and finish)")
 
 
-Persist = Callable[[dict[str, Any], Any, Progress], int]
-"""Writes the staged state through the given group and progress; returns the bytes written."""
+Persist = Callable[[dict[str, Any], Any, Progress], tuple[int, int]]
+"""Writes the staged state through the given group and progress; returns the bytes written and those shared with
+the latest committed step instead."""
 
 
 class AsyncSaver:
@@ -206,7 +210,7 @@ class AsyncSaver:
             job.doing = "before writing"
             inject("async_save.before_write", rank=job.rank, step=job.step)
             job.doing = "planning the save with the other ranks"
-            written = persist(staged, group, Progress(job, self.threads))
+            written, job.shared = persist(staged, group, Progress(job, self.threads))
             job.persist_s = time.monotonic() - job.started
             job.bytes = written
             job.doing = "done"
@@ -255,7 +259,7 @@ class AsyncSaver:
         self._job = None
         status = job.status()
         if status == "done":
-            return Settled(job.step, True, job.bytes or 0, job.blocked_s, job.persist_s)
+            return Settled(job.step, True, job.bytes or 0, job.blocked_s, job.persist_s, shared=job.shared)
         why = (
             job.describe()
             if status != "running" or late

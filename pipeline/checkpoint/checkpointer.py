@@ -46,7 +46,7 @@ from pipeline.checkpoint.committer import CommitPolicy
 from pipeline.checkpoint.manifest import read_manifest
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult
 from pipeline.checkpoint.remote import record_store, recorded_store, remote_at
-from pipeline.checkpoint.state import STEP_KEY, load_state, save_state
+from pipeline.checkpoint.state import STEP_KEY, load_state, piece_groups, save_state
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.layout import CheckpointLayout
@@ -76,6 +76,7 @@ class Checkpointer:
         preemption_signals: tuple[int, ...] = (signal.SIGUSR2,),
         poll_interval_s: float = 0.5,
         storage: str | None = None,
+        dedup: bool = True,
     ) -> None:
         """Every rank constructs it alike (a collective).
 
@@ -90,6 +91,9 @@ class Checkpointer:
         ``storage``: ``s3://bucket/prefix`` keeps the checkpoints in an S3-compatible bucket (AWS environment
         variables and config files say where and as whom); ``directory`` then holds the committer lock and the
         verified local copy of the step :meth:`load_latest` loads.
+        ``dedup``: the model's parameters that do not train (``requires_grad=False``) and its buffers are saved as
+        pieces of their own, and a piece whose bytes equal the latest committed step's is not written again (a
+        hard link; in a bucket, one object) — every step still complete (:mod:`pipeline.checkpoint.pieces`).
         """
         if committer not in COMMITTERS:
             raise PipelineError(f"committer={committer!r}: choose one of {', '.join(COMMITTERS)}")
@@ -128,7 +132,7 @@ class Checkpointer:
         self.attempt = decided[0]
         threads = writer_threads if writer_threads is not None else rank_save.auto_writer_threads(self.world_size)
         self.target = RankTarget(
-            self.layout, self.rank, self.world_size, self.attempt, threads, fail_on_save_error, self.remote
+            self.layout, self.rank, self.world_size, self.attempt, threads, fail_on_save_error, self.remote, dedup
         )
         self._saver: AsyncSaver | None = None
         self._last_save = time.monotonic()
@@ -210,7 +214,7 @@ class Checkpointer:
         self._check_open()
         self.wait()
         sd = save_state(state, step, self.rank)
-        result = rank_save.save_dcp(self.target, step, sd, self.group)
+        result = rank_save.save_dcp(self.target, step, sd, self.group, piece_groups(state))
         self._last_save = time.monotonic()
         return self._agree(step, result)
 
@@ -224,7 +228,8 @@ class Checkpointer:
             self._saver = AsyncSaver(self.rank, self.group, self.deadline_s, self.target.writer_threads)
         sd = save_state(state, step, self.rank)
         self._last_save = time.monotonic()
-        return self._saver.start(step, sd, rank_save.dcp_persist(self.target, step), time.monotonic() - t0)
+        persist = rank_save.dcp_persist(self.target, step, piece_groups(state))
+        return self._saver.start(step, sd, persist, time.monotonic() - t0)
 
     def wait(self) -> SaveResult | None:
         """Settle the pending async save (at most ``deadline_s``, polling the writer's liveness); None if none."""
@@ -233,7 +238,7 @@ class Checkpointer:
         done = self._saver.wait()
         if done is None:
             return None
-        result = self._agree(done.step, SaveResult(done.ok, done.bytes, done.persist_s, done.error))
+        result = self._agree(done.step, SaveResult(done.ok, done.bytes, done.persist_s, done.error, done.shared))
         if not result.ok:
             self._saver.discard()
             if self.target.fail_on_error:
@@ -250,7 +255,7 @@ class Checkpointer:
         why = "; ".join(f"rank {r}: {e}" for r, e in bad.items())
         if self.rank == 0:
             log.error("step %d was not saved by rank(s) %s; it will not be committed: %s", step, sorted(bad), why)
-        return SaveResult(False, result.bytes, result.seconds, why)
+        return SaveResult(False, result.bytes, result.seconds, why, result.shared)
 
     # -- resume ------------------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pipeline.checkpoint import pieces
 from pipeline.checkpoint.async_save import Persist, Progress
 from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
 from pipeline.checkpoint.remote import Remote
@@ -53,6 +54,9 @@ class RankTarget:
     remote: Remote | None = None
     """Checkpoints in a bucket: the rank writes into a rank-private scratch dir, then uploads its files and,
     last, its marker object (``pipeline/checkpoint/remote.py``)."""
+    dedup: bool = True
+    """Share unchanged pieces (frozen parameters, buffers) with the latest committed step instead of writing them
+    again (:mod:`pipeline.checkpoint.pieces`)."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +65,12 @@ class SaveResult:
 
     ok: bool
     bytes: int
+    """Bytes this rank wrote (its shared pieces taken from the latest committed step not counted)."""
     seconds: float
     error: str = ""
     """Why the save failed (first line of the error, its root cause for DCP's CheckpointException)."""
+    shared: int = 0
+    """Bytes of this rank's files taken from the latest committed step instead of written."""
 
 
 def scratch_dir(t: RankTarget, step: int) -> Path:
@@ -93,10 +100,14 @@ def finish(
     fmt: str,
     entries: tuple[FileEntry, ...],
     before_marker: Callable[[], None] = lambda: None,
+    reused: frozenset[str] = frozenset(),
 ) -> None:
     """Check the written files' sizes, then write this rank's done-marker (last, atomically): the one place a
-    marker is written. ``before_marker`` may still refuse (raise), e.g. for a writer that was given up on."""
+    marker is written. ``before_marker`` may still refuse (raise), e.g. for a writer that was given up on.
+    ``reused``: pieces shared with the latest committed step (in a bucket: not in ``staged``, not uploaded)."""
     for entry in entries:
+        if t.remote is not None and entry.path in reused:
+            continue
         if (staged / entry.path).stat().st_size != entry.size:
             raise VerificationError(f"{staged / entry.path}: {entry.size} bytes hashed while writing, size differs")
     inject("shard_save.before_marker", rank=t.rank, step=step)
@@ -105,48 +116,79 @@ def finish(
     if t.remote is None:
         write_marker(staged, marker)
         return
-    t.remote.upload_rank(staged, marker)  # the files, then the marker object last
+    t.remote.upload_rank(staged, marker, reused)  # the files, then the marker object last
     remove_tree(staged)
 
 
+@dataclass(frozen=True)
+class Written:
+    """A rank's files of one step (for its marker), and which of them it shared instead of writing."""
+
+    entries: tuple[FileEntry, ...]
+    reused: frozenset[str] = frozenset()
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.size for e in self.entries if e.path not in self.reused)
+
+    @property
+    def shared(self) -> int:
+        return sum(e.size for e in self.entries if e.path in self.reused)
+
+
 def write_dcp(
-    t: RankTarget, staged: Path, state: dict[str, Any], process_group: Any, writer: RecordingWriter | None = None
-) -> tuple[FileEntry, ...]:
-    """``dcp.save`` of ``state`` into ``staged`` (every file hashed while written and fsync'd on close): the
-    entries of this rank's files for its marker. ``writer`` replaces the default :class:`RecordingWriter`
-    (the async writer passes one that reports each file it opens)."""
+    t: RankTarget,
+    staged: Path,
+    state: dict[str, Any],
+    process_group: Any,
+    groups: Mapping[str, str] | None = None,
+    writer: RecordingWriter | None = None,
+) -> Written:
+    """``dcp.save`` of ``state`` into ``staged`` (every file hashed while written and fsync'd on close): this
+    rank's files for its marker. ``groups`` (FQN -> shared group) saves those items as pieces that a later step
+    shares while unchanged. ``writer`` replaces the default :class:`RecordingWriter` (the async writer passes
+    one that reports each file it opens)."""
     writer = writer or RecordingWriter(staged, threads=t.writer_threads)
+    writer.pieces = pieces.for_rank(t.layout, t.remote, t.rank, staged, groups) if t.dedup and groups else None
     dcp.save(state, storage_writer=writer, process_group=process_group)
     # Data files were hashed while written; rank 0 (DCP's coordinator) also owns the small .metadata.
-    return tuple(writer.written) + ((describe(staged, METADATA_FILE),) if t.rank == 0 else ())
+    entries = tuple(writer.written) + ((describe(staged, METADATA_FILE),) if t.rank == 0 else ())
+    return Written(entries, frozenset(writer.reused))
 
 
-def save_dcp(t: RankTarget, step: int, state: dict[str, Any], process_group: Any) -> SaveResult:
-    """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written."""
-    return save_files(t, step, FORMAT, lambda staged: write_dcp(t, staged, state, process_group))
+def save_dcp(
+    t: RankTarget, step: int, state: dict[str, Any], process_group: Any, groups: Mapping[str, str] | None = None
+) -> SaveResult:
+    """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written. ``groups``: see
+    :func:`write_dcp`."""
+    return save_files(t, step, FORMAT, lambda staged: write_dcp(t, staged, state, process_group, groups))
 
 
-def dcp_persist(t: RankTarget, step: int) -> Persist:
+def dcp_persist(t: RankTarget, step: int, groups: Mapping[str, str] | None = None) -> Persist:
     """What a background writer runs for ``step``: the same files and marker as :func:`save_dcp`, the marker
     only once the files are fsync'd."""
 
-    def persist(staged_state: dict[str, Any], group: Any, progress: Progress) -> int:
+    def persist(staged_state: dict[str, Any], group: Any, progress: Progress) -> tuple[int, int]:
         staged = prepare(t, step)
-        entries = write_dcp(t, staged, staged_state, group, progress.writer(staged))
-        progress.written(len(entries))
-        finish(t, staged, step, FORMAT, entries, before_marker=progress.before_marker)
-        return sum(e.size for e in entries)
+        written = write_dcp(t, staged, staged_state, group, groups, progress.writer(staged))
+        progress.written(len(written.entries))
+        finish(t, staged, step, FORMAT, written.entries, progress.before_marker, written.reused)
+        return written.bytes, written.shared
 
     return persist
 
 
-def save_files(t: RankTarget, step: int, fmt: str, write: Callable[[Path], tuple[FileEntry, ...]]) -> SaveResult:
+def save_files(
+    t: RankTarget, step: int, fmt: str, write: Callable[[Path], tuple[FileEntry, ...] | Written]
+) -> SaveResult:
     """Run ``write`` (this rank's files into the staged dir, returning their entries) and write the marker."""
     staged = prepare(t, step)
     t0 = time.monotonic()
     try:
-        entries = write(staged)
-        finish(t, staged, step, fmt, entries)
+        out = write(staged)
+        written = out if isinstance(out, Written) else Written(out)
+        entries = written.entries
+        finish(t, staged, step, fmt, entries, reused=written.reused)
     except (Exception, CheckpointException) as e:  # dcp.save reports a rank's I/O error as a BaseException
         log.error(
             "SHARD SAVE FAILED: rank %d step %d into %s: %s — this step will not be committed%s",
@@ -160,5 +202,16 @@ def save_files(t: RankTarget, step: int, fmt: str, write: Callable[[Path], tuple
             raise
         return SaveResult(ok=False, bytes=0, seconds=time.monotonic() - t0, error=exception_line(e))
     seconds = time.monotonic() - t0
-    log.info("rank %d saved step %d (%d files) in %.2fs", t.rank, step, len(entries), seconds)
-    return SaveResult(ok=True, bytes=sum(e.size for e in entries), seconds=seconds)
+    if written.reused:
+        log.info(
+            "rank %d saved step %d (%d files, %d shared with the latest committed step: %d bytes not written) in %.2fs",
+            t.rank,
+            step,
+            len(entries),
+            len(written.reused),
+            written.shared,
+            seconds,
+        )
+    else:
+        log.info("rank %d saved step %d (%d files) in %.2fs", t.rank, step, len(entries), seconds)
+    return SaveResult(ok=True, bytes=written.bytes, seconds=seconds, shared=written.shared)

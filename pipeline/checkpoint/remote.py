@@ -10,7 +10,10 @@ Under the checkpoints root ``s3://<bucket>/<prefix>`` (the app adds ``<experimen
   never both write it. The manifest names the attempt whose files it lists;
 * ``latest``: ``{"step", "dir", "manifest_hash"}``, moved only forward by compare-and-swap (``If-Match``), and
   only after the manifest exists;
-* ``quarantine/step_N-<attempt>/``: a refused attempt's objects (server-side copies), with ``reason.txt``.
+* ``quarantine/step_N-<attempt>/``: a refused attempt's objects (server-side copies), with ``reason.txt``;
+* ``pieces/<xxh3-128>``: a shared piece (``__K_frozen<n>.distcp``, ``__K_buffers<n>.distcp``), stored once by its
+  content and listed by every step's marker and manifest that holds it (:mod:`pipeline.checkpoint.pieces`); it
+  is deleted only when no committed manifest lists it.
 
 Readers trust manifests, never listings: :meth:`Remote.pull` downloads a committed step's listed files into a
 local cache (``<run_dir>/s3-cache/checkpoints/step_N``, published by one rename once every hash matched), and
@@ -32,6 +35,7 @@ import xxhash
 
 from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, complete_markers, write_latest
 from pipeline.errors import VerificationError
+from pipeline.formats.dcp_names import is_piece
 from pipeline.storage import atomic
 from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, lstat_kind, read_record_json, safe_join
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
@@ -41,6 +45,8 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest"
 QUARANTINE = "quarantine"
+PIECES = "pieces"
+_HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 _PART_RE = re.compile(r"^[A-Za-z0-9_.=+-][A-Za-z0-9_.=+ -]*$")
 TRANSFER_THREADS = 4
 """Objects uploaded, verified or downloaded at once (each with its own ranged requests)."""
@@ -138,24 +144,39 @@ class Remote:
     def url(self, key: str) -> str:
         return f"s3://{self.root.bucket}/{key}"
 
+    def pieces_prefix(self) -> str:
+        return self.key(PIECES) + "/"
+
+    def object_key(self, step: int, attempt: str, e: FileEntry, where: str = "manifest") -> str:
+        """Where the file ``e`` of ``step``'s ``attempt`` is: a shared piece by its hash, else in the attempt."""
+        if is_piece(e.path):
+            if not _HASH_RE.match(e.hash):
+                raise VerificationError(f"{where} lists piece {e.path!r} with hash {e.hash!r}: not an xxh3-128 digest")
+            return self.pieces_prefix() + e.hash
+        return self.attempt_prefix(step, attempt) + safe_key_path(e.path, where)
+
+    def piece_keys(self, files: tuple[FileEntry, ...]) -> set[str]:
+        return {self.pieces_prefix() + e.hash for e in files if is_piece(e.path) and _HASH_RE.match(e.hash)}
+
     # -- a rank ---------------------------------------------------------------------------------------------
 
-    def upload_rank(self, scratch: Path, marker: Marker) -> None:
+    def upload_rank(self, scratch: Path, marker: Marker, reused: frozenset[str] = frozenset()) -> None:
         """Upload rank ``marker.rank``'s files from its private ``scratch`` dir (each hash must equal the one its
-        marker took while writing), then its marker: the marker object is written last."""
-        prefix = self.attempt_prefix(marker.step, marker.attempt)
+        marker took while writing), then its marker: the marker object is written last. ``reused``: pieces the
+        latest committed step already holds (listed by the marker, not uploaded again)."""
         store = self.store
 
         def one(e: FileEntry) -> None:
-            size, h = store.upload_file(prefix + safe_key_path(e.path, "marker"), safe_join(scratch, e.path))
+            key = self.object_key(marker.step, marker.attempt, e, "marker")
+            size, h = store.upload_file(key, safe_join(scratch, e.path))
             if (size, h) != (e.size, e.hash):
                 raise VerificationError(
-                    f"{scratch / e.path} changed between its write and its upload to {self.url(prefix + e.path)} "
+                    f"{scratch / e.path} changed between its write and its upload to {self.url(key)} "
                     f"({size} bytes, hash {h}; written: {e.size} bytes, hash {e.hash})"
                 )
 
         with cf.ThreadPoolExecutor(TRANSFER_THREADS) as pool:
-            for f in [pool.submit(one, e) for e in marker.files]:
+            for f in [pool.submit(one, e) for e in marker.files if e.path not in reused]:
                 f.result()
         store.put(self.marker_key(marker.step, marker.attempt, marker.rank), record_bytes(marker.to_json()))
 
@@ -277,14 +298,17 @@ class Remote:
         hash; into ``dest`` when given (created fresh). The first bad file is named."""
         prefix = self.attempt_prefix(manifest.step, manifest.attempt)
         entries = files or manifest.files
+        keys = {e.path: self.object_key(manifest.step, manifest.attempt, e) for e in entries}
         sizes = self.store.listing(prefix)
+        if any(is_piece(e.path) for e in entries):
+            sizes.update(self.store.listing(self.pieces_prefix()))
         for e in entries:
-            found = sizes.get(prefix + safe_key_path(e.path, "manifest"))
+            found = sizes.get(keys[e.path])
             if found is None:
-                raise VerificationError(f"{self.url(prefix + e.path)} is missing (step {manifest.step})")
+                raise VerificationError(f"{self.url(keys[e.path])} is missing (step {manifest.step}, {e.path})")
             if found.size != e.size:
                 raise VerificationError(
-                    f"{self.url(prefix + e.path)} has {found.size} bytes, its manifest/marker says {e.size}"
+                    f"{self.url(keys[e.path])} has {found.size} bytes, its manifest/marker says {e.size} ({e.path})"
                 )
         store = self.store
 
@@ -293,10 +317,10 @@ class Remote:
             if dest is not None:
                 target = dest / e.path
                 target.parent.mkdir(parents=True, exist_ok=True)
-            size, h = store.download(prefix + e.path, e.size, target)
+            size, h = store.download(keys[e.path], e.size, target)
             if (size, h) != (e.size, e.hash):
                 raise VerificationError(
-                    f"{self.url(prefix + e.path)} does not match its record: {size} bytes, hash {h} (recorded "
+                    f"{self.url(keys[e.path])} does not match its record: {size} bytes, hash {h} (recorded "
                     f"{e.size} bytes, {e.hash}): changed or replaced after it was written"
                 )
 

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from pipeline.checkpoint.pieces import shared_groups
 from pipeline.errors import PipelineError
 from pipeline.formats.dcp import load_into
 
@@ -101,6 +102,12 @@ def save_state(state: dict[str, Any], step: int, rank: int) -> dict[str, Any]:
         out[key] = value.state_dict() if isinstance(value, Stateful) else value
     out[STEP_KEY] = {"step": torch.tensor(step)}
     return out
+
+
+def piece_groups(state: dict[str, Any]) -> dict[str, str]:
+    """The FQNs of ``state``'s model saved as shared pieces (its frozen parameters and buffers); none without one."""
+    model = state.get(MODEL)
+    return shared_groups(model, MODEL) if isinstance(model, torch.nn.Module) else {}
 
 
 def load_state(into: dict[str, Any], step_dir: Path, group: Any, rank: int, same_world: bool) -> int:

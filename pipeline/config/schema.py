@@ -273,6 +273,11 @@ class CheckpointConfig:
     """Files each rank writes in parallel per DCP save (each fsync'd once); 1 = one file per rank; null = the
     CPUs this rank has to itself (``SLURM_CPUS_PER_TASK``, else this machine's CPUs over the world size), at
     most 4. More help on disks that reward parallel streams (NVMe, parallel filesystems) when cores are free."""
+    dedup: bool = field(default=True, metadata=MUTABLE)
+    """Incremental saves (DDP/FSDP2): parameters that do not train (a LoRA run's base weights, frozen layers) and
+    buffers are saved as pieces of their own, and a piece whose bytes equal the latest committed step's is not
+    written again (a hard link; in a bucket, one object every step's manifest lists). Every step stays complete
+    and loads alone; false = every save writes every byte."""
     async_save: bool = field(default=False, metadata=MUTABLE)
     """Save in the background (DDP/FSDP2): training waits only while the state is copied into a staging buffer
     reused by every save (pinned CPU memory for GPU state); a daemon thread writes it, and the step's marker

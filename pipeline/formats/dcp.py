@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from queue import Queue
 from typing import IO, Any
 
 import torch
@@ -24,10 +25,17 @@ import xxhash
 from torch.distributed.checkpoint import metadata as dcp_meta
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemReader,
+    FileSystemWriter,
+    _split_by_size_and_type,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from pipeline.errors import CheckpointFormatError, PipelineError
+from pipeline.formats import dcp_pieces
 from pipeline.formats.dcp_metadata import (  # noqa: F401 - re-exported: the reader lives there, torch-DCP-free
     MAX_METADATA_BYTES,
     METADATA_FILE,
@@ -37,6 +45,7 @@ from pipeline.formats.dcp_metadata import (  # noqa: F401 - re-exported: the rea
     tensor_entries,
     to_torch,
 )
+from pipeline.formats.dcp_pieces import Pieces
 from pipeline.formats.pickle_safety import error_summary
 from pipeline.storage.faults import io_op
 from pipeline.storage.integrity import FileEntry
@@ -139,6 +148,8 @@ class _HashingFileSystem(FileSystem):
             return
         if self._on_file is not None:
             self._on_file(Path(path).name)
+        if os.path.lexists(path):  # a stale file may be a hard link to a committed step's piece: never write
+            self.rm_file(path)  # through it (that would change the committed bytes), unlink it first
         io_op("create", path)
         with open(path, "wb") as raw:
             hashing = _HashingStream(raw, os.fspath(path))
@@ -183,12 +194,23 @@ class RecordingWriter(FileSystemWriter):
     files written in parallel (``__K_0.distcp`` … ``__K_{threads-1}.distcp``), each with its own fsync.
     """
 
-    def __init__(self, path: Path, threads: int = 1, on_file: Callable[[str], None] | None = None) -> None:
-        """``on_file(name)`` is called as each file is opened for writing (progress of a background writer)."""
+    def __init__(
+        self,
+        path: Path,
+        threads: int = 1,
+        on_file: Callable[[str], None] | None = None,
+        pieces: Pieces | None = None,
+    ) -> None:
+        """``on_file(name)`` is called as each file is opened for writing (progress of a background writer).
+        ``pieces``: the items saved apart as shared pieces, and how an unchanged one is reused
+        (:mod:`pipeline.formats.dcp_pieces`)."""
         super().__init__(str(path), sync_files=False, overwrite=True, thread_count=max(1, threads))
         self._hashing_fs = _HashingFileSystem(on_file)
         self.fs = self._hashing_fs
+        self.pieces = pieces
         self.written: list[FileEntry] = []
+        self.reused: set[str] = set()
+        """Names of the files taken from the latest committed step, not written (:attr:`written` lists them too)."""
 
     def storage_meta(self) -> dcp_meta.StorageMeta | None:
         """None: DCP would record the staging path and a random save id, so equal training states would give
@@ -198,7 +220,7 @@ class RecordingWriter(FileSystemWriter):
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         with crc32_off():
-            results = super().write_data(plan, planner).wait()
+            results = self._write_all(plan, planner)
         if len(results) != len(plan.items):  # DCP's extra writer threads die silently, their items unwritten
             raise OSError(
                 f"{self.path}: DCP wrote {len(results)} of this rank's {len(plan.items)} items (a writer thread "
@@ -217,6 +239,25 @@ class RecordingWriter(FileSystemWriter):
             if self._hashing_fs.digests[name].size == 0:
                 self._hashing_fs.rm_file(os.path.join(self.path, name))
         return fut
+
+    def _write_all(self, plan: Any, planner: Any) -> list[Any]:
+        """DCP's write of this rank's items; with :attr:`pieces`, the shared groups' items go to piece files of
+        their own first (each reused when unchanged), and DCP writes the rest."""
+        pieces = self.pieces
+        if pieces is None or not pieces.groups:
+            return list(super().write_data(plan, planner).wait())
+        prefix = plan.storage_data.prefix
+        rest, shared = dcp_pieces.split(plan.items, pieces.groups, int(prefix.strip("_")), self.thread_count)
+        results: list[Any] = []
+        if shared:
+            results, self.reused = dcp_pieces.write_pieces(self, pieces, shared, planner, self.thread_count)
+        if rest:
+            queue: Queue[tuple[Any, str, list[Any]]] = Queue()
+            for n, bucket in enumerate(_split_by_size_and_type(self.thread_count, rest)):
+                name = f"{prefix}{n}{DEFAULT_SUFFIX}"
+                queue.put((self.fs.concat_path(self.path, name), name, bucket))
+            results += self._write_data(planner, queue).wait()
+        return results
 
 
 def load_into(

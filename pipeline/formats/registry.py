@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.errors import CheckpointFormatError
-from pipeline.formats.dcp_names import METADATA_FILE
+from pipeline.formats.dcp_names import DATA_FILE, METADATA_FILE
 from pipeline.formats.deepspeed_names import STAGE_OF
 
 OnTensor = Callable[[str], None] | None
@@ -51,13 +51,10 @@ class Format:
         return self.world_size(step_dir, allow_pickle)
 
 
-_DCP_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")
-
-
 def _dcp_owner(rel: str) -> int | None:
     if rel == METADATA_FILE:
         return 0  # DCP's coordinator writes it
-    m = _DCP_DATA.match(rel)
+    m = DATA_FILE.match(rel)
     return int(m.group(1)) if m else None
 
 

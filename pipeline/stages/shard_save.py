@@ -17,6 +17,7 @@ the library's (:mod:`pipeline.checkpoint.rank_save`); this module maps the stage
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +54,29 @@ def target(ctx: TaskContext) -> RankTarget:
         writer_threads=ck.writer_threads_for(ctx.world_size),
         fail_on_error=ck.fail_on_save_error,
         remote=storage.remote(ctx.cfg, ctx.layout),
+        dedup=ck.dedup,
     )
 
 
-def save(ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any) -> SaveResult:
-    """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written."""
-    return rank_save.save_dcp(target(ctx), step, state, process_group)
+def save(
+    ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any, groups: Mapping[str, str] | None = None
+) -> SaveResult:
+    """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written. ``groups``: the
+    FQNs saved as shared pieces (``checkpoint.dedup``; :mod:`pipeline.checkpoint.pieces`)."""
+    return rank_save.save_dcp(target(ctx), step, state, process_group, groups)
 
 
-def save_async(ctx: TaskContext, saver: AsyncSaver, step: int, state: dict[str, Any], waited_s: float) -> float:
+def save_async(
+    ctx: TaskContext,
+    saver: AsyncSaver,
+    step: int,
+    state: dict[str, Any],
+    waited_s: float,
+    groups: Mapping[str, str] | None = None,
+) -> float:
     """Stage ``state`` for ``step`` and persist it in the background, like :func:`save` (same files, same
     marker, written only once the files are fsync'd); returns how long training was blocked."""
-    return saver.start(step, state, rank_save.dcp_persist(target(ctx), step), waited_s)
+    return saver.start(step, state, rank_save.dcp_persist(target(ctx), step, groups), waited_s)
 
 
 def save_deepspeed(ctx: TaskContext, step: int, engine: Any, train: TrainState, fmt: str) -> SaveResult:

@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 
 import pipeline.orchestration.checkpoint_store as storage
+from pipeline.checkpoint import pieces
 from pipeline.checkpoint import resume as resume_rule
 from pipeline.checkpoint.async_save import AsyncSaver, Settled, stuck_writers
 from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_manifest, step_markers
+from pipeline.checkpoint.state import MODEL
 from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.orchestration.contract import Resources, StageContract, TaskContext
@@ -150,6 +152,8 @@ class _Run:
             check_unchanged(ctx.layout.assets)  # token files read in place must be the ones the run was made with
         self.trainer = strategy.build(cfg, ctx.layout, device, self.world)
         self.sched = strategy.make_schedule(self.trainer.opt, cfg.train)
+        self.groups = pieces.shared_groups(self.trainer.module, MODEL) if self.trainer.engine is None else {}
+        """The FQNs saved as shared pieces (frozen parameters, buffers): written again only when they change."""
         batch_size = rank_batch_size(cfg.train, self.world)
         data = cfg.data
         self.stream = SampleStream(
@@ -230,7 +234,7 @@ class _Run:
             result = shard_save.save_deepspeed(ctx, step, trainer.engine, state, trainer.format)
         else:
             state_dict = strategy.dcp_state(trainer, self.sched, self.stream, step, self.rank)
-            result = shard_save.save(ctx, step, state_dict, self.pg)
+            result = shard_save.save(ctx, step, state_dict, self.pg, self.groups)
         why = self.gather(step, result, time.monotonic() - t0, mode="sync")
         (self.failed if why else self.saved).append(step)
 
@@ -238,7 +242,7 @@ class _Run:
         t0 = time.monotonic()  # blocked: settling the previous save, building the state, staging it
         self.settle(saver)
         state = strategy.dcp_state(self.trainer, self.sched, self.stream, step, self.rank)
-        shard_save.save_async(self.ctx, saver, step, state, waited_s=time.monotonic() - t0)
+        shard_save.save_async(self.ctx, saver, step, state, time.monotonic() - t0, self.groups)
 
     def gather(self, step: int, result: shard_save.SaveResult, blocked_s: float, **extra: object) -> str:
         """Every rank's save of ``step`` (one all_gather), so that task 0's record tells of every rank's failure;
@@ -252,6 +256,7 @@ class _Run:
             log.error("step %d was not saved by rank(s) %s; it will not be committed", step, bad)
             self.save_errors[step] = why
         staged_bytes = sum(o.bytes for o, _ in outcomes)
+        shared_bytes = sum(o.shared for o, _ in outcomes)
         seconds = max(o.seconds for o, _ in outcomes)  # the ranks save in parallel: the slowest sets the time
         gbps = staged_bytes / seconds / 1e9 if seconds > 0 else 0.0
         blocked = max(b for _, b in outcomes)
@@ -270,6 +275,7 @@ class _Run:
             "checkpoint",
             step=step,
             bytes=staged_bytes,
+            shared_bytes=shared_bytes,
             seconds=seconds,
             gbps=gbps,
             ok=not bad,
@@ -285,7 +291,7 @@ class _Run:
         done: Settled | None = saver.wait()
         if done is None:
             return
-        result = shard_save.SaveResult(ok=done.ok, bytes=done.bytes, seconds=done.persist_s, error=done.error)
+        result = shard_save.SaveResult(done.ok, done.bytes, done.persist_s, done.error, done.shared)
         why = self.gather(done.step, result, done.blocked_s, persist_s=done.persist_s, mode="async")
         (self.failed if why else self.saved).append(done.step)
         if not why:

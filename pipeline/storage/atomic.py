@@ -238,6 +238,17 @@ def clear_file(path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def link_file(src: Path, dst: Path) -> None:
+    """Make ``dst`` a hard link to the regular file ``src`` (a link at ``src`` itself is never followed), replacing
+    a stale ``dst``: a rank-private name in a staging dir, sharing a committed file's bytes. Nothing is written
+    through either name; the link's directory entry is fsync'd before the marker can name it."""
+    if os.path.lexists(dst):
+        clear_file(dst)
+    io_op("link", dst)
+    os.link(src, dst, follow_symlinks=False)
+    fsync_dir(dst.parent)
+
+
 def copy_file_atomic(src: Path, dst: Path, chunk: int = 8 << 20) -> tuple[int, str]:
     """Copy ``src`` (a regular file, never through a symlink) to ``dst`` atomically, hashing (xxh3-128) while
     copying; returns ``(size, hash)`` of the bytes written (what a marker records)."""

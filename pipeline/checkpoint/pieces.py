@@ -1,0 +1,119 @@
+"""Incremental saves: what does not train is written once and shared by the steps after it, each step complete.
+
+A model's parameters that do not train (``requires_grad=False``: a LoRA run's base weights, frozen layers) and
+its buffers are saved as pieces of their own (:mod:`pipeline.formats.dcp_pieces`). A rank whose piece has the
+same bytes as the latest committed step's piece of that name does not write it again:
+
+* **POSIX**: the step's file is a hard link to the committed step's file. Each step dir still holds every file it
+  needs; deleting a step (retention, quarantine) removes its names only, and the bytes stay while any step links
+  them, so no committed step can lose a piece. Files are never written in place: a stale file is unlinked before
+  a write, so a shared inode is never changed.
+* **A bucket**: a piece is stored once, content-addressed, at ``pieces/<xxh3-128>``; the step's marker and
+  manifest list it like any file, and readers find it by its hash (:meth:`~pipeline.checkpoint.remote.Remote.
+  object_key`). Retention deletes a piece only when no committed manifest lists it.
+
+Either way the committer re-reads and checks every file of a step, shared or not, before its manifest is written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.checkpoint.manifest import read_latest, read_manifest
+from pipeline.checkpoint.remote import Remote
+from pipeline.errors import VerificationError
+from pipeline.formats.dcp_names import is_piece
+from pipeline.formats.dcp_pieces import Pieces
+from pipeline.storage.atomic import link_file
+from pipeline.storage.integrity import FileEntry, lstat_kind, safe_join
+from pipeline.storage.layout import CheckpointLayout
+
+FROZEN, BUFFERS = "frozen", "buffers"
+
+
+def shared_groups(module: torch.nn.Module, under: str) -> dict[str, str]:
+    """The flattened DCP FQNs (``<under>.<state-dict key>``) of ``module``'s parameters that do not train
+    (``frozen``) and of its buffers (``buffers``), for a module saved under ``under`` with torch's
+    ``get_state_dict`` (DDP's and FSDP's wrapper prefixes are dropped the same way)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns  # noqa: PLC0415 - torch's own name mapping
+
+    out: dict[str, str] = {}
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            out.update({f"{under}.{fqn}": FROZEN for fqn in _get_fqns(module, name)})
+    for name, _ in module.named_buffers():
+        for fqn in _get_fqns(module, name):
+            out.setdefault(f"{under}.{fqn}", BUFFERS)
+    return out
+
+
+def for_rank(
+    layout: CheckpointLayout, remote: Remote | None, rank: int, staged: Path, groups: Mapping[str, str]
+) -> Pieces:
+    """How ``rank``'s save into ``staged`` may share pieces: its pieces in the latest committed step (none when
+    there is no readable one: the save then writes everything), and how one is reused."""
+    own = f"__{rank}_"
+
+    def mine(files: tuple[FileEntry, ...]) -> dict[str, FileEntry]:
+        return {e.path: e for e in files if e.path.startswith(own) and is_piece(e.path)}
+
+    if remote is not None:
+        try:
+            found = remote.verified_latest()
+        except (VerificationError, OSError):
+            return Pieces(groups)
+        # In a bucket the piece stays where it is (``pieces/<hash>``): the marker lists it, nothing is uploaded.
+        return Pieces(groups, mine(found[0].files) if found else {}, lambda _name: True)
+    try:
+        latest = read_latest(layout)
+        if latest is None:
+            return Pieces(groups)
+        step_dir = layout.committed_step(latest.step)
+        previous = mine(read_manifest(step_dir).files)
+    except (VerificationError, OSError):
+        return Pieces(groups)
+    return Pieces(groups, previous, lambda name: link_piece(step_dir, staged, name))
+
+
+def link_piece(step_dir: Path, staged: Path, name: str) -> bool:
+    """Hard-link the committed step's file ``name`` into ``staged`` (replacing a stale one there); False when it
+    cannot be (gone by retention meanwhile, a filesystem without hard links): the piece is then written."""
+    try:
+        src = safe_join(step_dir, name)  # every component lstat-checked: a planted link is never followed
+        if lstat_kind(src) != "file":
+            return False
+        link_file(src, staged / name)
+    except (OSError, VerificationError):
+        return False
+    return True
+
+
+def shared_files(step_dirs: Mapping[int, Path]) -> dict[int, tuple[int, int]]:
+    """For each step dir: (files sharing their bytes with another file, bytes those links save), by inode."""
+    out: dict[int, tuple[int, int]] = {}
+    for step, path in step_dirs.items():
+        count = saved = 0
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if entry.is_file(follow_symlinks=False) and st.st_nlink > 1:
+                count += 1
+                saved += st.st_size
+        out[step] = (count, saved)
+    return out
+
+
+def describe_groups(groups: Mapping[str, Any]) -> str:
+    frozen = sum(1 for g in groups.values() if g == FROZEN)
+    return f"{frozen} frozen parameter(s), {len(groups) - frozen} buffer(s) saved as shared pieces"
