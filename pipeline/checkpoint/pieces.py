@@ -52,11 +52,23 @@ def shared_groups(module: torch.nn.Module, under: str) -> dict[str, str]:
     return out
 
 
+_RECENT: dict[tuple[Path, int], tuple[int, dict[str, FileEntry]]] = {}
+"""POSIX: the pieces each rank of this process last saved (by checkpoints dir), so the next save may link them
+while that step still waits for its commit (a bucket shares only what a committed manifest lists)."""
+
+
+def remember(layout: CheckpointLayout, rank: int, step: int, files: tuple[FileEntry, ...]) -> None:
+    """Rank ``rank`` wrote its marker for ``step`` listing ``files``: its pieces may be linked by its next save."""
+    own = {e.path: e for e in files if e.path.startswith(f"__{rank}_") and is_piece(e.path)}
+    _RECENT[(layout.checkpoints, rank)] = (step, own)
+
+
 def for_rank(
     layout: CheckpointLayout, remote: Remote | None, rank: int, staged: Path, groups: Mapping[str, str]
 ) -> Pieces:
-    """How ``rank``'s save into ``staged`` may share pieces: its pieces in the latest committed step (none when
-    there is no readable one: the save then writes everything), and how one is reused."""
+    """How ``rank``'s save into ``staged`` may share pieces: its pieces in the latest committed step, or (POSIX)
+    in the step this process saved last, still staged or committed since; and how one is reused. With none
+    readable the save writes everything."""
     own = f"__{rank}_"
 
     def mine(files: tuple[FileEntry, ...]) -> dict[str, FileEntry]:
@@ -69,15 +81,21 @@ def for_rank(
             return Pieces(groups)
         # In a bucket the piece stays where it is (``pieces/<hash>``): the marker lists it, nothing is uploaded.
         return Pieces(groups, mine(found[0].files) if found else {}, lambda _name: True)
+    previous: dict[str, FileEntry] = {}
+    sources: list[Path] = []
+    latest = None
     try:
         latest = read_latest(layout)
-        if latest is None:
-            return Pieces(groups)
-        step_dir = layout.committed_step(latest.step)
-        previous = mine(read_manifest(step_dir).files)
+        if latest is not None:
+            sources = [layout.committed_step(latest.step)]
+            previous = mine(read_manifest(sources[0]).files)
     except (VerificationError, OSError):
-        return Pieces(groups)
-    return Pieces(groups, previous, lambda name: link_piece(step_dir, staged, name))
+        previous, sources = {}, []
+    step, recent = _RECENT.get((layout.checkpoints, rank), (0, {}))
+    if recent and (latest is None or step > latest.step):
+        previous = recent  # newer than latest: its files are where the committer leaves them, staged or published
+        sources = [layout.staged_step(step), layout.committed_step(step)]
+    return Pieces(groups, previous, lambda name: any(link_piece(src, staged, name) for src in sources))
 
 
 def link_piece(step_dir: Path, staged: Path, name: str) -> bool:

@@ -115,6 +115,7 @@ def finish(
     marker = Marker(step=step, rank=t.rank, world_size=t.world_size, format=fmt, attempt=t.attempt, files=entries)
     if t.remote is None:
         write_marker(staged, marker)
+        pieces.remember(t.layout, t.rank, step, entries)
         return
     t.remote.upload_rank(staged, marker, reused)  # the files, then the marker object last
     remove_tree(staged)

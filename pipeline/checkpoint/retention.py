@@ -146,7 +146,7 @@ def empty_trash(area: Path) -> None:
             clear_file(entry)
 
 
-def _retire(area: Path, steps: tuple[int, ...]) -> None:
+def retire(area: Path, steps: tuple[int, ...]) -> None:
     """Move each step out of ``area`` in one rename, then delete them all inside the trash."""
     for step in steps:
         move_aside(area / step_name(step), area / TRASH, step_name(step))
@@ -163,7 +163,7 @@ def _apply_area(
     decision = decide(complete_steps(area, marker), latest_step, keep_last, keep_every)
     if decision.removed:
         log.info("retention: removing %s from %s (kept: %s)", decision.removed, area, sorted(decision.kept))
-        _retire(area, decision.removed)
+        retire(area, decision.removed)
     return decision
 
 

@@ -57,6 +57,10 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (``model.lora.r > 0``); exported merged into the weights (and the adapter alone with
     ``export.adapter=true``)."""
+    freeze: list[str] = field(default_factory=list)
+    """Parameters that do not train: ``fnmatch`` patterns over the model's parameter names (e.g.
+    ``[model.embed_tokens.*, model.layers.0.*]``); each must match at least one. With ``checkpoint.dedup`` they
+    are written once and shared by later steps."""
     hidden_size: int = 64
     """Built-in Llama: width of the residual stream."""
     intermediate_size: int = 128

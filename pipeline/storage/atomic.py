@@ -246,6 +246,7 @@ def link_file(src: Path, dst: Path) -> None:
         clear_file(dst)
     io_op("link", dst)
     os.link(src, dst, follow_symlinks=False)
+    fsync_file(dst)  # durable since its first write; fsync'd under this name too, like every file of a step
     fsync_dir(dst.parent)
 
 

@@ -14,6 +14,7 @@ The contract a model meets (the README's "Bring your own model and data"):
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import json
 from collections.abc import Callable, Iterator
@@ -136,7 +137,20 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, meta: b
     if cfg.lora.r:
         with _seeded(cfg.init_seed + 1), torch.device("meta") if meta else _no_context():
             model = apply_lora(model, cfg.lora)
+    freeze(model, cfg.freeze)
     return model
+
+
+def freeze(model: torch.nn.Module, patterns: list[str]) -> None:
+    """``model.freeze``: the parameters whose names match a pattern stop training (each pattern must match)."""
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise ConfigError(f"model.freeze: {pattern!r} matches no parameter of this model (its names: {shown})")
+    for name, param in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            param.requires_grad_(False)
 
 
 @contextmanager
