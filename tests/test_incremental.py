@@ -27,11 +27,14 @@ from pipeline.checkpoint.rank_save import RankTarget
 from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.retention import retire
 from pipeline.formats.dcp_names import is_piece
+from pipeline.orchestration.remote_status import remote_checkpoints
+from pipeline.orchestration.run_status import collect_checkpoints
+from pipeline.storage.faults import InjectedFault
 from pipeline.storage.integrity import describe
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.s3 import S3Url
+from tests.s3.helpers import assert_invariants, keys
 from tests.s3.helpers import committer as remote_committer
-from tests.s3.helpers import keys
 from tests.seed_helpers import TEST_FORMAT
 
 # --- a fine-tune with a frozen base ------------------------------------------------------------------------------
@@ -138,6 +141,9 @@ def test_fine_tune_writes_only_what_trains_and_every_step_stays_complete(
         assert set(stored) == listed, "the bucket keeps exactly the pieces a committed manifest lists"
         for s in (3, 4, 5):  # the cache holds one step at a time
             _check_loads(remote.pull(s).committed_step(s), run["saved"][s])
+        view = remote_checkpoints(remote)
+        assert [c.get("shared_files") for c in view["committed"]] == [3, 3, 3]  # the base (weight, bias) and the buffer
+        assert view["shared_saved"] >= 2 * (32 << 20), "status counts the bytes stored once"
         return
     else:
         step_dirs = {s: layout.committed_step(s) for s in (3, 4, 5)}
@@ -148,6 +154,21 @@ def test_fine_tune_writes_only_what_trains_and_every_step_stays_complete(
             verify_committed(d, s)
     for s, d in step_dirs.items():
         _check_loads(d, run["saved"][s])
+    view = collect_checkpoints(layout)
+    assert [c.get("shared_files") for c in view["checkpoints"]["committed"]] == [3, 3, 3]
+    assert view["checkpoints"]["shared_saved"] >= 2 * (32 << 20)
+
+    # Damage latest's own file: the committer quarantines step 5, whose shared pieces stay with steps 3 and 4.
+    with (layout.committed_step(5) / "__0_0.distcp").open("r+b") as f:
+        f.write(b"rot")
+    c = Committer(layout, CommitPolicy(world_size=1))
+    with c.hold():
+        c.recover()
+    assert c.latest_step() == 4
+    (q,) = collect_checkpoints(layout)["checkpoints"]["quarantined"]
+    assert q["step"] == 5 and "3 shared piece(s)" in q["reason"], q
+    for s in (3, 4):
+        verify_committed(layout.committed_step(s), s)
 
 
 def _check_loads(step_dir: Path, saved: dict[str, torch.Tensor]) -> None:
@@ -367,3 +388,30 @@ def _step_keys(remote: Remote, step: int) -> set[str]:
     manifest = found[0]
     attempt = set(keys(remote.root.bucket, remote.attempt_prefix(step, manifest.attempt)))
     return {remote.manifest_key(step)} | attempt | remote.piece_keys(manifest.files)
+
+
+def test_a_crash_in_bucket_retention_never_leaves_a_committed_step_without_its_pieces(
+    tmp_path: Path, bucket: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention interrupted after a step's manifest is deleted, before its pieces are, or at its first request:
+    every committed step still verifies at once, and the next committer's last pass leaves exactly what the
+    committed manifests list (the crashed deletion's objects and orphaned pieces swept)."""
+    layout = CheckpointLayout(tmp_path / "run")
+    for d in layout.checkpoint_dirs():
+        d.mkdir(parents=True, exist_ok=True)
+    remote = Remote(S3Url(bucket, f"{prefix}/r"), cache_dir=layout.run_dir)
+    _Store(tmp_path, remote)
+    for step, fault in ((1, "retention.after_manifest"), (2, "retention.pieces"), (3, "s3.delete")):
+        monkeypatch.setenv("PIPELINE_FAULTS", fault)
+        with pytest.raises(InjectedFault):
+            remote_committer(layout, remote).remove_step(step)
+        monkeypatch.delenv("PIPELINE_FAULTS")
+        assert assert_invariants(layout, remote) == 6, f"after a crash at {fault}"
+        c = remote_committer(layout, remote)
+        with c.hold():
+            c.recover()
+            c.finish(None, lambda: False)
+        remaining = remote.committed()
+        want = {k for s in remaining for k in _step_keys(remote, s)} | {remote.key("latest")}
+        assert set(keys(bucket, remote.root.prefix + "/")) == want, f"after the sweep that follows {fault}"
+    assert remote.committed() == [3, 4, 5, 6]  # the crash at the first request deleted nothing

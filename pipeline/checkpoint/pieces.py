@@ -111,27 +111,29 @@ def link_piece(step_dir: Path, staged: Path, name: str) -> bool:
     return True
 
 
-def shared_files(step_dirs: Mapping[int, Path]) -> dict[int, tuple[int, int]]:
-    """For each step dir: (files sharing their bytes with another file, bytes those links save), by inode."""
-    out: dict[int, tuple[int, int]] = {}
-    for step, path in step_dirs.items():
-        count = saved = 0
-        try:
-            entries = list(os.scandir(path))
-        except OSError:
-            continue
-        for entry in entries:
+def sharing(pieces_of: Mapping[int, Mapping[Any, int]]) -> tuple[dict[int, tuple[int, int]], int]:
+    """From each step's pieces (an identity: an inode, a content key -> size): per step, how many of its pieces
+    another listed step shares and their bytes; and the bytes stored once instead of once per step."""
+    holders: dict[Any, int] = {}
+    for own in pieces_of.values():
+        for key in own:
+            holders[key] = holders.get(key, 0) + 1
+    per_step = {
+        step: (sum(1 for k in own if holders[k] > 1), sum(n for k, n in own.items() if holders[k] > 1))
+        for step, own in pieces_of.items()
+    }
+    sizes = {k: n for own in pieces_of.values() for k, n in own.items()}
+    return per_step, sum(sizes[k] * (count - 1) for k, count in holders.items())
+
+
+def local_pieces(step_dir: Path, files: tuple[FileEntry, ...]) -> dict[Any, int]:
+    """A committed step's pieces on POSIX by inode (linked files are one), never following a link."""
+    out: dict[Any, int] = {}
+    for e in files:
+        if is_piece(e.path):
             try:
-                st = entry.stat(follow_symlinks=False)
+                st = os.lstat(step_dir / e.path)
             except OSError:
                 continue
-            if entry.is_file(follow_symlinks=False) and st.st_nlink > 1:
-                count += 1
-                saved += st.st_size
-        out[step] = (count, saved)
+            out[(st.st_dev, st.st_ino)] = e.size
     return out
-
-
-def describe_groups(groups: Mapping[str, Any]) -> str:
-    frozen = sum(1 for g in groups.values() if g == FROZEN)
-    return f"{frozen} frozen parameter(s), {len(groups) - frozen} buffer(s) saved as shared pieces"

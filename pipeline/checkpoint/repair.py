@@ -12,6 +12,7 @@ leaves the newest step that verifies as ``latest``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -62,9 +63,30 @@ def quarantine(storage: Storage, layout: CheckpointLayout, path: Path, reason: s
     where = storage.move_aside(path, layout.quarantine, f"{path.name}.{int(time.time())}")
     is_dir = storage.kind(where) == "dir"
     note = quarantine_note(where, is_dir)
-    storage.write_atomic(note, json_bytes({"path": str(path), "reason": reason, "step": step}))
+    record: dict[str, object] = {"path": str(path), "reason": reason, "step": step}
+    shared = _linked_files(where) if is_dir else {}
+    if shared:  # pieces of an incremental save: their bytes are other steps' too, and stay theirs
+        record["shared"] = {"files": sorted(shared), "bytes": sum(shared.values())}
+    storage.write_atomic(note, json_bytes(record))
     log.error("QUARANTINED %s: %s -> %s", path, reason, where)
     return where
+
+
+def _linked_files(step_dir: Path) -> dict[str, int]:
+    """Files of ``step_dir`` whose bytes another name holds too (hard links of shared pieces), with sizes."""
+    out: dict[str, int] = {}
+    try:
+        entries = list(os.scandir(step_dir))
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if entry.is_file(follow_symlinks=False) and st.st_nlink > 1:
+            out[entry.name] = st.st_size
+    return out
 
 
 def _newest_verifying(storage: Storage, layout: CheckpointLayout) -> tuple[int, str] | None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.checkpoint import pieces
 from pipeline.checkpoint.remote import QUARANTINE, Remote, digest, is_marker_name
 from pipeline.errors import PipelineError
+from pipeline.formats.dcp_names import is_piece
 from pipeline.storage.layout import parse_step
 
 Status = dict[str, Any]
@@ -49,6 +51,7 @@ def remote_checkpoints(remote: Remote) -> Status:
                 m = manifest[0]
                 entry.update(files=len(m.files), bytes=sum(f.size for f in m.files), format=m.format)
                 entry["world_size"] = m.world_size
+                entry["pieces"] = {e.hash: e.size for e in m.files if is_piece(e.path)}
             except PipelineError as e:
                 entry["error"] = str(e)
             out["committed"].append(entry)
@@ -56,6 +59,7 @@ def remote_checkpoints(remote: Remote) -> Status:
         for attempt, leaves in sorted(attempts.items()):
             markers = sum(1 for leaf in leaves if is_marker_name(leaf))
             out["staged"].append({"step": step, "attempt": attempt, "markers": markers, "world_size": None})
+    out["shared_saved"] = add_sharing(out["committed"])
     out["quarantined"] = _quarantined(remote, listing)
     return out
 
@@ -75,3 +79,13 @@ def _quarantined(remote: Remote, listing: dict[str, Any]) -> list[Status]:
             entry["error"] = str(e)
         out.append(entry)
     return out
+
+
+def add_sharing(committed: list[Status]) -> int:
+    """Give each committed step its ``shared_files``/``shared_bytes`` (pieces another committed step holds too)
+    from its ``pieces`` (identities, dropped here); returns the bytes stored once instead of once per step."""
+    per_step, saved = pieces.sharing({c["step"]: c.pop("pieces") for c in committed if "pieces" in c})
+    for c in committed:
+        if c["step"] in per_step:
+            c["shared_files"], c["shared_bytes"] = per_step[c["step"]]
+    return saved

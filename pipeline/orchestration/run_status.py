@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.checkpoint import pieces
 from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest
 from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
@@ -24,7 +25,7 @@ from pipeline.errors import PipelineError
 from pipeline.orchestration import jobs
 from pipeline.orchestration.lease import read_lease
 from pipeline.orchestration.records import pid_alive, resume_command, stage_alive
-from pipeline.orchestration.remote_status import remote_checkpoints
+from pipeline.orchestration.remote_status import add_sharing, remote_checkpoints
 from pipeline.stages import ORDER, get_stage
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.integrity import lstat_kind, read_record_json
@@ -145,6 +146,7 @@ def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status
             entry["bytes"] = sum(f.size for f in manifest.files)
             entry["format"] = manifest.format
             entry["world_size"] = manifest.world_size
+            entry["pieces"] = pieces.local_pieces(layout.checkpoints / name, manifest.files)
         out.append(entry)
     return out
 
@@ -188,6 +190,12 @@ def _quarantined(layout: CheckpointLayout) -> list[Status]:
             entry["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(stamp)))
         if isinstance(rec, dict):
             entry.update(step=rec.get("step"), reason=str(rec.get("reason")), source=rec.get("path"))
+            shared = rec.get("shared")
+            if isinstance(shared, dict) and isinstance(shared.get("files"), list):
+                entry["reason"] += (
+                    f" [{len(shared['files'])} shared piece(s), {shared.get('bytes')} bytes: hard links whose "
+                    "bytes committed steps keep]"
+                )
         else:
             entry["error"] = problem or ("no quarantine note" if rec is None else "quarantine note is not an object")
         out.append(entry)
@@ -212,10 +220,12 @@ def _checkpoints(layout: CheckpointLayout, world_size: int | None) -> Status:
         except (PipelineError, OSError) as e:
             latest_error = _why(e)
     retention, retention_error = _read_json(record_path(layout), "retention record")
+    committed = _committed(layout, latest["step"] if latest else None)
     return {
         "latest": latest,
         "latest_error": latest_error,
-        "committed": _committed(layout, latest["step"] if latest else None),
+        "committed": committed,
+        "shared_saved": add_sharing(committed),
         "staged": _staged(layout, world_size),
         "quarantined": _quarantined(layout),
         "retention": retention,

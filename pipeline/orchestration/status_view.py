@@ -61,15 +61,19 @@ def _checkpoint_lines(ck: Status) -> list[str]:
     lines = [f"checkpoints: {ck['store']}" if ck.get("store") else "checkpoints:"]
     latest = ck["latest"]
     lines.append(f"  latest: step {latest['step']}" if latest else f"  latest: {ck['latest_error'] or 'none'}")
-    rows = [["committed", "files", "size", "format", ""]]
+    rows = [["committed", "files", "size", "shared", "format", ""]]
     for c in ck["committed"]:
         if "error" in c:
-            rows.append([f"step {c['step']}", "", "", "", f"damaged: {c['error']}"])
+            rows.append([f"step {c['step']}", "", "", "", "", f"damaged: {c['error']}"])
         else:
             written = f"{c['format']} x{c['world_size']}"
             latest_mark = "latest" if c["latest"] else ""
-            rows.append([f"step {c['step']}", str(c["files"]), format_bytes(c["bytes"]), written, latest_mark])
+            shared = format_bytes(c["shared_bytes"]) if c.get("shared_files") else "-"
+            rows.append([f"step {c['step']}", str(c["files"]), format_bytes(c["bytes"]), shared, written, latest_mark])
     lines += _table(rows) if len(rows) > 1 else ["  committed: none"]
+    saved = ck.get("shared_saved")
+    if saved:
+        lines.append(f"  shared pieces: {format_bytes(saved)} stored once instead of once per step")
     for s in ck["staged"]:
         of = f" of {s['world_size']}" if s.get("world_size") else ""
         text = s["error"] if "error" in s else f"{s['markers']}{of} rank markers"

@@ -135,7 +135,8 @@ _base: dict[str, Path] = {}  # "root": where the session's base run was made
 
 
 def base_run(dest_root: Path, logs: Path) -> RunLayout:
-    """A copy, under ``dest_root``, of a finished tiny run (``base``: steps 4 and 8, consolidated, exported).
+    """A copy, under ``dest_root``, of a finished tiny run (``base``: steps 4 and 8, consolidated, exported; its
+    first layer frozen, so its saves share that layer's piece).
 
     The run is made once per test session, under ``umask 000`` (so the permissions scenario can inspect it as
     it is), then copied whole with its root layout (``<root>/tiny/base``) for every scenario that needs one.
@@ -143,7 +144,9 @@ def base_run(dest_root: Path, logs: Path) -> RunLayout:
     if "root" not in _base:
         made = Path(tempfile.mkdtemp(prefix="reliability-base-"))
         atexit.register(shutil.rmtree, made, ignore_errors=True)
-        done = run(made, BASE_ID, logs=logs, create=True, umask=0)
+        # A frozen layer: every save after the first links its piece (pipeline/checkpoint/pieces.py), so the kills
+        # land on incremental saves too.
+        done = run(made, BASE_ID, "model.freeze=[model.layers.0.*]", logs=logs, create=True, umask=0)
         if done.proc.returncode != 0:
             raise AssertionError(f"the base run failed:\n{done.output}")
         _base["root"] = made

@@ -370,9 +370,17 @@ def save_group(bases: Bases) -> Iterator[Any]:
 def _small_state(step: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step)
     return {
-        "model": {"w": torch.randn(16, 8, generator=g), "b": torch.randn(16, generator=g)},
+        "model": {
+            "w": torch.randn(16, 8, generator=g),
+            "b": torch.randn(16, generator=g),
+            "frozen": torch.arange(256.0).reshape(16, 16),  # the same at every step: a shared piece
+        },
         "train": {"step": torch.tensor(step)},
     }
+
+
+SHARED = {"model.frozen": "frozen"}
+"""Saved as a piece of its own (``__0_frozen0.distcp``): step 8 links step 6's (``pipeline/checkpoint/pieces.py``)."""
 
 
 def _dcp_equal(a: Path, b: Path) -> bool:
@@ -387,23 +395,31 @@ def _committed_save(step_dir: Path) -> dict[str, str]:
     return {k: v for k, v in tree_hashes(step_dir).items() if k not in skip}
 
 
-def _saver(bases: Bases, group: Any) -> Callable[[Path], shard_save.SaveResult]:
-    """``save(run_dir)``: rank 0 of a one-rank world saves a small fixed state as step 8 into ``run_dir``."""
+def _saver(bases: Bases, group: Any) -> Callable[..., shard_save.SaveResult]:
+    """``save(run_dir, step=8)``: rank 0 of a one-rank world saves a small fixed state into ``run_dir``, its frozen
+    tensor as a shared piece."""
     # Markers must come from the attempt that the train record names (the committer ignores others).
     attempt = str((read_record(RunLayout(bases.committed4), "train") or {})["attempt"])
-    state = _small_state(8)
 
-    def save(run_dir: Path) -> shard_save.SaveResult:
+    def save(run_dir: Path, step: int = 8) -> shard_save.SaveResult:
         ctx = TaskContext(cfg=bases.cfg, layout=RunLayout(run_dir), attempt=attempt, rank=0, world_size=1)
-        return shard_save.save(ctx, 8, state, group)
+        return shard_save.save(ctx, step, _small_state(step), group, SHARED)
 
     return save
 
 
-def test_crash_at_every_io_op_of_shard_save(bases: Bases, fresh: Callable[[Path], Path], save_group: Any) -> None:
-    cfg, start = bases.cfg, bases.committed4
-    intact = {"checkpoints/step_4": tree_hashes(start / "checkpoints/step_4")}
+def test_crash_at_every_io_op_of_shard_save(  # noqa: PLR0915 - one scenario, told in order
+    bases: Bases, fresh: Callable[[Path], Path], save_group: Any, tmp_path: Path
+) -> None:
+    """Step 6 (the small state) is committed on top of the run's step 4; step 8's save links step 6's frozen piece
+    instead of writing it, and is crashed at every op: the link among them."""
+    cfg = bases.cfg
     save = _saver(bases, save_group)
+    start = _snapshot(bases.committed4, tmp_path / "start6")
+    assert save(start, 6).ok
+    _run("verify_manifest", cfg, start)
+    kept = ("checkpoints/step_4", "checkpoints/step_6")
+    intact = {rel: tree_hashes(start / rel) for rel in kept}
 
     clean_dir = fresh(start)
     with faults.tracing() as trace:
@@ -412,7 +428,9 @@ def test_crash_at_every_io_op_of_shard_save(bases: Bases, fresh: Callable[[Path]
     clean_step = clean_dir.parent.parent / "clean-step_8"
     shutil.copytree(clean_dir / "checkpoints/step_8", clean_step)
     clean = _committed_save(clean_step)
-    assert set(clean) == {"__0_0.distcp"}, clean
+    assert set(clean) == {"__0_0.distcp", "__0_frozen0.distcp"}, clean
+    assert [k for k, p in trace if Path(p).name == "__0_frozen0.distcp"][:1] == ["link"], "the piece is linked"
+    assert (clean_dir / "checkpoints/step_8/__0_frozen0.distcp").stat().st_nlink == 2
 
     trace_problems = renames_reach_disk(trace, RunLayout(clean_dir)) + no_in_place_writes(trace)
     points = pick_points(trace, sized(CI_CAP, len(trace)))
@@ -423,17 +441,17 @@ def test_crash_at_every_io_op_of_shard_save(bases: Bases, fresh: Callable[[Path]
         layout = RunLayout(run_dir)
         plan = _crash(functools.partial(save, run_dir), n)
         found = [] if plan.crashed else [f"op {n} was never reached (the save has {len(trace)})"]
-        found += [f"after the crash: {v}" for v in violations(run_dir, latest_in={4}, intact=intact)]
+        found += [f"after the crash: {v}" for v in violations(run_dir, latest_in={6}, intact=intact)]
         try:  # the committer runs after a failed train too (afterany)
             _run("verify_manifest", cfg, run_dir)
         except PipelineError as e:
             if "done-marker" not in str(e):
                 found.append(f"the committer failed for another reason than the missing marker: {e}")
-        found += [f"after the commit: {v}" for v in violations(run_dir, latest_in={4, 8}, intact=intact)]
+        found += [f"after the commit: {v}" for v in violations(run_dir, latest_in={6, 8}, intact=intact)]
         if layout.quarantine.is_dir() and any(layout.quarantine.iterdir()):
             found.append("a crashed save produced a complete-looking step that failed verification (quarantined)")
         latest = read_latest(layout)
-        if latest is not None and latest.step == 4:  # the relaunched train saves step 8 again
+        if latest is not None and latest.step == 6:  # the relaunched train saves step 8 again
             if not save(run_dir).ok:
                 found.append("the re-save failed")
             try:
