@@ -30,9 +30,10 @@ from pipeline.formats.dcp_names import is_piece
 from pipeline.orchestration.remote_status import remote_checkpoints
 from pipeline.orchestration.run_status import collect_checkpoints
 from pipeline.storage.faults import InjectedFault
-from pipeline.storage.integrity import describe
-from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.integrity import describe, hash_file
+from pipeline.storage.layout import CheckpointLayout, RunLayout
 from pipeline.storage.s3 import S3Url
+from tests.conftest import run_cli
 from tests.s3.helpers import assert_invariants, keys
 from tests.s3.helpers import committer as remote_committer
 from tests.seed_helpers import TEST_FORMAT
@@ -415,3 +416,48 @@ def test_a_crash_in_bucket_retention_never_leaves_a_committed_step_without_its_p
         want = {k for s in remaining for k in _step_keys(remote, s)} | {remote.key("latest")}
         assert set(keys(bucket, remote.root.prefix + "/")) == want, f"after the sweep that follows {fault}"
     assert remote.committed() == [3, 4, 5, 6]  # the crash at the first request deleted nothing
+
+
+# --- the app: a run with frozen layers ---------------------------------------------------------------------------
+
+FROZEN = "model.freeze=[model.embed_tokens.*,model.layers.0.*]"
+
+
+def test_frozen_layers_resume_and_export_bit_identical_to_a_run_without_sharing(tmp_path: Path) -> None:
+    """``+experiment=tiny`` with its embedding and first layer frozen: without sharing (``checkpoint.dedup=false``)
+    in one go, and with sharing stopped at step 4 then continued (a new launch: step 8 links step 4's pieces).
+    Both steps load to the same tensors, and the consolidated weights and the export are the same bytes."""
+    common = ("+experiment=tiny", f"run.root={tmp_path}", "run.create=true", FROZEN)
+    for args in (
+        ("run.id=plain", "checkpoint.dedup=false"),
+        ("run.id=shared", "train.stop_after_step=4", "export=none"),
+    ):
+        proc = run_cli(*common, *args)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_cli(f"run.root={tmp_path}", "run.id=shared", "export=hf")  # the first launch said export=none
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    plain, shared = (RunLayout.for_run(tmp_path, "tiny", r) for r in ("plain", "shared"))
+
+    pieces4 = sorted(p.name for p in shared.committed_step(4).glob("__*") if is_piece(p.name))
+    assert pieces4 == ["__0_frozen0.distcp", "__1_frozen0.distcp"]
+    for name in pieces4:
+        a, b = (shared.committed_step(s) / name for s in (4, 8))
+        assert a.stat().st_ino == b.stat().st_ino, f"step 8's {name} is step 4's file (one inode)"
+    assert not any(is_piece(p.name) for p in plain.committed_step(8).iterdir())
+    saves = {e["step"]: e for e in _events(shared) if e["event"] == "checkpoint"}
+    plain_saves = {e["step"]: e for e in _events(plain) if e["event"] == "checkpoint"}
+    assert saves[8]["shared_bytes"] > 0 and saves[8]["bytes"] + saves[8]["shared_bytes"] >= plain_saves[8]["bytes"]
+    assert saves[8]["bytes"] < plain_saves[8]["bytes"] - saves[8]["shared_bytes"] / 2
+
+    for step in (4, 8):
+        a, b = _load_plain(plain.committed_step(step)), _load_plain(shared.committed_step(step))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"step {step} differs"
+    for area in (lambda run: run.consolidated_step(8), lambda run: run.export_step(8)):
+        files = {p.name for p in area(plain).iterdir() if p.suffix == ".safetensors" or p.name == "config.json"}
+        assert files and all(hash_file(area(plain) / f) == hash_file(area(shared) / f) for f in files)
+
+
+def _events(run: RunLayout) -> list[dict[str, Any]]:
+    import json  # noqa: PLC0415
+
+    return [json.loads(line) for line in run.metrics.read_text().splitlines()]
