@@ -754,6 +754,8 @@ OPTIONAL = {
     "stage_overhead": ("stage_overhead", lambda a: (a.rounds,)),
     # run(size_mb, rounds): the library's Checkpointer from a plain loop vs dcp.save / dcp.async_save
     "library_save": ("library_save", lambda a: (32 if a.quick else 128, a.rounds)),
+    # run(rounds, saves, s3): bytes and seconds per save with and without sharing (LoRA, frozen layers, full)
+    "incremental": ("incremental", lambda a: (1 if a.quick else a.rounds, 3 if a.quick else 4, False)),
 }
 MARK = "BENCH_RESULT_JSON "
 
@@ -949,6 +951,7 @@ def markdown(results: dict[str, Any]) -> str:
         "scale": "Scale",
         "stage_overhead": "Per-stage local overhead",
         "library_save": "Library save from a plain loop",
+        "incremental": "Incremental saves: with and without sharing unchanged pieces",
     }
     for i, (key, title) in enumerate(titles.items(), start=4):
         if (v := results.get(key)) is None:

@@ -43,10 +43,10 @@ def shared_groups(module: torch.nn.Module, under: str) -> dict[str, str]:
     from torch.distributed.checkpoint.state_dict import _get_fqns  # noqa: PLC0415 - torch's own name mapping
 
     out: dict[str, str] = {}
-    for name, param in module.named_parameters():
+    for name, param in module.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
         if not param.requires_grad:
             out.update({f"{under}.{fqn}": FROZEN for fqn in _get_fqns(module, name)})
-    for name, _ in module.named_buffers():
+    for name, _ in module.named_buffers(remove_duplicate=False):
         for fqn in _get_fqns(module, name):
             out.setdefault(f"{under}.{fqn}", BUFFERS)
     return out
