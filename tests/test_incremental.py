@@ -461,3 +461,32 @@ def _events(run: RunLayout) -> list[dict[str, Any]]:
     import json  # noqa: PLC0415
 
     return [json.loads(line) for line in run.metrics.read_text().splitlines()]
+
+
+def test_shared_groups_name_frozen_tied_weights_and_buffers_by_their_state_dict_keys() -> None:
+    """Every state-dict key of a frozen weight is grouped, a tied one under each of its names (GPT-2's ``lm_head``
+    is ``wte``); buffers apart; what trains is in no group. ``model.freeze`` refuses a pattern matching nothing."""
+    from pipeline.errors import ConfigError  # noqa: PLC0415
+    from pipeline.workload.model import freeze  # noqa: PLC0415
+
+    m = torch.nn.Module()
+    m.emb = torch.nn.Embedding(8, 4)
+    m.head = torch.nn.Linear(4, 8, bias=False)
+    m.head.weight = m.emb.weight  # tied
+    m.norm = torch.nn.BatchNorm1d(4)
+    m.adapter = torch.nn.Linear(4, 4)
+    freeze(m, ["emb.*", "norm.*"])
+    groups = pieces.shared_groups(m, "model")
+    assert {k for k, g in groups.items() if g == "frozen"} == {
+        "model.emb.weight",
+        "model.head.weight",
+        "model.norm.weight",
+        "model.norm.bias",
+    }
+    assert {k for k, g in groups.items() if g == "buffers"} == {
+        "model.norm.running_mean",
+        "model.norm.running_var",
+        "model.norm.num_batches_tracked",
+    }
+    with pytest.raises(ConfigError, match=r"model.freeze: 'layers\.\*' matches no parameter"):
+        freeze(m, ["layers.*"])
