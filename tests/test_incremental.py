@@ -488,5 +488,5 @@ def test_shared_groups_name_frozen_tied_weights_and_buffers_by_their_state_dict_
         "model.norm.running_var",
         "model.norm.num_batches_tracked",
     }
-    with pytest.raises(ConfigError, match=r"model.freeze: 'layers\.\*' matches no parameter"):
+    with pytest.raises(ConfigError, match=r"'layers\.\*' matches no parameter of this model"):
         freeze(m, ["layers.*"])

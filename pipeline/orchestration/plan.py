@@ -21,6 +21,7 @@ from pipeline.stages import INSIDE, ORDER, get_stage
 from pipeline.storage.integrity import mtimes_ns
 from pipeline.storage.layout import RunLayout
 from pipeline.strategies.devices import check_backend
+from pipeline.workload.size import check_freeze
 
 T = TypeVar("T")
 
@@ -220,6 +221,8 @@ def check_machine(plan: Plan) -> None:
         check_backend(cfg.strategy)
     if any(s.contract.distributed for s in to_run):
         rank_batch_size(cfg.train, cfg.strategy.world_size)
+    if cfg.model.freeze and any(s.name == "train" for s in to_run):
+        check_freeze(cfg)
     remote = storage.remote(cfg, plan.layout)
     if remote is not None and to_run:
         try:  # the bucket answers and enforces the conditional writes every commit relies on

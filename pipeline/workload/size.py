@@ -4,6 +4,8 @@ from its model built on the meta device: no memory, no weights read), train's sa
 
 from __future__ import annotations
 
+import dataclasses
+
 from pipeline.config.schema import PipelineConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -46,6 +48,18 @@ def _built(cfg: PipelineConfig) -> tuple[int, int]:
     return _BUILT[key]
 
 
+def check_freeze(cfg: PipelineConfig) -> None:
+    """``model.freeze``: each pattern matches a parameter of the model (checked at launch on the meta device, so a
+    typo fails in one line before any job runs). A model that cannot be built there is left to train."""
+    from pipeline.workload.model import build_model, freeze  # noqa: PLC0415 - transformers only when asked
+
+    try:
+        built = build_model(dataclasses.replace(cfg.model, freeze=[]), _VocabBound(cfg.data.vocab_size), meta=True)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - the model's own errors are train's to report
+        return
+    freeze(built, list(cfg.model.freeze))
+
+
 def parameters(cfg: PipelineConfig) -> int:
     """Parameters of the model the config describes."""
     if cfg.model.route != "llama":
@@ -59,7 +73,7 @@ def parameters(cfg: PipelineConfig) -> int:
 
 def checkpoint_bytes(cfg: PipelineConfig) -> int:
     """One checkpoint: fp32 weights and the optimizer's states (of the trainable parameters: LoRA's adapters)."""
-    trainable = parameters(cfg) if cfg.model.route == "llama" else _built(cfg)[1]
+    trainable = parameters(cfg) if cfg.model.route == "llama" and not cfg.model.freeze else _built(cfg)[1]
     return parameters(cfg) * 4 + trainable * 4 * OPTIMIZER_STATES
 
 
