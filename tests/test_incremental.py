@@ -417,6 +417,20 @@ def test_a_crash_in_bucket_retention_never_leaves_a_committed_step_without_its_p
         assert set(keys(bucket, remote.root.prefix + "/")) == want, f"after the sweep that follows {fault}"
     assert remote.committed() == [3, 4, 5, 6]  # the crash at the first request deleted nothing
 
+    # A refused attempt that shares pieces: quarantined without them, its reason naming what it shared.
+    for rank in (0, 1):
+        _stage(layout, remote, 7, rank)
+    own = remote.attempt_prefix(7, "a1") + "__1_0.distcp"
+    size = keys(bucket, own)[own]
+    remote.store.put(own, b"x" * size)  # same size, other bytes
+    c = remote_committer(layout, remote)
+    with c.hold():
+        assert c.commit_ready() == []
+    (reason,) = [k for k in keys(bucket, remote.key("quarantine") + "/") if k.endswith("reason.txt")]
+    text = remote.store.get(reason)[0].decode()  # type: ignore[index]
+    assert "__1_0.distcp" in text and "shared pieces its markers list" in text and "4 object(s)" in text, text
+    assert_invariants(layout, remote)
+
 
 # --- the app: a run with frozen layers ---------------------------------------------------------------------------
 
