@@ -26,7 +26,7 @@ import torch
 
 from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.checkpoint.remote import Remote
-from pipeline.errors import VerificationError
+from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.formats.dcp_pieces import Pieces
 from pipeline.storage.atomic import link_file
@@ -77,10 +77,11 @@ def for_rank(
     if remote is not None:
         try:
             found = remote.verified_latest()
-        except (VerificationError, OSError):
+        except (PipelineError, OSError):  # a damaged latest, an unreachable bucket: every piece is written
             return Pieces(groups)
+        listed = mine(found[0].files) if found else {}
         # In a bucket the piece stays where it is (``pieces/<hash>``): the marker lists it, nothing is uploaded.
-        return Pieces(groups, mine(found[0].files) if found else {}, lambda _name: True)
+        return Pieces(groups, listed, lambda name: _still_stored(remote, listed[name]))
     previous: dict[str, FileEntry] = {}
     sources: list[Path] = []
     latest = None
@@ -96,6 +97,16 @@ def for_rank(
         previous = recent  # newer than latest: its files are where the committer leaves them, staged or published
         sources = [layout.staged_step(step), layout.committed_step(step)]
     return Pieces(groups, previous, lambda name: any(link_piece(src, staged, name) for src in sources))
+
+
+def _still_stored(remote: Remote, entry: FileEntry) -> bool:
+    """The piece object the latest manifest lists is there with its size (a HEAD): else it is uploaded again,
+    so one lost object cannot fail every later save."""
+    try:
+        info = remote.store.head(remote.pieces_prefix() + entry.hash)
+    except (VerificationError, OSError, PipelineError):
+        return False
+    return info is not None and info.size == entry.size
 
 
 def link_piece(step_dir: Path, staged: Path, name: str) -> bool:

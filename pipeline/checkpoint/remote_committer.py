@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from pipeline.checkpoint import retention
+from pipeline.checkpoint import remote_pieces, retention
 from pipeline.checkpoint.committer import (
     CommitPolicy,
     Committer,
@@ -168,7 +168,7 @@ class RemoteCommitter(Committer):
                 continue
             self._commit_or_quarantine(step, markers)
         self.sweep()
-        self.sweep_pieces()
+        remote_pieces.sweep(self.remote, self.policy.world_size)
 
     def _wait_for_markers(self, step: int, attempt: str | None, alive: Callable[[], bool]) -> list[Marker]:
         def look() -> tuple[str, list[Marker | None]] | None:
@@ -282,32 +282,12 @@ class RemoteCommitter(Committer):
         keys = list(remote.store.listing(src))
         for k in keys:
             remote.store.copy(k, dst + k[len(src) :])
-        remote.store.put(dst + "reason.txt", (reason + "\n" + self._shared_note(step, attempt, keys)).encode())
+        remote.store.put(
+            dst + "reason.txt", (reason + "\n" + remote_pieces.quarantine_note(remote, step, attempt, keys)).encode()
+        )
         remote.store.delete(keys)
         log.error("quarantined step %d (attempt %s) to %s: %s", step, attempt, remote.url(dst), reason)
         return remote.url(dst)
-
-    def _shared_note(self, step: int, attempt: str, keys: list[str]) -> str:
-        """What a quarantined attempt's markers list as shared pieces (left in ``pieces/``, not copied)."""
-        remote = self.remote
-        pieces: dict[str, int] = {}
-        for key in keys:
-            if not is_marker_name(key.rsplit("/", 1)[-1]):
-                continue
-            rank = int(key.rsplit("/", 1)[-1].split("_")[1].split(".")[0])
-            try:
-                marker = remote.read_marker(step, attempt, rank)
-            except VerificationError:
-                continue
-            for e in marker.files if marker is not None else ():
-                if e.hash and remote.piece_keys((e,)):
-                    pieces[remote.pieces_prefix() + e.hash] = e.size
-        if not pieces:
-            return ""
-        return (
-            f"shared pieces its markers list (left in {remote.url(remote.pieces_prefix())}, not copied: "
-            f"{len(pieces)} object(s), {sum(pieces.values())} bytes): {', '.join(sorted(pieces))}\n"
-        )
 
     # -- retention and the sweep ----------------------------------------------------------------------------
 
@@ -334,29 +314,7 @@ class RemoteCommitter(Committer):
         inject("retention.after_manifest", step=step)
         remote.store.delete(sorted(remote.store.listing(remote.step_prefix(step))))
         if found is not None:
-            self._drop_pieces(remote.piece_keys(found.files))
-
-    def _referenced_pieces(self) -> set[str] | None:
-        """Every piece a committed manifest lists; None when a manifest cannot be read (nothing is then deleted:
-        recovery decides about a damaged manifest, not a deletion)."""
-        keys: set[str] = set()
-        for step in self.remote.committed():
-            found = self.remote.read_manifest_or_none(step)
-            if found is None:
-                return None
-            keys |= self.remote.piece_keys(found.files)
-        return keys
-
-    def _drop_pieces(self, candidates: set[str]) -> list[str]:
-        if not candidates:
-            return []
-        referenced = self._referenced_pieces()
-        doomed = sorted(candidates - referenced) if referenced is not None else []
-        if doomed:
-            inject("retention.pieces", count=len(doomed))
-            self.remote.store.delete(doomed)
-            log.info("deleted %d shared piece(s) no committed step lists", len(doomed))
-        return doomed
+            remote_pieces.drop(remote, remote.piece_keys(found.files))
 
     def sweep(self) -> list[str]:
         """Delete objects no committed manifest references, at or below ``latest`` only (a step above it may be
@@ -395,26 +353,3 @@ class RemoteCommitter(Committer):
         for up in remote.store.abort_uploads(root, dead):
             log.warning("aborted an incomplete upload of a dead writer: %s", remote.url(up))
         return deleted
-
-    def sweep_pieces(self) -> list[str]:
-        """Delete shared pieces that neither a committed manifest nor a marker of a staged attempt lists (a crash
-        between a step's deletion and its pieces', a refused attempt's pieces). Run by the last pass, when no
-        rank of this run uploads any more: a piece uploaded before its marker is never taken for litter."""
-        remote = self.remote
-        stored = set(remote.store.listing(remote.pieces_prefix()))
-        if not stored:
-            return []
-        staged: set[str] = set()
-        committed = set(remote.committed())
-        for step in remote.steps():
-            if step in committed:
-                continue
-            for attempt in remote.attempts(step):
-                try:
-                    markers = remote.markers(step, attempt, self.policy.world_size)
-                except VerificationError:
-                    return []  # a damaged marker may list anything: keep every piece
-                for m in markers:
-                    if m is not None:
-                        staged |= remote.piece_keys(m.files)
-        return self._drop_pieces(stored - staged)
