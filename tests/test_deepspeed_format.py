@@ -37,6 +37,10 @@ PLAIN = [ZeroCase(1), ZeroCase(2), ZeroCase(3), ZeroCase(1, bf16=True), ZeroCase
 ODD = [ZeroCase(2, odd=True), ZeroCase(3, odd=True), ZeroCase(3, bf16=True, odd=True)]
 ALL = PLAIN + ODD
 
+# the module's DeepSpeed checkpoints (``ckpts``, a torchrun of every case) are made once: one xdist worker runs
+# every test of the module
+pytestmark = pytest.mark.xdist_group("deepspeed_format")
+
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[ZeroCase, Path]:

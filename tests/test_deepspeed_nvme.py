@@ -48,6 +48,10 @@ KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 SWAPPED_PER_RANK = 2  # sub-groups 0 and 1 of the big odd model reach 1 MiB per rank at 2 ranks (ds_helpers)
 CONSUMED = re.compile(r"consumed \d+ numels out of \d+")
 
+# the module's DeepSpeed checkpoints (``plain``, a torchrun of both cases) are made once: one xdist worker runs
+# every test of the module
+pytestmark = pytest.mark.xdist_group("deepspeed_nvme")
+
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[ZeroCase, Path]:

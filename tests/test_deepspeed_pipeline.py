@@ -101,7 +101,8 @@ def test_bf16_zero3_exports_the_engines_logits(tmp_path: Path) -> None:
 
 
 def test_rerun_writes_nothing_and_status_names_the_format(tmp_path: Path) -> None:
-    _run(tmp_path, "again", "strategy=deepspeed", "strategy.zero_stage=2", "train.steps=4")
+    # the checkpoints are what must not be rewritten: no export (export=none; ZeRO-2's is in the test above)
+    _run(tmp_path, "again", "strategy=deepspeed", "strategy.zero_stage=2", "train.steps=4", "export=none")
     layout = RunLayout.for_run(tmp_path, "tiny", "again")
     before = {p: p.stat().st_mtime_ns for p in layout.checkpoints.rglob("*")}
     proc = run_cli(f"run.root={tmp_path}", "run.id=again")

@@ -30,7 +30,8 @@ from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.s3 import S3Url
 from tests.conftest import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+# every test reads the module's reference runs: one xdist worker runs them all, so the runs are made once
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group("examples_references")]
 
 STEPS, EVERY = 24, 4
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

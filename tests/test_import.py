@@ -149,8 +149,9 @@ def saved(root: Path, assets: Path) -> Saved:
 @pytest.fixture(scope="module")
 def dcp_source(root: Path) -> Path:
     """Step 8 of a tiny pipeline run (2 DDP ranks): only the files DCP's metadata names, not the pipeline's
-    manifest and markers."""
-    proc = run_cli("+experiment=tiny", f"run.root={root / 'trained'}", "run.id=src", "run.create=true")
+    manifest and markers. Only its committed step is used: the source run exports nothing (export=none)."""
+    run = ("+experiment=tiny", f"run.root={root / 'trained'}", "run.id=src", "run.create=true", "export=none")
+    proc = run_cli(*run)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     step8 = RunLayout.for_run(root / "trained", "tiny", "src").committed_step(8)
     dcp = root / "sources" / "dcp"
@@ -241,7 +242,14 @@ def dcp_import(root: Path, dcp_source: Path) -> RunLayout:
     return layout
 
 
+# The tests of one expensive module fixture run on one xdist worker, so that it is made once: the DCP source run
+# and its import (dcp_import), and the torchrun of DeepSpeed (ds_sources).
+DCP_GROUP = pytest.mark.xdist_group("import_dcp")
+DEEPSPEED_GROUP = pytest.mark.xdist_group("import_deepspeed")
+
+
 @pytest.mark.distributed
+@DCP_GROUP
 def test_dcp_directory_is_imported_at_its_train_step(assets: Path, dcp_source: Path, dcp_import: RunLayout) -> None:
     by_rank = {0: {".metadata", "__0_0.distcp"}, 1: {"__1_0.distcp"}}
     _check_committed(dcp_import, 8, "torch_dcp", by_rank, dcp_source)
@@ -252,6 +260,7 @@ def test_dcp_directory_is_imported_at_its_train_step(assets: Path, dcp_source: P
 
 
 @pytest.mark.distributed
+@DCP_GROUP
 def test_rerun_of_an_import_run_writes_nothing(root: Path, dcp_import: RunLayout) -> None:
     before = snapshot(dcp_import.run_dir)
     proc = run_cli(f"run.root={root / 'runs'}", "run.id=dcp")
@@ -262,6 +271,7 @@ def test_rerun_of_an_import_run_writes_nothing(root: Path, dcp_import: RunLayout
 
 
 @pytest.mark.distributed
+@DEEPSPEED_GROUP
 @pytest.mark.parametrize("stage", sorted(DS_STEPS))
 def test_deepspeed_checkpoint_is_imported_at_its_global_step(
     root: Path, assets: Path, ds_sources: dict[int, Path], stage: int, tmp_path: Path

@@ -105,7 +105,8 @@ def test_signal_cancels_jobs_commits_staged_steps_and_resumes(tmp_path: Path, si
     assert record["status"] == "interrupted" and record["signal"] == sig.name
     assert not layout.lease.exists(), "the lease is released on the way out"
 
-    resume = run_cli(f"run.root={tmp_path}", "run.id=i", f"train.stop_after_step={latest.step + 8}")
+    # the resume is judged by its train record and latest: it consolidates, and exports nothing (export=none)
+    resume = run_cli(f"run.root={tmp_path}", "run.id=i", f"train.stop_after_step={latest.step + 8}", "export=none")
     assert resume.returncode == 0, resume.stdout + resume.stderr
     assert read_json(layout.stage_record("train"))["summary"]["resumed_from"] == latest.step
     assert read_latest(layout).step == latest.step + 8  # type: ignore[union-attr]

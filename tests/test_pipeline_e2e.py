@@ -34,6 +34,10 @@ def _layout(tmp_path: Path, run_id: str) -> RunLayout:
     return RunLayout.for_run(tmp_path, "tiny", run_id)
 
 
+SHARED_RUN = pytest.mark.xdist_group("e2e_ddp_run")
+"""On every test that reads ``ddp_run``: one xdist worker runs them all, so the run is made once."""
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("ddp")
@@ -41,6 +45,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return root, out
 
 
+@SHARED_RUN
 def test_run_prints_where_results_are(ddp_run: tuple[Path, str]) -> None:
     root, out = ddp_run
     layout = _layout(root, "ddp")
@@ -49,6 +54,7 @@ def test_run_prints_where_results_are(ddp_run: tuple[Path, str]) -> None:
     assert f"export:   {layout.export_step(8)}" in out
 
 
+@SHARED_RUN
 def test_logs_hold_job_folders_only_no_literal_percent_j_or_empty_controller_log(ddp_run: tuple[Path, str]) -> None:
     layout = _layout(ddp_run[0], "ddp")
     stage_logs = [p for p in layout.logs.iterdir() if p.name != "leases"]
@@ -61,6 +67,7 @@ def test_logs_hold_job_folders_only_no_literal_percent_j_or_empty_controller_log
         assert any(p.is_dir() and p.name.isdigit() for p in stage.iterdir()), f"{stage}: no job folder"
 
 
+@SHARED_RUN
 def test_manifest_matches_files_and_latest_is_committed(ddp_run: tuple[Path, str]) -> None:
     layout = _layout(ddp_run[0], "ddp")
     latest = read_latest(layout)
@@ -82,6 +89,7 @@ def test_manifest_matches_files_and_latest_is_committed(ddp_run: tuple[Path, str
     assert records["train"]["world_size"] == 2 and records["train"]["summary"]["saved"] == [4, 8]
 
 
+@SHARED_RUN
 def test_export_loads_in_transformers_with_identical_logits(ddp_run: tuple[Path, str]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -110,6 +118,7 @@ def test_export_loads_in_transformers_with_identical_logits(ddp_run: tuple[Path,
     assert not torch.equal(got, before), "the export must hold trained weights"
 
 
+@SHARED_RUN
 def test_rerun_writes_nothing(ddp_run: tuple[Path, str]) -> None:
     root, _ = ddp_run
     layout = _layout(root, "ddp")
@@ -122,6 +131,7 @@ def test_rerun_writes_nothing(ddp_run: tuple[Path, str]) -> None:
     assert snapshot(layout.run_dir) == before
 
 
+@SHARED_RUN
 def test_continue_needs_only_the_run_id(ddp_run: tuple[Path, str]) -> None:
     """``run.id=<id>`` and ``run.id=last`` replay the run's recorded overrides: no +experiment needed."""
     root, _ = ddp_run
@@ -134,6 +144,7 @@ def test_continue_needs_only_the_run_id(ddp_run: tuple[Path, str]) -> None:
     assert snapshot(layout.run_dir) == before
 
 
+@SHARED_RUN
 def test_a_rerun_composes_and_plans_once_and_hashes_the_committed_step_once(
     ddp_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -166,6 +177,7 @@ def test_a_rerun_composes_and_plans_once_and_hashes_the_committed_step_once(
     assert calls == {"compose": 1, "make_plan": 1, "verify_committed": 1}, calls
 
 
+@SHARED_RUN
 def test_status_shows_owner_records_and_latest(ddp_run: tuple[Path, str]) -> None:
     root, _ = ddp_run
     proc = run_cli(f"run.root={root}", "run.id=ddp", "status=true")
@@ -175,6 +187,7 @@ def test_status_shows_owner_records_and_latest(ddp_run: tuple[Path, str]) -> Non
     assert "next launch:" in proc.stdout and "skip train:" in proc.stdout
 
 
+@SHARED_RUN
 def test_continue_refuses_identity_change_and_unknown_ids(ddp_run: tuple[Path, str]) -> None:
     root, _ = ddp_run
     layout = _layout(root, "ddp")
@@ -205,6 +218,7 @@ def test_overwrite_by_prepare_dirs_alone_keeps_the_run_known(tmp_path: Path) -> 
     assert f"plan for run o ({layout.run_dir})" in proc.stdout
 
 
+@SHARED_RUN
 def test_force_redoes_one_stage_and_keeps_the_old_output(ddp_run: tuple[Path, str]) -> None:
     root, _ = ddp_run
     layout = _layout(root, "ddp")
@@ -236,6 +250,7 @@ STRATEGIES = {
 under FSDP2, tied GPT-2 under ZeRO-3); ZeRO-1/2/3 <-> FSDP2 and world-size changes in test_resume_anywhere.py."""
 
 
+@SHARED_RUN
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_interrupted_run_resumes_bit_identical(tmp_path: Path, strategy: str, ddp_run: tuple[Path, str]) -> None:
     if strategy == "ddp":  # the module's uninterrupted DDP run is the same run: shared, not trained again

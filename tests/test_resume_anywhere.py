@@ -5,6 +5,10 @@ With ``train.global_batch_size`` fixed, the training arithmetic does not depend 
 sees the same global batch and the loss (logged as the global mean) is the same function of the weights. The
 continued run's losses therefore match the uninterrupted run's within float32 reduction-order noise (observed
 <= 1e-6; the tolerance is 1e-5 relative). DeepSpeed itself refuses both changes.
+
+Every launch consolidates its step (any committed format, read back); none exports (``export=none``): the export
+reads only the consolidated file, whatever the strategy, and is tested end to end in test_pipeline_e2e.py,
+test_byo.py and test_deepspeed_pipeline.py.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-COMMON = ("+experiment=tiny", "train.steps=12", "train.global_batch_size=8", "checkpoint.every=4")
+COMMON = ("+experiment=tiny", "train.steps=12", "train.global_batch_size=8", "checkpoint.every=4", "export=none")
 RTOL = 1e-5
 
 
@@ -96,7 +100,7 @@ def test_zero3_to_fsdp2_to_zero1(tmp_path: Path) -> None:
         ("deepspeed_zero3", "torch_dcp"),
         ("torch_dcp", "deepspeed_zero1"),
     ]
-    # Every step exported along the way still verifies and consolidates: the run's older steps keep their format.
+    # Every step committed along the way still verifies and consolidates: the run's older steps keep their format.
     proc = run_cli(f"run.root={tmp_path}", "run.id=piece", "stage=verify_manifest")
     assert proc.returncode == 0, proc.stderr
 
