@@ -381,7 +381,7 @@ def test_retention_decisions_are_shown(
     )
     assert _line(out, "policy:") == "    policy: keep_last=1"
     assert _lines(out, "checkpoints:", 2)[1] == "    checkpoints: kept step 8 (latest, newest 1); removed step 4"
-    assert _line(out, "committed").split() == ["committed", "files", "size", "format"]
+    assert _line(out, "committed").split() == ["committed", "files", "size", "shared", "format"]
     assert "step 4" not in _line(out, "step 8") and [ln for ln in out.splitlines() if "step 4  " in ln] == []
     assert _json(capsys, layout)["checkpoints"]["retention"] == retention.read_record(layout)
 
