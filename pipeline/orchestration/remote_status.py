@@ -84,7 +84,7 @@ def _quarantined(remote: Remote, listing: dict[str, Any]) -> list[Status]:
 def add_sharing(committed: list[Status]) -> int:
     """Give each committed step its ``shared_files``/``shared_bytes`` (pieces another committed step holds too)
     from its ``pieces`` (identities, dropped here); returns the bytes stored once instead of once per step."""
-    per_step, saved = pieces.sharing({c["step"]: c.pop("pieces") for c in committed if "pieces" in c})
+    per_step, saved = pieces.sharing({c["step"]: own for c in committed if (own := c.pop("pieces", None))})
     for c in committed:
         if c["step"] in per_step:
             c["shared_files"], c["shared_bytes"] = per_step[c["step"]]

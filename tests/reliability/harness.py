@@ -31,6 +31,7 @@ from pipeline.storage.atomic import read_json
 from pipeline.storage.integrity import hash_file
 from pipeline.storage.layout import RunLayout, parse_step
 from tests.conftest import ROOT
+from tests.s3.server import SERVICE_PIDS
 
 TRACEBACK = "Traceback (most recent call last)"
 LITTER = ("*.tmp-*", ".staging-*", ".*.deleting-*", ".*.new-*")
@@ -296,6 +297,13 @@ def _references(proc: psutil.Process, needles: Iterable[str]) -> bool:
     return any(n in text for n in needles)
 
 
+def _tree(pid: int) -> set[int]:
+    try:
+        return {pid} | {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return {pid}
+
+
 def leftovers(run_dir: Path, *, grace_s: float = 10.0) -> list[str]:
     """Processes of the run still alive after ``grace_s``: anything whose command line or cwd names the run dir,
     and any child of this test process. Described as ``pid cmdline``."""
@@ -313,8 +321,9 @@ def leftovers(run_dir: Path, *, grace_s: float = 10.0) -> list[str]:
                 if _references(p, needles):
                     found[p.pid] = p
         with contextlib.suppress(psutil.Error):
+            services = {s for pid in SERVICE_PIDS for s in _tree(pid)}  # the session's S3 server, not the run's
             for p in psutil.Process(me).children(recursive=True):
-                if p.status() != psutil.STATUS_ZOMBIE:
+                if p.status() != psutil.STATUS_ZOMBIE and p.pid not in services:
                     found[p.pid] = p
         if not found or time.monotonic() >= deadline:
             break

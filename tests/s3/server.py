@@ -71,6 +71,10 @@ def _creds() -> dict[str, str]:
     return {"aws_access_key_id": "test", "aws_secret_access_key": "test", "region_name": "us-east-1"}
 
 
+SERVICE_PIDS: set[int] = set()
+"""Servers this test process runs for the whole session: not a run's leftovers (``tests/reliability/harness.py``)."""
+
+
 @contextlib.contextmanager
 def seaweedfs(data_dir: Path, volume_mb: int = 256) -> Iterator[S3Server]:
     """``weed server -s3`` on loopback ports, its data in ``data_dir``; stopped (and waited for) on exit."""
@@ -96,6 +100,7 @@ def seaweedfs(data_dir: Path, volume_mb: int = 256) -> Iterator[S3Server]:
     ]
     log = open(data_dir / "weed.log", "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    SERVICE_PIDS.add(proc.pid)
     endpoint = f"http://127.0.0.1:{s3}"
     try:
         deadline = time.monotonic() + 60
@@ -128,4 +133,5 @@ def seaweedfs(data_dir: Path, volume_mb: int = 256) -> Iterator[S3Server]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 9)  # its data is a test's temp dir: nothing to shut down cleanly
         proc.wait(10)
+        SERVICE_PIDS.discard(proc.pid)
         log.close()
