@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +35,7 @@ from pipeline.storage.faults import InjectedFault
 from pipeline.storage.integrity import describe, hash_file
 from pipeline.storage.layout import CheckpointLayout, RunLayout
 from pipeline.storage.s3 import S3Url
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 from tests.s3.helpers import assert_invariants, keys
 from tests.s3.helpers import committer as remote_committer
 from tests.seed_helpers import TEST_FORMAT
@@ -442,12 +444,22 @@ def test_frozen_layers_resume_and_export_bit_identical_to_a_run_without_sharing(
     in one go, and with sharing stopped at step 4 then continued (a new launch: step 8 links step 4's pieces).
     Both steps load to the same tensors, and the consolidated weights and the export are the same bytes."""
     common = ("+experiment=tiny", f"run.root={tmp_path}", "run.create=true", FROZEN)
-    for args in (
-        ("run.id=plain", "checkpoint.dedup=false"),
-        ("run.id=shared", "train.stop_after_step=4", "export=none"),
-    ):
-        proc = run_cli(*common, *args)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    launches = [  # two runs at once: each mostly waits on its jobs
+        subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *common, *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for args in (
+            ("run.id=plain", "checkpoint.dedup=false"),
+            ("run.id=shared", "train.stop_after_step=4", "export=none"),
+        )
+    ]
+    for launch in launches:
+        out, _ = launch.communicate(timeout=600)
+        assert launch.returncode == 0, out
     proc = run_cli(f"run.root={tmp_path}", "run.id=shared", "export=hf")  # the first launch said export=none
     assert proc.returncode == 0, proc.stdout + proc.stderr
     plain, shared = (RunLayout.for_run(tmp_path, "tiny", r) for r in ("plain", "shared"))
