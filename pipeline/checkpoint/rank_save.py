@@ -4,7 +4,10 @@ Inputs: the rank's state (a DCP state dict, or files a strategy writes itself) a
 (checkpoint dir, rank, world size, the attempt every rank of this launch shares, writer threads).
 Outputs: ``checkpoints/staging/step_N/``: this rank's files (``__K_*.distcp``; rank 0 also DCP's ``.metadata``,
 as DCP's coordinator), then ``rank_K.done.json`` listing them with sizes and xxh3-128 hashes.
-Owner: each rank owns its own files and marker; nothing shared is renamed or deleted here.
+Owner: each rank owns its own files and marker; nothing shared is renamed or deleted here. With shared groups,
+frozen parameters and buffers go to pieces of their own (``__K_frozen<n>.distcp``, ``__K_buffers<n>.distcp``); an
+unchanged piece is a hard link to the earlier step's file (in a bucket: not uploaded again), never a write
+through an existing name (:mod:`pipeline.checkpoint.pieces`).
 
 Used by the library's :class:`~pipeline.checkpoint.Checkpointer` and by the app's shard-save stage alike.
 """
