@@ -139,7 +139,14 @@ def measure(
     return out
 
 
-def run(rounds: int = 3, saves: int = 4, s3: bool = False, layers: int = 6, width: int = 768) -> dict[str, Any]:
+def run(
+    rounds: int = 3,
+    saves: int = 4,
+    s3: bool = False,
+    layers: int = 6,
+    width: int = 768,
+    scenarios: tuple[str, ...] = SCENARIOS,
+) -> dict[str, Any]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     started = not dist.is_initialized()
     if started:
@@ -147,7 +154,7 @@ def run(rounds: int = 3, saves: int = 4, s3: bool = False, layers: int = 6, widt
     try:
         with tempfile.TemporaryDirectory(prefix="incremental-") as t:
             tmp = Path(t)
-            result = {"posix": measure(tmp, rounds, saves, SCENARIOS, None, (layers, width))}
+            result = {"posix": measure(tmp, rounds, saves, scenarios, None, (layers, width))}
             if s3:
                 from pipeline.storage import s3 as s3mod  # noqa: PLC0415
                 from tests.s3.server import seaweedfs  # noqa: PLC0415
@@ -170,9 +177,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--s3", action="store_true", help="also the LoRA scenario in a SeaweedFS bucket on loopback")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of the scenarios")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "incremental"))
     args = p.parse_args()
-    result = run(args.rounds, args.saves, args.s3, args.layers, args.width)
+    result = run(args.rounds, args.saves, args.s3, args.layers, args.width, tuple(args.scenarios.split(",")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({**result, "time": time.time()}, indent=1))
