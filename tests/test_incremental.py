@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 
 from pipeline.checkpoint import Checkpointer, pieces, rank_save
@@ -211,8 +212,6 @@ def _stage(layout: CheckpointLayout, remote: Remote | None, step: int, rank: int
     reused = set()
     entries = []
     for name, data in _files(step, rank).items():
-        import xxhash  # noqa: PLC0415
-
         before = share.previous.get(name)
         if before is not None and before.hash == xxhash.xxh3_128(data).hexdigest() and share.reuse(name):
             reused.add(name)

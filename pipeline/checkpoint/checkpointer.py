@@ -26,6 +26,7 @@ at the same point, on a gloo group of the checkpointer's own (timeout ``deadline
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import signal
@@ -238,7 +239,7 @@ class Checkpointer:
         done = self._saver.wait()
         if done is None:
             return None
-        result = self._agree(done.step, SaveResult(done.ok, done.bytes, done.persist_s, done.error, done.shared))
+        result = self._agree(done.step, SaveResult.of(done))
         if not result.ok:
             self._saver.discard()
             if self.target.fail_on_error:
@@ -255,7 +256,7 @@ class Checkpointer:
         why = "; ".join(f"rank {r}: {e}" for r, e in bad.items())
         if self.rank == 0:
             log.error("step %d was not saved by rank(s) %s; it will not be committed: %s", step, sorted(bad), why)
-        return SaveResult(False, result.bytes, result.seconds, why, result.shared)
+        return dataclasses.replace(result, ok=False, error=why)
 
     # -- resume ------------------------------------------------------------------------------------------------
 

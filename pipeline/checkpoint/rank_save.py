@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pipeline.checkpoint import pieces
-from pipeline.checkpoint.async_save import Persist, Progress
+from pipeline.checkpoint.async_save import Persist, Progress, Settled
 from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
 from pipeline.checkpoint.remote import Remote
 from pipeline.errors import VerificationError, exception_line
@@ -74,6 +74,11 @@ class SaveResult:
     """Why the save failed (first line of the error, its root cause for DCP's CheckpointException)."""
     shared: int = 0
     """Bytes of this rank's files taken from the latest committed step instead of written."""
+
+    @classmethod
+    def of(cls, done: Settled) -> SaveResult:
+        """How a settled async save went, as a sync save reports it."""
+        return cls(ok=done.ok, bytes=done.bytes, seconds=done.persist_s, error=done.error, shared=done.shared)
 
 
 def scratch_dir(t: RankTarget, step: int) -> Path:

@@ -291,7 +291,7 @@ class _Run:
         done: Settled | None = saver.wait()
         if done is None:
             return
-        result = shard_save.SaveResult(done.ok, done.bytes, done.persist_s, done.error, done.shared)
+        result = shard_save.SaveResult.of(done)
         why = self.gather(done.step, result, done.blocked_s, persist_s=done.persist_s, mode="async")
         (self.failed if why else self.saved).append(done.step)
         if not why:
