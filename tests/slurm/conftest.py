@@ -17,7 +17,7 @@ import os
 import subprocess
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,9 +204,71 @@ def wait_for_jobs(job_ids: Iterable[str], timeout_s: float) -> None:
 
 
 def sacct_states(job_ids: Iterable[str]) -> dict[str, str]:
-    """Each job's SLURM state (``COMPLETED``, ``FAILED``, ``CANCELLED``, ...); jobs SLURM does not know are
-    missing."""
+    """Each job's SLURM state (``COMPLETED``, ``FAILED``, ``CANCELLED``, ...) as read once now; jobs SLURM does
+    not know are missing. A job that just ended may show a state that accounting corrects later: assert on
+    :func:`settled_states`, not on this."""
     return slurm_states(job_ids)
+
+
+SETTLE_TIMEOUT_S = 120.0
+"""How long :func:`settled_states` waits for accounting to settle (slurmdbd writes a job's end late under load:
+seen minutes)."""
+SETTLE_STABLE_S = 2.0
+"""How long every state must read the same before it counts as settled."""
+SETTLE_POLL_S = 0.5
+Expected = str | Collection[str]
+"""One state, or the states any of which is the right answer (``("COMPLETED", "FAILED")``)."""
+
+
+def settled_states(
+    job_ids: Iterable[str],
+    expect: Expected | Mapping[str, Expected] | None = None,
+    *,
+    timeout_s: float = SETTLE_TIMEOUT_S,
+    stable_s: float = SETTLE_STABLE_S,
+    read: Callable[[list[str]], dict[str, str]] = slurm_states,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, str]:
+    """Each job's end state once accounting has settled: every job has a finished state (known, not queued or
+    running), the same on every read for ``stable_s``, and, for the jobs in ``expect`` (one expectation for all,
+    or one per job id), the state the job's own outcome implies (a job whose result the test holds
+    COMPLETED; a job it cancelled CANCELLED). ``sacct`` can report a job that returned its result as ``FAILED``
+    for minutes before it reports ``COMPLETED``: a test reads once more instead of taking the first answer. After
+    ``timeout_s`` an AssertionError names every job's last state, what was expected, and each state seen."""
+    ids = sorted({str(j) for j in job_ids})
+    wanted: dict[str, frozenset[str]] = {}
+    for job in ids:
+        want = expect.get(job) if isinstance(expect, Mapping) else expect
+        if want is not None:
+            wanted[job] = frozenset({want} if isinstance(want, str) else want)
+    seen: dict[str, list[str]] = {job: [] for job in ids}
+    deadline = clock() + timeout_s
+    states: dict[str, str] = {}
+    since = clock()
+    while True:
+        now_states = read(ids)
+        now = clock()
+        if now_states != states:
+            states, since = now_states, now
+        for job in ids:
+            state = states.get(job, "unknown")
+            if not seen[job] or seen[job][-1] != state:
+                seen[job].append(state)
+        ended = all(states.get(j, "PENDING") not in ACTIVE_STATES for j in ids)
+        right = all(states.get(j) in want for j, want in wanted.items())
+        if ended and right and now - since >= stable_s:
+            return states
+        if now >= deadline:
+            lines = []
+            for job in ids:
+                want = f", expected {' or '.join(sorted(wanted[job]))}" if job in wanted else ""
+                lines.append(f"job {job}: {states.get(job, 'unknown')}{want} (seen: {' -> '.join(seen[job])})")
+            raise AssertionError(
+                f"SLURM accounting did not settle within {timeout_s:g} s on the states the jobs' own outcomes imply: "
+                + "; ".join(lines)
+            )
+        sleep(SETTLE_POLL_S)
 
 
 @pytest.fixture(autouse=True)

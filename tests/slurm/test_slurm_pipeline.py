@@ -21,7 +21,7 @@ from pipeline.checkpoint.remote import Remote
 from pipeline.storage.layout import RunLayout
 from pipeline.storage.s3 import S3Url
 from tests.conftest import run_cli
-from tests.slurm.conftest import SlurmCluster, sacct_states, wait_for_jobs
+from tests.slurm.conftest import SlurmCluster, settled_states, wait_for_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group("slurm")]  # one cluster
 
@@ -72,7 +72,7 @@ def test_chain_submits_and_matches_a_local_run(slurm_cluster: SlurmCluster, tmp_
     ids = _job_ids(proc.stdout)
     assert len(ids) == 5, proc.stdout
     wait_for_jobs(ids, timeout_s=300)
-    assert set(sacct_states(ids).values()) == {"COMPLETED"}, sacct_states(ids)
+    assert set(settled_states(ids, "COMPLETED").values()) == {"COMPLETED"}
     slurm = RunLayout.for_run(tmp_path, "tiny", "s")
     assert read_latest(slurm).step == 8  # type: ignore[union-attr]
     assert (slurm.export_step(8) / "config.json").is_file()
@@ -137,7 +137,7 @@ def test_double_submission_has_one_owner(slurm_cluster: SlurmCluster, tmp_path: 
     ), second.stderr
     assert all(i in second.stderr for i in ids)
     wait_for_jobs(ids, timeout_s=300)
-    assert set(sacct_states(ids).values()) == {"COMPLETED"}
+    assert set(settled_states(ids, "COMPLETED").values()) == {"COMPLETED"}
 
 
 def test_dry_run_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -162,8 +162,9 @@ def test_failed_stage_cancels_dependents_and_a_rerun_finishes(slurm_cluster: Slu
     proc = _launch(tmp_path, "f", env={"PIPELINE_FAULTS": "verify.before_publish@step=8@action=exit"})
     ids = _job_ids(proc.stdout)
     wait_for_jobs(ids, timeout_s=300)
-    states = sacct_states(ids)
-    assert [states[i] for i in ids] == ["COMPLETED", "COMPLETED", "FAILED", "CANCELLED", "CANCELLED"], states
+    ends = ["COMPLETED", "COMPLETED", "FAILED", "CANCELLED", "CANCELLED"]
+    states = settled_states(ids, dict(zip(ids, ends, strict=True)))
+    assert [states[i] for i in ids] == ends, states
     layout = RunLayout.for_run(tmp_path, "tiny", "f")
     assert read_latest(layout).step == 4  # type: ignore[union-attr]
     status = subprocess.run(
@@ -212,7 +213,7 @@ def test_time_limit_requeues_and_resumes(slurm_cluster: SlurmCluster, tmp_path: 
     assert trained == list(range(1, ends[1]["last_step"] + 1)), "every step once, in order"
     assert read_latest(layout).step == ends[1]["last_step"]  # type: ignore[union-attr]
     train_job = _record(layout, "train")["job_id"]
-    assert sacct_states([train_job])[train_job] == "FAILED"
+    assert settled_states([train_job], "FAILED")[train_job] == "FAILED"
 
 
 def test_scancel_of_train_then_rerun_resumes_from_latest(
@@ -247,7 +248,7 @@ def test_scancel_of_train_then_rerun_resumes_from_latest(
     wait_for_jobs(ids, timeout_s=120)
     after = next(st for st in _status_json(layout)["stages"] if st["stage"] == "train")
     assert after["slurm_state"] == "CANCELLED" and after["state"] != "running", after
-    states = sacct_states(ids)
+    states = settled_states(ids, {ids[1]: "CANCELLED", ids[2]: ("COMPLETED", "FAILED")})
     assert states[ids[1]] == "CANCELLED" and states[ids[2]] in ("COMPLETED", "FAILED"), states
     committed = latest_step()
     assert committed >= 400
@@ -268,7 +269,7 @@ def test_retention_survives_a_crash_midway(slurm_cluster: SlurmCluster, tmp_path
     proc = _launch(tmp_path, "ret", *keep, env={"PIPELINE_FAULTS": "retention.before_delete@action=exit"})
     ids = _job_ids(proc.stdout)
     wait_for_jobs(ids, timeout_s=300)
-    states = sacct_states(ids)
+    states = settled_states(ids, dict(zip(ids[2:], ["FAILED", "CANCELLED", "CANCELLED"], strict=True)))
     assert [states[i] for i in ids[2:]] == ["FAILED", "CANCELLED", "CANCELLED"], states
     layout = RunLayout.for_run(tmp_path, "tiny", "ret")
     latest = read_latest(layout)
@@ -323,7 +324,9 @@ def test_ctrl_c_with_wait_cancels_the_chain_and_commits(slurm_cluster: SlurmClus
     assert proc.returncode == 130, out + err
     assert "INTERRUPTED train" in out and "verify_manifest commits the steps staged before the interrupt" in out, out
     jobs = dict(re.findall(r"^\s+(\w+): job (\d+),", out, flags=re.MULTILINE))
-    states = sacct_states(jobs.values())
+    ends: dict[str, str | tuple[str, ...]] = {"train": "CANCELLED", "verify_manifest": ("COMPLETED", "FAILED")}
+    ends |= {"consolidate": "CANCELLED", "export": "CANCELLED"}
+    states = settled_states(jobs.values(), {jobs[stage]: end for stage, end in ends.items()})
     assert states[jobs["train"]] == "CANCELLED" and states[jobs["verify_manifest"]] in ("COMPLETED", "FAILED"), states
     assert states[jobs["consolidate"]] == states[jobs["export"]] == "CANCELLED", states
     wait_for_jobs(jobs.values(), timeout_s=60)
