@@ -117,6 +117,7 @@ class RemoteCommitter(Committer):
                 "step %d had a manifest but latest was not moved (interrupted commit): latest -> %d", step, step
             )
             self.report.committed[step] = time.time()
+        remote.store.sweep_probes(remote.root.prefix)  # conditional-write probes a killed launch left behind
 
     def _safe_latest(self) -> tuple[Latest | None, str | None]:
         try:

@@ -25,6 +25,7 @@ import contextlib
 import os
 import re
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -41,6 +42,14 @@ PART_SIZE = 16 << 20
 """Multipart part size (S3 needs >= 5 MiB for every part but the last); a file up to this size is one PUT."""
 IN_FLIGHT = 4
 """Parts (or ranged GETs) in flight per object: memory stays at ``IN_FLIGHT x PART_SIZE`` per transfer."""
+
+PROBE_NAME = ".conditional-probe-"
+"""The reserved name of :meth:`S3Store.check_conditional_writes`'s probe objects, directly under the root it
+checks (``<root>/.conditional-probe-<uuid>``, and ``...<uuid>.new``). The pipeline stores nothing else there, so
+a probe that a process killed mid-probe left behind is litter: :meth:`S3Store.sweep_probes` deletes it."""
+PROBE_STALE_S = 3600.0
+"""A probe object at least this old (by the server's ``LastModified``) belongs to a dead process: a probe takes
+seconds. Younger ones may be another process's probe in flight and are left alone."""
 
 _URL_RE = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(.*))?$")
 
@@ -356,7 +365,7 @@ class S3Store:
         asked = (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "", self.bucket)
         if asked in _CONDITIONAL_OK:
             return
-        key = f"{prefix.rstrip('/')}/.conditional-probe-{uuid.uuid4().hex}"
+        key = probe_prefix(prefix) + uuid.uuid4().hex
         why = _probe(self, key)
         self.delete([key])
         if why:
@@ -366,6 +375,32 @@ class S3Store:
                 "If-None-Match/If-Match support, e.g. AWS S3 or SeaweedFS >= 4)"
             )
         _CONDITIONAL_OK.add(asked)
+
+    def sweep_probes(self, prefix: str, older_than_s: float | None = None) -> list[str]:
+        """Delete the probe objects of :meth:`check_conditional_writes` directly under ``prefix`` (the reserved
+        :data:`PROBE_NAME`) that are at least ``older_than_s`` old (default :data:`PROBE_STALE_S`): what a launch
+        killed between the probe's PUT and its delete left. Returns the deleted keys."""
+        age = PROBE_STALE_S if older_than_s is None else older_than_s
+        start = probe_prefix(prefix)
+        inject("s3.list", prefix=start)
+        now = time.time()
+        doomed = []
+        try:
+            for page in client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start):
+                for obj in page.get("Contents", []):
+                    key = str(obj["Key"])
+                    if "/" not in key[len(start) :] and now - obj["LastModified"].timestamp() >= age:
+                        doomed.append(key)
+        except Exception as e:
+            raise _failed("LIST", self.url(start), e) from None
+        if doomed:
+            self.delete(doomed)
+        return doomed
+
+
+def probe_prefix(prefix: str) -> str:
+    """Where the probe objects of the root ``prefix`` are: every key starting with this is one."""
+    return f"{prefix.rstrip('/')}/{PROBE_NAME}"
 
 
 def _probe(store: S3Store, key: str) -> str:

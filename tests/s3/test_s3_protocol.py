@@ -294,6 +294,61 @@ def test_server_without_conditional_writes_is_refused(s3_env: dict[str, str], bu
     S3Store(bucket).check_conditional_writes(f"{prefix}")  # the real server passes
 
 
+class _Killed(BaseException):
+    """The process dies here (nothing after it runs, no ``except Exception`` catches it)."""
+
+
+def test_a_probe_left_by_a_killed_launch_is_collected_by_the_next_committer(
+    tmp_path: Path, bucket: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conditional-write probe writes its objects under a reserved name at the run's root. A launch killed
+    between the probe's PUT and its delete leaves one; the next committer's first pass deletes it once it is
+    older than a probe can take (a younger one may be another process's probe in flight), and nothing else."""
+    layout, remote = make_remote(tmp_path, bucket, prefix)
+    stage_step(layout, remote, 4)
+    c = committer(layout, remote)
+    with c.hold():
+        c.recover()
+        assert c.commit_ready() == [4]
+
+    store = S3Store(bucket)
+    real_put, sent = store.put, []
+
+    def put_then_die(key: str, data: bytes, **kw: object) -> str:
+        sent.append(key)
+        if len(sent) > 1:
+            raise _Killed
+        return real_put(key, data, **kw)  # type: ignore[arg-type]
+
+    store.put = put_then_die  # type: ignore[method-assign]
+    s3._CONDITIONAL_OK.clear()
+    with pytest.raises(_Killed):
+        store.check_conditional_writes(prefix)
+    litter = sent[0]
+    assert litter.startswith(f"{prefix}/{s3.PROBE_NAME}") and litter in keys(bucket, prefix)
+    lookalikes = [  # not probes of this root: a name without the reserved prefix, a deeper key, another run's root
+        f"{prefix}/conditional-probe-x",
+        f"{prefix}/{s3.PROBE_NAME}x/nested",
+        f"{prefix}x/{s3.PROBE_NAME}other-run",
+    ]
+    for key in lookalikes:
+        real_put(key, b"keep")
+    before = set(keys(bucket, prefix))
+
+    with c.hold():  # the next committer run, while the probe may still be in flight: kept
+        c.recover()
+    assert set(keys(bucket, prefix)) == before
+
+    monkeypatch.setattr(s3, "PROBE_STALE_S", 0.0)  # the probe is now older than any probe takes
+    nxt = committer(layout, remote)
+    with nxt.hold():
+        nxt.recover()
+    after = set(keys(bucket, prefix))
+    assert before - after == {litter}, sorted(before ^ after)
+    assert set(lookalikes) <= after
+    assert assert_invariants(layout, remote) == 4
+
+
 def test_retention_deletes_manifest_first_and_never_a_referenced_object(
     tmp_path: Path, bucket: str, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
