@@ -28,7 +28,10 @@ from pipeline.storage.layout import CheckpointLayout
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.commit", description=__doc__.splitlines()[2].strip())
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.commit",
+        description=" ".join((__doc__ or "").split("\n\n", 1)[-1].split()).replace("``", ""),  # the docstring's text
+    )
     p.add_argument("dir", help="the checkpoint dir (the Checkpointer's directory, holding checkpoints/)")
     p.add_argument("--follow", action="store_true", help="keep committing as steps complete, until interrupted")
     p.add_argument("--world-size", type=int, default=1, help="markers a step needs when its rank-0 marker is absent")

@@ -1,7 +1,8 @@
-"""``python -m pipeline.consolidate <dir>``: the newest committed step of a checkpoint dir as full tensors.
+"""``python -m pipeline.consolidate <dir> [--storage s3://bucket/prefix]``
 
-Works on a library checkpoint dir (a ``torchrun`` script's ``Checkpointer``) and on an app run dir alike: the
-step ``latest`` names is verified against its manifest, then streamed (memory bounded by the largest tensor) into
+Writes the newest committed step of a checkpoint dir as full tensors. Works on a library checkpoint dir (a
+``torchrun`` script's ``Checkpointer``) and on an app run dir alike: the step ``latest`` names is verified against
+its manifest, then streamed (memory bounded by the largest tensor) into
 ``<dir>/consolidated/step_N/model.safetensors`` with a done-marker naming the step's manifest hash. Skipped when
 that output already verifies. Exit 0, 1 when the step does not verify, 2 for bad arguments (one line on stderr).
 """
@@ -21,12 +22,19 @@ from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import CheckpointLayout
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.consolidate", description=__doc__.splitlines()[0])
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.consolidate",
+        description=" ".join((__doc__ or "").split("\n\n", 1)[-1].split()).replace("``", ""),  # the docstring's text
+    )
     p.add_argument("dir", help="a checkpoint dir (holding checkpoints/) or a run dir")
     p.add_argument("--storage", default=None, help="s3://bucket/prefix: read the step from that bucket first")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        args = p.parse_args(argv)
+        args = _parser().parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     return build_output(

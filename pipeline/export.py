@@ -1,11 +1,12 @@
-"""``python -m pipeline.export <dir> [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]``
+"""``python -m pipeline.export <dir> [--dtype DTYPE] [--max-shard-size 5GB] [--force] [--storage URL]``
 
-The newest committed step of a checkpoint dir (a ``torchrun`` script's ``Checkpointer``, or a run dir) as Hugging
-Face's sharded safetensors layout: consolidated first when needed (verified against its manifest, streamed), then
-``<dir>/export/step_N/model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` + ``provenance.json``
-(the done-marker: source step, manifest hash, consolidated file hash, settings, every file's hash). Weights
-only: the app's export stage adds ``config.json`` and the tokenizer for its ``transformers`` model. Skipped when
-that output already verifies. Exit 0, 1 when the step does not verify, 2 for bad arguments (one line on stderr).
+Writes the newest committed step of a checkpoint dir (a ``torchrun`` script's ``Checkpointer``, or a run dir) in
+Hugging Face's sharded safetensors layout: consolidated first when needed (verified against its manifest,
+streamed), then ``<dir>/export/step_N/model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` +
+``provenance.json`` (the done-marker: source step, manifest hash, consolidated file hash, settings, every file's
+hash). Weights only: the app's export stage adds ``config.json`` and the tokenizer for its ``transformers`` model.
+Skipped when that output already verifies. Exit 0, 1 when the step does not verify, 2 for bad arguments (one line
+on stderr).
 """
 
 from __future__ import annotations
@@ -19,15 +20,22 @@ from pipeline.errors import PipelineError
 from pipeline.storage.sizes import parse_size
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.export", description=__doc__.splitlines()[2].strip())
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.export",
+        description=" ".join((__doc__ or "").split("\n\n", 1)[-1].split()).replace("``", ""),  # the docstring's text
+    )
     p.add_argument("dir", help="a checkpoint dir (holding checkpoints/) or a run dir")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--max-shard-size", default="5GB", help="largest shard (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="redo it even if the output verifies")
     p.add_argument("--storage", default=None, help="s3://bucket/prefix: read the step from that bucket first")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        args = p.parse_args(argv)
+        args = _parser().parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     try:

@@ -1,8 +1,9 @@
 """``python -m pipeline.status <run dir | run id | last> [--root DIR] [--experiment NAME] [--json]``
 
-A read-only view of one run: who owns it, each stage's last record (with the scheduler's word on its job), the
-errors and their logs, committed / staged / quarantined steps, retention, outputs, and the resume command.
-Exit 0 when the status could be shown (a failed run included), 2 for bad arguments (one line on stderr).
+Shows one run without touching it (no lease, nothing written): who owns it, each stage's last record (with the
+scheduler's word on its job), the errors and their logs, committed / staged / quarantined steps, retention,
+outputs, and the resume command. A library checkpoint dir shows its checkpoints. Exit 0 when the status could be
+shown (a failed run included), 2 for bad arguments or an unknown run (one line on stderr).
 """
 
 from __future__ import annotations
@@ -13,18 +14,18 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.config.overrides import DEFAULT_ROOT, locate_run, newest_runs
 from pipeline.errors import PipelineError, RunNotFoundError
 from pipeline.orchestration.run_status import collect, collect_checkpoints
 from pipeline.orchestration.status_view import render
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RUN_YAML, CheckpointLayout, RunLayout
+from pipeline.storage.runs import DEFAULT_ROOT, locate_run, newest_runs
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.status",
-        description="Show a run's state (read-only): owner, stages, errors and logs, checkpoints, outputs.",
+        description=" ".join((__doc__ or "").split("\n\n", 1)[-1].split()).replace("``", ""),  # the docstring's text
     )
     p.add_argument(
         "run", help="a run dir (holding run.yaml), a library checkpoint dir, a run id, or 'last' for the newest run"

@@ -29,6 +29,7 @@ from pipeline.orchestration.run_status import resume_command
 from pipeline.orchestration.task import execute_task
 from pipeline.storage.layout import RunLayout
 from tests.conftest import ROOT
+from tests.test_structure import NOT_IN_TOOLS
 
 ATTEMPT = "train-statustest"
 T0, T1 = "2026-01-02T03:04:05Z", "2026-01-02T03:04:09Z"
@@ -438,3 +439,29 @@ def test_help_runs_as_a_module() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: python -m pipeline.status") and "--json" in out.stdout
+
+
+def test_status_of_a_run_and_of_a_library_dir_loads_no_hydra_or_app_module(
+    run: tuple[PipelineConfig, RunLayout],
+) -> None:
+    """Showing a finished app run (its run.yaml, stage records, lease, checkpoints) and a library checkpoint dir
+    loads no Hydra, OmegaConf, submitit, config schema, stage module or runner: status reads runs as data."""
+    cfg, layout = run
+    _finish(cfg, layout)
+    library = layout.run_dir.parent / "library"
+    (library / "checkpoints").mkdir(parents=True)
+    code = (
+        "import runpy, sys\n"
+        f"for target in ({str(layout.run_dir)!r}, {str(library)!r}):\n"
+        "    sys.argv = ['pipeline.status', target]\n"
+        "    try:\n"
+        "        runpy.run_module('pipeline.status', run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({NOT_IN_TOOLS!r})))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "latest: step 8" in out.stdout and "run the training script again" in out.stdout, out.stdout
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout.splitlines()[-1]

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+from pipeline.orchestration.contract import OPTIONAL
 from pipeline.stages import ORDER, get_stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +129,12 @@ def test_every_stage_declares_a_contract() -> None:
         assert all(n in ORDER for n in contract.needs)
 
 
+def test_status_names_the_optional_stages_as_their_contracts_do() -> None:
+    """``python -m pipeline.status`` reads which stages are optional from the contract module, not from the stage
+    modules (which import the app's config and Hydra)."""
+    assert {name for name in ORDER if get_stage(name).CONTRACT.optional} == OPTIONAL
+
+
 LIBRARY = ("pipeline.checkpoint", "pipeline.storage", "pipeline.formats", "pipeline.errors")
 """The checkpoint library: what a torchrun script imports. It knows nothing of the app."""
 APP_OR_FRAMEWORK = (
@@ -165,6 +177,41 @@ def test_library_runtime_loads_no_app_module() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+TOOLS = ("status", "commit", "consolidate", "export")
+"""The command lines ``python -m pipeline.<tool>``: they read a checkpoint or run dir without the app."""
+NOT_IN_TOOLS = ("hydra", "omegaconf", "submitit", "pipeline.config", "pipeline.stages", "pipeline.orchestration.runner")
+"""What no tool loads: the app's config composition, the stage modules, the runner, Hydra and submitit."""
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tool_loads_no_hydra_submitit_or_app_module(tool: str) -> None:
+    """``python -m pipeline.<tool> --help`` (the module imported and its entry point run, as ``-m`` does) loads
+    none of :data:`NOT_IN_TOOLS`."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['pipeline.{tool}', '--help']\n"
+        "try:\n"
+        f"    runpy.run_module('pipeline.{tool}', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({NOT_IN_TOOLS!r})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tool_help_describes_it_in_full(tool: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help``'s description is the module docstring's whole text (after its usage line), ending with a full
+    stop: never its first line cut mid-sentence."""
+    module = importlib.import_module(f"pipeline.{tool}")
+    assert module.main(["--help"]) == 0
+    description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
+    assert description.endswith("."), description
+    body = " ".join(module.__doc__.split("\n\n", 1)[1].split()).replace("``", "")
+    assert description == body and body.count(". ") >= 2, description
 
 
 def _import_graph() -> dict[str, set[str]]:

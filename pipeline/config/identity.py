@@ -27,6 +27,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError
 from pipeline.storage.atomic import write_bytes_atomic
 from pipeline.storage.layout import RunLayout
+from pipeline.storage.runs import read_run_yaml
 
 
 def _walk(schema: type, prefix: str = "") -> dict[str, dict[str, Any]]:
@@ -161,20 +162,9 @@ def _recorded(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_run_record(path: Path) -> RunRecord:
-    try:
-        if path.is_symlink():
-            raise ConfigError(f"{path} is a symlink: run.yaml must be a regular file written by the pipeline")
-        with open(path, "rb") as f:
-            data = yaml.safe_load(f)
-        config, overrides = data["config"], data["overrides"]
-        if not isinstance(config, dict) or not isinstance(overrides, list):
-            raise TypeError("config must be a mapping and overrides a list")
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
-        raise ConfigError(f"cannot read the run record {path}: {e}; it is written by the launching process") from e
-    history = data.get("history") or []
-    if not isinstance(history, list):
-        raise ConfigError(f"cannot read the run record {path}: history must be a list")
-    return RunRecord(config=config, overrides=[str(o) for o in overrides], history=history)
+    """``run.yaml`` at ``path`` (:func:`pipeline.storage.runs.read_run_yaml`: ConfigError when unreadable)."""
+    data = read_run_yaml(path)
+    return RunRecord(config=data.config, overrides=data.overrides, history=data.history)
 
 
 def write_run_record(

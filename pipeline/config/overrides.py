@@ -19,9 +19,7 @@ from hydra.errors import HydraException
 from pipeline.config.identity import RunRecord, is_per_launch, read_run_record
 from pipeline.errors import ConfigError, RunNotFoundError
 from pipeline.storage.layout import RUN_YAML
-
-LAST = "last"
-DEFAULT_ROOT = "outputs"
+from pipeline.storage.runs import DEFAULT_ROOT, locate_run, newest_runs
 
 # hydra.* settings a user may change: logging, and the config search path (your own conf/, also given as
 # --config-dir). Everything else (run/sweep dirs, output_subdir, chdir, launcher, sweeper) is the pipeline's:
@@ -93,37 +91,6 @@ class RunRef:
     """The existing run's directory; None for a new run."""
     record: RunRecord | None
     """Its ``run.yaml``; None for a new run."""
-
-
-def _runs(root: Path, experiment: str | None) -> list[Path]:
-    if not root.is_dir():
-        return []
-    pattern = f"{experiment}/*/{RUN_YAML}" if experiment else f"*/*/{RUN_YAML}"
-    return [p.parent for p in root.glob(pattern) if p.is_file() and not p.is_symlink()]
-
-
-def newest_runs(root: Path, experiment: str | None, n: int = 5) -> list[Path]:
-    return sorted(_runs(root, experiment), key=lambda d: (d / RUN_YAML).stat().st_mtime, reverse=True)[:n]
-
-
-def locate_run(
-    run_id: str, root: Path, experiment: str | None, how_to_pick: str = "add +experiment=<name>"
-) -> Path | None:
-    """The one run-id resolver (the CLI's ``run.id`` and ``python -m pipeline.status`` alike): the run dir of
-    ``run_id`` (``last``: the newest run) under ``root`` (one experiment, or every one), or None when unknown;
-    ``run.id=last`` with no run at all, and an id in several experiments, are errors (``how_to_pick`` says how
-    to choose the experiment)."""
-    if run_id == LAST:
-        newest = newest_runs(root, experiment, 1)
-        if not newest:
-            where = root / experiment if experiment else root
-            raise RunNotFoundError(f"run.id=last: no run under {where}; start one with +experiment=<name>")
-        return newest[0]
-    matches = [d for d in _runs(root, experiment) if d.name == run_id]
-    if len(matches) > 1:
-        exps = ", ".join(sorted(d.parent.name for d in matches))
-        raise ConfigError(f"run id {run_id!r} exists in several experiments ({exps}): {how_to_pick}")
-    return matches[0] if matches else None
 
 
 def find_run(parsed: list[Override]) -> RunRef:

@@ -10,6 +10,14 @@ if TYPE_CHECKING:
     from pipeline.config.schema import PipelineConfig
     from pipeline.storage.layout import RunLayout
 
+ORDER: tuple[str, ...] = ("prepare_dirs", "import_checkpoint", "train", "verify_manifest", "consolidate", "export")
+"""Stages the DAG launches as jobs (:mod:`pipeline.stages` maps each name to its module); shard-save runs inside
+train on every rank (see shard_save.CONTRACT). A run either trains or imports (``import.source``): the other
+stage is skipped as done."""
+OPTIONAL: frozenset[str] = frozenset({"import_checkpoint"})
+"""The stages whose contract says ``optional``, by name: what ``python -m pipeline.status`` needs without importing
+the stage modules (``tests/test_structure.py`` checks that the two agree)."""
+
 
 @dataclass(frozen=True)
 class Resources:

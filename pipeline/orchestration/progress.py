@@ -28,7 +28,6 @@ from tqdm import tqdm
 
 from pipeline.checkpoint.manifest import read_manifest
 from pipeline.errors import PipelineError, plural
-from pipeline.stages import get_stage
 from pipeline.storage.layout import RunLayout
 from pipeline.storage.metrics import MetricsTail
 
@@ -153,6 +152,8 @@ class StageProgress:
         self.clock = clock
         self.stream = stream if stream is not None else sys.stdout
         self.tty = tty if tty is not None else bool(getattr(self.stream, "isatty", lambda: False)())
+        from pipeline.stages import get_stage  # noqa: PLC0415 - a launch shows progress; status imports no stage
+
         self._tail = MetricsTail(layout.metrics) if get_stage(stage).CONTRACT.reports_progress else None
         self._bar: tqdm[Any] | None = None
         self._window: deque[tuple[int, float, int]] = deque(maxlen=WINDOW)  # (step, time, tokens)

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.config.overrides import DEFAULT_ROOT
 from pipeline.storage.atomic import clear_file, is_temp_name, read_json, write_json_atomic
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RunLayout
+from pipeline.storage.runs import DEFAULT_ROOT
 
 
 def resume_command(layout: RunLayout) -> str:

@@ -20,16 +20,16 @@ from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest
 from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
 from pipeline.checkpoint.retention import output_areas, record_path
-from pipeline.config.identity import read_run_record
 from pipeline.errors import PipelineError
 from pipeline.orchestration import jobs
+from pipeline.orchestration.contract import OPTIONAL, ORDER
 from pipeline.orchestration.lease import read_lease
 from pipeline.orchestration.records import pid_alive, resume_command, stage_alive
 from pipeline.orchestration.remote_status import add_sharing, remote_checkpoints
-from pipeline.stages import ORDER, get_stage
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.integrity import lstat_kind, read_record_json
 from pipeline.storage.layout import CheckpointLayout, RunLayout, parse_step
+from pipeline.storage.runs import read_run_yaml
 from pipeline.storage.s3 import S3Url
 
 Status = dict[str, Any]
@@ -51,7 +51,7 @@ def _read_json(path: Path, what: str) -> tuple[Any, str | None]:
 
 def _config(layout: RunLayout) -> tuple[dict[str, Any], str | None]:
     try:
-        return read_run_record(layout.run_yaml).config, None
+        return read_run_yaml(layout.run_yaml).config, None
     except PipelineError as e:
         return {}, _why(e)
 
@@ -256,7 +256,7 @@ def collect(layout: RunLayout) -> Status:
     default_cluster = str(launcher.get("kind", "local")) if isinstance(launcher, dict) else "local"
     world_size = strategy.get("world_size") if isinstance(strategy, dict) else None
     # A training run never imports: its import stage (which has no record then) is not listed.
-    shown = [s for s in ORDER if not get_stage(s).CONTRACT.optional or layout.stage_record(s).exists()]
+    shown = [s for s in ORDER if s not in OPTIONAL or layout.stage_record(s).exists()]
     stages = [_stage(layout, s, clusters, default_cluster) for s in shown]
     slurm_ids = [j["job_id"] for j in lease_jobs if j.get("cluster") == "slurm"]
     slurm_ids += [str(s["job_id"]) for s in stages if s.get("cluster") == "slurm" and s.get("job_id")]

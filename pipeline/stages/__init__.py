@@ -9,11 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import cast
 
-from pipeline.orchestration.contract import StageModule
+from pipeline.orchestration.contract import ORDER, StageModule
 
-ORDER: tuple[str, ...] = ("prepare_dirs", "import_checkpoint", "train", "verify_manifest", "consolidate", "export")
-"""Stages the DAG launches as jobs; shard-save runs inside train on every rank (see shard_save.CONTRACT).
-A run either trains or imports (``import.source``): the other stage is skipped as done."""
+__all__ = ["INSIDE", "ORDER", "get_stage"]
 
 
 INSIDE: tuple[str, ...] = ("shard_save",)
