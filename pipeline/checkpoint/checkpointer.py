@@ -16,8 +16,10 @@
 dicts. Every save is the app's shard-save (rank-private DCP files hashed while written, then a done-marker);
 exactly one committer verifies and publishes each step and only then moves ``latest``: by default a background
 thread of rank 0 that never blocks training (``committer="thread"``), or ``python -m pipeline.commit <dir>
---follow`` beside the job (``committer="external"``). The layout is the app's (``<dir>/checkpoints/...``), so
-``python -m pipeline.status <dir>``, ``python -m pipeline.consolidate <dir>`` and the app's import read it.
+--follow`` beside the job (``committer="external"``: :meth:`Checkpointer.close` then waits, bounded, for it to
+commit the job's steps, and names in a WARNING those nobody committed). The layout is the app's
+(``<dir>/checkpoints/...``), so ``python -m pipeline.status <dir>``, ``python -m pipeline.consolidate <dir>`` and
+the app's import read it.
 
 Collectives: the constructor, :meth:`save`, :meth:`save_async`, :meth:`wait`, :meth:`load_latest`,
 :meth:`should_save` (with ``every_minutes``), :meth:`reached_preemption` and :meth:`close` are called by every rank
@@ -43,20 +45,24 @@ import torch.distributed as dist
 from pipeline.checkpoint import rank_save, resume
 from pipeline.checkpoint.async_save import AsyncSaver, stuck_writers
 from pipeline.checkpoint.background import BackgroundCommitter
-from pipeline.checkpoint.committer import CommitPolicy
+from pipeline.checkpoint.committer import CommitPolicy, staged_uncommitted
 from pipeline.checkpoint.manifest import read_manifest
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult
 from pipeline.checkpoint.remote import record_store, recorded_store, remote_at
+from pipeline.checkpoint.remote import staged_uncommitted as remote_staged
 from pipeline.checkpoint.state import STEP_KEY, load_state, piece_groups, save_state
-from pipeline.errors import PipelineError, VerificationError
+from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
 COMMITTERS = ("thread", "external")
 _EXTERNAL_START_S = 60.0
 """How long a resuming rank 0 gives an external committer to appear before it counts as gone."""
+EXTERNAL_COMMIT_WAIT_S = 60.0
+"""``external_commit_wait_s``'s default: how long :meth:`Checkpointer.close` waits with no committer running."""
 
 
 class Checkpointer:
@@ -78,6 +84,7 @@ class Checkpointer:
         poll_interval_s: float = 0.5,
         storage: str | None = None,
         dedup: bool = True,
+        external_commit_wait_s: float = EXTERNAL_COMMIT_WAIT_S,
     ) -> None:
         """Every rank constructs it alike (a collective).
 
@@ -95,6 +102,9 @@ class Checkpointer:
         ``dedup``: the model's parameters that do not train (``requires_grad=False``) and its buffers are saved as
         pieces of their own, and a piece whose bytes equal the latest committed step's is not written again (a
         hard link; in a bucket, one object) — every step still complete (:mod:`pipeline.checkpoint.pieces`).
+        ``external_commit_wait_s``: with ``committer="external"``, how long :meth:`close` (rank 0) waits, while no
+        committer holds the dir, for one to commit the steps this job saved (a running one is waited for up to
+        ``deadline_s``); steps still uncommitted then are named in a WARNING and stay staged. 0: do not wait.
         """
         if committer not in COMMITTERS:
             raise PipelineError(f"committer={committer!r}: choose one of {', '.join(COMMITTERS)}")
@@ -106,6 +116,8 @@ class Checkpointer:
         for name, number in (("deadline_s", deadline_s), ("poll_interval_s", poll_interval_s)):
             if not number > 0:
                 raise PipelineError(f"{name}={number!r}: must be positive (every wait needs a deadline)")
+        if not external_commit_wait_s >= 0:
+            raise PipelineError(f"external_commit_wait_s={external_commit_wait_s!r}: must be 0 or more seconds")
         if writer_threads is not None and (type(writer_threads) is not int or writer_threads < 1):
             raise PipelineError(f"writer_threads={writer_threads!r}: must be a positive integer or None")
         if not dist.is_available() or not dist.is_initialized():
@@ -125,6 +137,8 @@ class Checkpointer:
         self._install_signals(preemption_signals)
         self._committer: BackgroundCommitter | None = None
         self._external = committer == "external"
+        self._external_wait_s = external_commit_wait_s
+        self._saved: list[int] = []  # the steps this job saved on every rank (what close waits to see committed)
         opened = self._open(keep_last, keep_every, poll_interval_s) if self.rank == 0 else None
         decided = self._broadcast(opened)
         if not isinstance(decided, tuple):
@@ -252,6 +266,7 @@ class Checkpointer:
         dist.all_gather_object(outcomes, result, group=self.group)
         bad = {r: o.error for r, o in enumerate(outcomes) if not o.ok}
         if not bad:
+            self._saved.append(step)
             return result
         why = "; ".join(f"rank {r}: {e}" for r, e in bad.items())
         if self.rank == 0:
@@ -304,17 +319,90 @@ class Checkpointer:
 
     def close(self) -> None:
         """Settle a pending async save, then let the committer commit what is complete and stop; every wait is
-        bounded by ``deadline_s``. Never destroys a group a stuck writer may still use."""
+        bounded by ``deadline_s``. With ``committer="external"`` rank 0 waits for an external committer to commit
+        the steps this job saved (``external_commit_wait_s`` while none runs) and names those it did not. Never
+        destroys a group a stuck writer may still use."""
         if self._closed:
             return
         try:
             self.wait()
             dist.barrier(group=self.group)  # every rank's last marker is written before the last pass
+            if self.rank == 0 and self._external:
+                self._await_external_commit()
         finally:
             self._closed = True
             self._stop_committer()
             if not stuck_writers():
                 dist.destroy_process_group(self.group)
+
+    def _uncommitted(self) -> list[int]:
+        """The steps this job saved that are staged with every marker but not committed (newer than ``latest``)."""
+        if self.remote is not None:
+            pending = remote_staged(self.remote, self.world_size)
+        else:
+            pending = staged_uncommitted(self.layout, self.world_size)
+        return sorted(set(pending) & set(self._saved))
+
+    def _await_external_commit(self) -> None:
+        """Rank 0 with ``committer="external"``: wait until an external committer has committed the steps this job
+        saved, for ``external_commit_wait_s`` while none holds the dir (a running one: up to ``deadline_s``).
+        Steps still uncommitted are named in a WARNING; they stay staged for the next committer. Never raises
+        for them."""
+        lock = self.layout.committer_lock
+        where = self.remote.root if self.remote is not None else self.layout.staging
+        last_seen: float | None = None  # monotonic time a committer was last seen running
+        start = time.monotonic()
+
+        def running() -> bool:
+            nonlocal last_seen
+            if held_elsewhere(lock):
+                last_seen = time.monotonic()
+                return True
+            return time.monotonic() - (last_seen if last_seen is not None else start) < self._external_wait_s
+
+        errors: list[str] = []
+
+        def left() -> list[int] | None:
+            try:
+                return self._uncommitted()
+            except (PipelineError, OSError) as e:  # a step moved while read, a bucket that did not answer
+                errors.append(str(e))
+                return None
+
+        try:
+            wait_until(
+                lambda: True if left() == [] else None,
+                deadline_s=self.deadline_s,
+                what=str,
+                alive=running,
+                interval_s=0.2 if self.remote is None else 0.5,
+            )
+            return
+        except DeadlineError:
+            pass
+        uncommitted = left()
+        if uncommitted is None:
+            log.warning("cannot tell whether the steps this job saved in %s were committed: %s", where, errors[-1])
+            return
+        if not uncommitted:
+            return
+        many = len(uncommitted) > 1
+        steps = f"step{'s' if many else ''} {', '.join(map(str, uncommitted))}"
+        start_one = f"python -m pipeline.commit {self.layout.run_dir}"
+        if last_seen is None:
+            why = f"no committer ran (start `{start_one}`)"
+        elif held_elsewhere(lock):
+            why = f"the committer holding {lock} did not commit them within deadline_s={self.deadline_s:g}s"
+        else:
+            why = f"the committer that ran stopped before committing them (start `{start_one}`)"
+        log.warning(
+            "%s staged in %s %s not committed: %s; %s kept in staging",
+            steps,
+            where,
+            "were" if many else "was",
+            why,
+            "they are" if many else "it is",
+        )
 
     def _stop_committer(self) -> None:
         if self._committer is not None:

@@ -75,8 +75,9 @@ def test_crash_at_every_io_op_of_a_library_save_and_commit(one_rank: object, tmp
     state, want8 = {"model": model, "optim": opt}, _weights(model)
 
     def save_and_commit(root: Path) -> None:
-        # committer="external" keeps the trace deterministic: the commit runs here, not in a thread
-        ck = Checkpointer(root, committer="external", deadline_s=5)
+        # committer="external" keeps the trace deterministic: the commit runs here, not in a thread (and close
+        # does not wait for another committer)
+        ck = Checkpointer(root, committer="external", deadline_s=5, external_commit_wait_s=0)
         try:
             if not ck.save(8, state).ok:
                 raise PipelineError("the save failed")
@@ -182,7 +183,7 @@ def test_exactly_one_committer_holds_a_dir_and_one_publishes_a_race(one_rank: ob
         assert cli.returncode == 2 and "another committer" in cli.stderr, cli.stderr
     finally:
         ck.close()
-    ck = Checkpointer(tmp_path, committer="external", deadline_s=10)
+    ck = Checkpointer(tmp_path, committer="external", deadline_s=10, external_commit_wait_s=0)  # committed below
     assert ck.save(3, {"model": model, "optim": opt}).ok
     ck.close()
     markers = complete_markers(step_markers(layout.staged_step(3), 3, 1), None)
