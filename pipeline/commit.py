@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy
+from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
+from pipeline.checkpoint.ownership import DEFAULT_LEASE_S
 from pipeline.checkpoint.remote import remote_at
 from pipeline.checkpoint.remote_committer import RemoteCommitter
 from pipeline.errors import PipelineError
@@ -39,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-every", type=int, default=None, help="retention: also keep every step divisible by N")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default: %(default)s)")
     p.add_argument("--storage", default=None, help="s3://bucket/prefix: the checkpoints live in that bucket")
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help="seconds without a heartbeat after which a committer counts as gone (default: %(default)s)",
+    )
     p.add_argument("--idle-exit", type=float, default=None, help="with --follow: exit after S seconds idle")
     return p
 
@@ -58,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         poll_interval_s=args.interval,
         keep_last=args.keep_last,
         keep_every=args.keep_every,
+        lease_s=args.lease,
     )
     stop = threading.Event()
 
@@ -89,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except CommitterBusy as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CommitterLost as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return e.exit_code
     except (PipelineError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from pipeline.checkpoint.committer import CommitPolicy, Committer
+from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterLost
 from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.remote_committer import RemoteCommitter
 from pipeline.errors import PipelineError
@@ -34,7 +34,7 @@ class BackgroundCommitter:
 
     def start(self) -> None:
         """Take the committer lock (raises ``CommitterBusy`` if another committer holds it) and start."""
-        self._lock.enter_context(self.committer.hold())
+        self._lock.enter_context(self.committer.hold(takeover=True))  # rank 0 of the job owns its commits
         self._thread = threading.Thread(target=self._run, name="checkpoint-committer", daemon=True)
         self._thread.start()
 
@@ -50,6 +50,10 @@ class BackgroundCommitter:
                     recovered = True
                     self.recovered.set()
                 self.committer.follow(alive=lambda: True, stop=self._stop.is_set)
+                return
+            except CommitterLost as e:  # another committer took over: this one acts no more
+                self.errors.append(str(e))
+                log.error("COMMITTER: %s", e)
                 return
             except (PipelineError, OSError) as e:
                 self.errors.append(str(e))

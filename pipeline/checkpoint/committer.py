@@ -7,8 +7,17 @@ then ``checkpoints/latest`` replaced atomically; steps whose files fail their ma
 
 The same :class:`Committer` runs in the app's verify-manifest job, in a ``torchrun`` script's rank 0 (a
 background thread of :class:`~pipeline.checkpoint.Checkpointer`), and in ``python -m pipeline.commit``. Exactly
-one runs at a time per checkpoint dir: :meth:`Committer.hold` takes the store's exclusive lock (``flock``), and
-publishing is one indivisible act besides, so of two committers racing for a step exactly one publishes.
+commits a checkpoint dir at a time: :meth:`Committer.hold` takes the committer lease (a record with a fencing epoch
+and a heartbeat, :mod:`pipeline.checkpoint.ownership`; ``flock`` only as a fast path on one node), and checks it
+before every act that changes the checkpoints.
+
+Since no shared filesystem gives exclusion across nodes, a second committer (an operator's, or a ghost that
+comes back after a partition) can still act once between its last check and its act. Every such act is
+harmless: the manifest is a function of the staged attempt alone, so whoever writes it writes the same bytes and
+whoever publishes publishes the same step (a publish that finds the step already published by the other accepts
+it); a staged step that vanishes while it is verified is the other's publish, never damage to quarantine;
+``latest`` is never moved to an older step than the one it names while that step is published; retention and
+quarantine tolerate entries another committer already moved.
 
 Every :meth:`Committer.recover` first re-verifies the step ``latest`` names: damage there (a changed or missing
 file, a manifest that is not the one ``latest`` recorded, garbage in ``latest`` itself) is quarantined and
@@ -18,12 +27,11 @@ file, a manifest that is not the one ``latest`` recorded, garbage in ``latest`` 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pipeline.checkpoint import repair, retention
 from pipeline.checkpoint.manifest import (
@@ -32,24 +40,38 @@ from pipeline.checkpoint.manifest import (
     Marker,
     complete_markers,
     describe_incomplete,
-    marker_path,
     read_latest,
+    read_newest,
     staged_world,
     step_markers,
     verify_committed,
     write_latest,
     write_manifest,
 )
+from pipeline.checkpoint.ownership import (
+    DEFAULT_LEASE_S,
+    LEASE,
+    CommitterBusy,
+    CommitterLease,
+    CommitterLost,
+    FileLease,
+    LeaseStore,
+)
 from pipeline.checkpoint.repair import step_entries
-from pipeline.errors import DeadlineError, PipelineError, VerificationError, plural
-from pipeline.formats.registry import FORMATS, Format
+from pipeline.checkpoint.step_checks import check_agreement, check_stored, verify_marked
+from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.storage.backend import POSIX, Storage
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import FileEntry, hash_file, verify_entries
+from pipeline.storage.integrity import hash_file
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
 
 log = logging.getLogger(__name__)
+
+RACES = (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST)
+"""What a publish or a read meets when another committer moves the same step at the same moment."""
+VISIBILITY_S = 5.0
+"""How long a rename by another node may take to show through this node's mount (measured: ~10-20 ms)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +89,8 @@ class CommitPolicy:
     keep_last: int | None = None
     keep_every: int | None = None
     keep_outputs_last: int | None = None
+    lease_s: float = DEFAULT_LEASE_S
+    """The committer lease: a holder whose heartbeat is older than this is gone, and another may take over."""
 
 
 @dataclass
@@ -78,12 +102,18 @@ class CommitReport:
     incomplete: list[tuple[int, str]] = field(default_factory=list)
 
 
-class CommitterBusy(PipelineError):
-    """Another committer holds these checkpoints."""
+__all__ = ["CommitPolicy", "CommitReport", "Committer", "CommitterBusy", "CommitterLost"]
+
+
+def pointer_step(layout: CheckpointLayout) -> int:
+    """The step the ``latest`` pointer itself names, checked (0: none)."""
+    latest = read_latest(layout)
+    return latest.step if latest else 0
 
 
 def latest_step(layout: CheckpointLayout) -> int:
-    latest = read_latest(layout)
+    """The newest committed step (0: none): ``latest``, or a newer published step when ``latest`` lags."""
+    latest = read_newest(layout)
     return latest.step if latest else 0
 
 
@@ -122,18 +152,42 @@ class Committer:
         self.storage = storage
         self.save_errors = save_errors
         self.report = CommitReport()
+        self.lease: CommitterLease | None = None
+
+    def lease_store(self) -> LeaseStore:
+        """Where this committer's lease record lives (beside the checkpoints it commits)."""
+        return FileLease(self.layout.checkpoints / LEASE)
 
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        """Be the one committer of these checkpoints for the block, or raise :class:`CommitterBusy`."""
+    def hold(self, takeover: bool = False) -> Iterator[None]:
+        """Be the one committer of these checkpoints for the block, or raise :class:`CommitterBusy` naming the
+        live holder. ``takeover``: this process was made the owner by the scheduler or the training job (the
+        run's committer job, rank 0 of a process group), so a live holder is fenced off rather than obeyed."""
         self.storage.makedirs(self.layout.checkpoints)
-        with self.storage.exclusive(self.layout.committer_lock) as mine:
+        with self.storage.exclusive(self.layout.committer_lock) as mine:  # one node: the kernel's lock, fast
             if not mine:
                 raise CommitterBusy(
                     f"another committer holds {self.layout.committer_lock}: exactly one commits "
                     f"{self.layout.checkpoints} (stop the other one, or let it finish)"
                 )
-            yield
+            lease = CommitterLease(self.lease_store(), self.policy.lease_s)
+            lease.acquire(takeover)
+            self.lease = lease
+            try:
+                yield
+            finally:
+                lease.release()
+
+    def fence(self) -> None:
+        """Before an act that changes the checkpoints: raise :class:`CommitterLost` if another holds the lease."""
+        if self.lease is not None:
+            self.lease.fence()
+
+    def check_lost(self) -> None:
+        """Between passes, without I/O: raise :class:`CommitterLost` if the heartbeat saw the lease taken."""
+        lost = self.lease.lost() if self.lease is not None else None
+        if lost is not None:
+            raise CommitterLost(lost)
 
     # -- the passes --------------------------------------------------------------------------------------------
 
@@ -142,7 +196,7 @@ class Committer:
         finish a commit that was interrupted between publishing a step and moving ``latest``."""
         repair.sweep_temp_files(self.storage, self.layout)
         self.report.quarantined += repair.recheck_latest(self.storage, self.layout)
-        after = latest_step(self.layout)
+        after = pointer_step(self.layout)
         for step, path in step_entries(self.storage, self.layout.checkpoints):
             if step <= after or self.storage.kind(path) != "dir" or self.storage.kind(path / MANIFEST) != "file":
                 continue
@@ -155,7 +209,7 @@ class Committer:
         """One look: commit every staged step newer than ``latest`` whose markers are all there (one attempt)
         and whose files verify; quarantine one that does not. Steps still incomplete are left for later."""
         done = []
-        for step in self._candidates():
+        for step in self._candidates() + self._holes():
             staged = self.layout.staged_step(step)
             if self.storage.kind(self.layout.committed_step(step)) is not None or self.storage.kind(staged) != "dir":
                 continue
@@ -167,12 +221,30 @@ class Committer:
                 continue  # damaged markers: the last pass quarantines the step
             if markers is not None and self._commit_or_quarantine(step, markers):
                 done.append(step)
+        self._catch_up_latest()
         return done
+
+    def _catch_up_latest(self) -> None:
+        """``latest`` behind the newest published step (a stale committer elsewhere moved it back, or a commit
+        was interrupted before moving it): verified, then ``latest`` moves up to it."""
+        newest = read_newest(self.layout)
+        if newest is None or newest.step <= pointer_step(self.layout):
+            return
+        try:
+            verify_committed(self.layout.committed_step(newest.step), newest.step)
+        except VerificationError as e:
+            log.warning("step %d is published but does not verify; latest stays (the next start rechecks): %s",
+                        newest.step, e)  # fmt: skip
+            return
+        log.warning("latest was behind published step %d: moved up to it", newest.step)
+        self.fence()
+        self._move_latest(newest.step, newest.manifest_hash)
 
     def follow(self, alive: Callable[[], bool], stop: Callable[[], bool] = lambda: False) -> None:
         """Commit each step as soon as it is complete while the producer is ``alive()`` (and ``stop()`` is not
         set); returns after one more look once it is not."""
         while True:
+            self.check_lost()
             running = alive() and not stop()
             self.commit_ready()
             if not running:
@@ -234,6 +306,16 @@ class Committer:
         """Staged steps newer than ``latest`` (complete or not): work a following committer still expects."""
         return self._candidates()
 
+    def _holes(self) -> list[int]:
+        """Staged steps at or below ``latest`` that are not published: a publish that two committers raced and
+        neither completed (seen on a FUSE mount). Committing one is harmless: ``latest`` does not move back."""
+        after = latest_step(self.layout)
+        return [
+            s
+            for s, _ in step_entries(self.storage, self.layout.staging)
+            if s <= after and self.storage.kind(self.layout.committed_step(s)) is None
+        ]
+
     def _candidates(self) -> list[int]:
         after = latest_step(self.layout)
         return [s for s, _ in step_entries(self.storage, self.layout.staging) if s > after]
@@ -242,14 +324,53 @@ class Committer:
         try:
             self.commit(step, markers)
         except VerificationError as e:
+            if self._taken_by_another(step, wait=self._interfered(step)):
+                return False
             self._quarantine_step(step, e)
             return False
+        except OSError as e:  # the staged step vanished under the check: another committer's, or a real I/O error
+            if e.errno not in RACES:
+                raise
+            if self._taken_by_another(step, wait=True):
+                return False
+            log.warning("step %d: %s (another committer at work on it?): looked at again next pass", step, e)
+            return False
         self.report.committed[step] = time.time()
+        self.fence()
         retention.apply(self.layout, self.policy, latest_step=latest_step(self.layout) or None)
         return True
 
+    def _interfered(self, step: int) -> bool:
+        """Whether another committer is visibly at work on ``step``: its staged dir gone, or a published one."""
+        staged, final = self.layout.staged_step(step), self.layout.committed_step(step)
+        return self.storage.kind(staged) is None or self.storage.kind(final) is not None
+
+    def _taken_by_another(self, step: int, wait: bool) -> bool:
+        """Whether another committer published ``step`` (or moved it out of staging) while this one checked it.
+        ``wait``: give another node's rename up to :data:`VISIBILITY_S` to show through this node's mount."""
+        staged, final = self.layout.staged_step(step), self.layout.committed_step(step) / MANIFEST
+        deadline = time.monotonic() + (VISIBILITY_S if wait else 0.0)
+        while True:
+            named = repair.latest_step_name(self.layout)
+            if self.storage.kind(final) == "file" or (named is not None and named >= step and wait):
+                log.warning("step %d was published by another committer while this one checked it: left to it", step)
+                return True
+            if time.monotonic() >= deadline:
+                if wait and self.storage.kind(staged) is None:
+                    log.warning("step %d left staging under this committer (another committer moved it)", step)
+                    return True
+                return False
+            time.sleep(0.02)
+
     def _quarantine_step(self, step: int, e: Exception) -> None:
-        where = repair.quarantine(self.storage, self.layout, self.layout.staged_step(step), str(e), step)
+        self.fence()
+        staged = self.layout.staged_step(step)
+        try:
+            where = repair.quarantine(self.storage, self.layout, staged, str(e), step)
+        except FileNotFoundError:
+            if self._taken_by_another(step, wait=True):
+                return
+            raise
         self.report.quarantined.append(f"step {step}: {e} (moved to {where})")
 
     def _wait_for_markers(self, step: int, attempt: str | None, alive: Callable[[], bool]) -> list[Marker]:
@@ -274,7 +395,7 @@ class Committer:
         layout = self.layout
         staged = layout.staged_step(step)
         fmt, files = check_agreement(step, markers, str(staged))
-        _verify_marked(staged, markers, fmt)
+        verify_marked(staged, markers, fmt)
         check_stored(fmt, staged, step, markers, self.policy.allow_pickle)
         manifest = Manifest(
             step=step,
@@ -284,83 +405,34 @@ class Committer:
             run_id=layout.run_id,
             files=files,
         )
-        manifest_hash = write_manifest(staged, manifest)
-        inject("verify.before_publish", step=step)
-        self.storage.publish(staged, layout.committed_step(step))
+        self.fence()
+        try:
+            manifest_hash = write_manifest(staged, manifest)
+            inject("verify.before_publish", step=step)
+            self.storage.publish(staged, layout.committed_step(step))
+        except (OSError, PipelineError) as e:
+            # Another committer published this step first? The same attempt, so the same manifest bytes. An I/O
+            # error (EIO, ENOSPC: a failed fsync) fails the commit even then: it is never retried into success.
+            raced = isinstance(e, OSError) and e.errno in RACES or type(e) is PipelineError
+            if not raced or not self._taken_by_another(step, wait=True):
+                raise
+            try:
+                return hash_file(layout.committed_step(step) / MANIFEST)
+            except OSError:
+                return ""  # published, then retired by its committer's retention: latest is past it
         inject("verify.before_latest", step=step)
-        write_latest(layout, step, manifest_hash)
+        self.fence()
+        self._move_latest(step, manifest_hash)
         log.info("committed step %d (%d files) -> %s", step, len(files), layout.committed_step(step))
         return manifest_hash
 
-
-def check_agreement(step: int, markers: list[Marker], where: str) -> tuple[Format, tuple[FileEntry, ...]]:
-    """The markers of one step agree (one world size, as many markers, one attempt, one known format) and no
-    file is claimed twice: the step's format and every file the markers list."""
-    world = {m.world_size for m in markers}
-    attempts = {m.attempt for m in markers}
-    if len(world) != 1 or len(markers) not in world or len(attempts) != 1:
-        raise VerificationError(
-            f"markers of step {step} in {where} disagree: {len(markers)} markers, world sizes {sorted(world)}, "
-            f"attempts {sorted(attempts)}"
-        )
-    formats = {m.format for m in markers}
-    if len(formats) != 1 or not formats <= FORMATS.keys():
-        raise VerificationError(
-            f"markers of step {step} in {where} name format(s) {sorted(formats)}; known: {sorted(FORMATS)}"
-        )
-    files = tuple(f for m in markers for f in m.files)
-    dupes = sorted(p for p, n in Counter(f.path for f in files).items() if n > 1)
-    if dupes:
-        raise VerificationError(
-            f"markers of step {step} in {where} claim the same file(s) {dupes}: files are rank-private"
-        )
-    return FORMATS[markers[0].format], files
-
-
-def check_stored(fmt: Format, step_dir: Path, step: int, markers: list[Marker], allow_pickle: bool) -> None:
-    """The format's own metadata (verified bytes by now) names every file holding data, and how many ranks wrote
-    them (read once: a DCP step's ranks follow from its file names): all listed, by the markers' world size."""
-    paths = {f.path for m in markers for f in m.files}
-    stored = fmt.stored_files(step_dir, allow_pickle)
-    unlisted = sorted(stored - paths)
-    if unlisted:
-        raise VerificationError(
-            f"step {step} in {step_dir}: {unlisted} hold checkpoint data but no marker lists them (a marker that "
-            "lists fewer files than its rank wrote)"
-        )
-    written_by = fmt.world_size_of(step_dir, stored, allow_pickle)
-    if written_by != markers[0].world_size:
-        raise VerificationError(
-            f"step {step} in {step_dir}: the {fmt.name} files were written by {plural(written_by, 'rank')}, the "
-            f"markers say {markers[0].world_size}"
-        )
-
-
-def foreign_files(markers: list[Marker], fmt: Format) -> tuple[Marker, list[str]] | None:
-    """The first marker that lists a file its format names as another rank's, with those files."""
-    for m in markers:
-        foreign = [f.path for f in m.files if fmt.owner(f.path) not in (None, m.rank)]
-        if foreign:
-            return m, foreign
-    return None
-
-
-def _verify_marked(staged: Path, markers: list[Marker], fmt: Format) -> None:
-    """Each marker lists only files its rank owns, and every listed file has the size and hash it records.
-
-    Marker by marker, the first problem wins, as if each marker were checked in turn (owners, then its files);
-    the files are hashed together, several at once, up to the first marker that lists another rank's file.
-    """
-    entries: list[FileEntry] = []
-    listed_in: list[str] = []
-    for m in markers:
-        foreign = [f.path for f in m.files if fmt.owner(f.path) not in (None, m.rank)]
-        if foreign:
-            verify_entries(staged, entries, listed_in)  # the markers before it come first
-            raise VerificationError(
-                f"{marker_path(staged, m.rank)} lists {foreign}, which {fmt.name} names as another rank's "
-                "files: each rank lists only the files it owns"
-            )
-        entries.extend(m.files)
-        listed_in.extend([str(marker_path(staged, m.rank))] * len(m.files))
-    verify_entries(staged, entries, listed_in)
+    def _move_latest(self, step: int, manifest_hash: str) -> None:
+        """``latest`` -> ``step``, unless it already names a newer published step (another committer's)."""
+        try:
+            newest = read_newest(self.layout)
+        except VerificationError:
+            newest = None  # a damaged latest: this commit replaces it
+        if newest is not None and newest.step > step:
+            log.warning("step %d is newer (another committer's): latest is not moved back to %d", newest.step, step)
+            return
+        write_latest(self.layout, step, manifest_hash, epoch=self.lease.epoch if self.lease else None)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -27,7 +28,7 @@ from pipeline.storage.integrity import (
     safe_join,
     verify_entries,
 )
-from pipeline.storage.layout import CheckpointLayout, step_name
+from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -244,5 +245,48 @@ def read_latest(layout: CheckpointLayout) -> Latest | None:
     return Latest(step=step, manifest_hash=digest)
 
 
-def write_latest(layout: CheckpointLayout, step: int, manifest_hash: str) -> None:
-    write_json_atomic(layout.latest, {"step": step, "dir": step_name(step), "manifest_hash": manifest_hash})
+def read_newest(layout: CheckpointLayout) -> Latest | None:
+    """What a reader resumes from: ``latest``, checked against the newest published manifest. A step published
+    after the step ``latest`` names (its manifest is the commit; ``latest`` lags when a commit was interrupted
+    before moving it, or a stale committer on another node moved it back) is newer: ``latest`` never regresses
+    for a reader. Every file of the step returned is still to be verified by the caller."""
+    try:
+        latest = read_latest(layout)
+    except VerificationError:
+        named = _named_step(layout)  # a stale committer's pointer to a step retired since: newer ones decide
+        if named is None or (newer := _newest_published(layout, named)) is None:
+            raise
+        return newer
+    return _newest_published(layout, latest.step if latest is not None else -1) or latest
+
+
+def _named_step(layout: CheckpointLayout) -> int | None:
+    try:
+        obj = read_record_json(layout.latest, "latest pointer")
+    except (OSError, VerificationError):
+        return None
+    step = obj.get("step") if isinstance(obj, dict) else None
+    return step if type(step) is int and step >= 0 else None
+
+
+def _newest_published(layout: CheckpointLayout, after: int) -> Latest | None:
+    """The newest published step above ``after`` whose manifest records it."""
+    names = os.listdir(layout.checkpoints) if is_real_dir(layout.checkpoints) else []
+    for step in sorted((s for s in map(parse_step, names) if s is not None and s > after), reverse=True):
+        manifest_file = layout.committed_step(step) / MANIFEST
+        if not is_real_dir(manifest_file.parent) or lstat_kind(manifest_file) != "file":
+            continue
+        try:
+            if read_manifest(manifest_file.parent).step == step:
+                return Latest(step=step, manifest_hash=hash_file(manifest_file))
+        except VerificationError:
+            continue
+    return None
+
+
+def write_latest(layout: CheckpointLayout, step: int, manifest_hash: str, epoch: int | None = None) -> None:
+    """Replace ``latest``; ``epoch``: the committer lease epoch of the writer (who moved it, for readers)."""
+    record: dict[str, object] = {"step": step, "dir": step_name(step), "manifest_hash": manifest_hash}
+    if epoch is not None:
+        record["epoch"] = epoch
+    write_json_atomic(layout.latest, record)

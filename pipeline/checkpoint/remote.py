@@ -34,6 +34,7 @@ from typing import Any
 import xxhash
 
 from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, complete_markers, write_latest
+from pipeline.checkpoint.ownership import LEASE, ObjectLease
 from pipeline.errors import VerificationError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.storage import atomic
@@ -126,6 +127,10 @@ class Remote:
 
     def key(self, *parts: str) -> str:
         return "/".join(p for p in (self.root.prefix, *parts) if p)
+
+    def lease_store(self) -> ObjectLease:
+        """The committer lease of this root, an object written by compare-and-swap."""
+        return ObjectLease(self.store, self.key(LEASE))
 
     def step_prefix(self, step: int) -> str:
         return self.key(step_name(step)) + "/"

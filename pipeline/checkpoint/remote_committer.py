@@ -23,19 +23,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pipeline.checkpoint import remote_pieces, retention
-from pipeline.checkpoint.committer import (
-    CommitPolicy,
-    Committer,
-    CommitterBusy,
-    check_agreement,
-    check_stored,
-    foreign_files,
-)
+from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker, complete_markers, describe_incomplete
+from pipeline.checkpoint.ownership import LeaseStore
 from pipeline.checkpoint.remote import QUARANTINE, Remote, digest, is_marker_name
+from pipeline.checkpoint.step_checks import check_agreement, check_stored, foreign_files
 from pipeline.errors import DeadlineError, VerificationError
 from pipeline.storage.atomic import remove_tree
-from pipeline.storage.backend import POSIX
 from pipeline.storage.faults import inject
 from pipeline.storage.layout import CheckpointLayout, parse_step
 from pipeline.storage.s3 import Conflict
@@ -58,15 +52,14 @@ class RemoteCommitter(Committer):
         super().__init__(layout, policy, save_errors=save_errors)
         self.remote = remote
 
+    def lease_store(self) -> LeaseStore:
+        return self.remote.lease_store()
+
     @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        POSIX.makedirs(self.layout.checkpoints)
-        with POSIX.exclusive(self.layout.committer_lock) as mine:
-            if not mine:
-                raise CommitterBusy(
-                    f"another committer holds {self.layout.committer_lock}: exactly one commits {self.remote.root}"
-                )
-            self.remote.store.check_conditional_writes(self.remote.root.prefix)
+    def hold(self, takeover: bool = False) -> Iterator[None]:
+        """The bucket's conditional writes are checked first: the lease itself is one (compare-and-swap)."""
+        self.remote.store.check_conditional_writes(self.remote.root.prefix)
+        with super().hold(takeover):
             yield
 
     # -- state ----------------------------------------------------------------------------------------------
@@ -216,6 +209,7 @@ class RemoteCommitter(Committer):
             self.report.quarantined.append(f"step {step}: {e}")
             return False
         self.report.committed[step] = time.time()
+        self.fence()
         self.apply_retention()
         return True
 
@@ -254,13 +248,16 @@ class RemoteCommitter(Committer):
         finally:
             remove_tree(tmp)
         inject("verify.before_publish", step=step)
+        self.fence()
         manifest_hash = remote.create_manifest(manifest)
         inject("verify.before_latest", step=step)
+        self.fence()
         remote.move_latest(step, manifest_hash)
         log.info("committed step %d (%d objects) -> %s", step, len(files), remote.url(remote.manifest_key(step)))
         return manifest_hash
 
     def _quarantine_attempt(self, step: int, attempt: str, e: Exception) -> None:
+        self.fence()
         where = self._move_to_quarantine(step, attempt, str(e))
         self.report.quarantined.append(f"step {step}: {e} (moved to {where})")
 

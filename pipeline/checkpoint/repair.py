@@ -117,7 +117,7 @@ def recheck_latest(storage: Storage, layout: CheckpointLayout) -> list[str]:
         return repairs
     except VerificationError as e:
         problem = str(e)
-    damaged = _latest_step_name(layout)
+    damaged = latest_step_name(layout)
     step_damaged = damaged is not None and storage.kind(layout.committed_step(damaged)) is not None
     if damaged is not None and step_damaged:
         where = quarantine(storage, layout, layout.committed_step(damaged), problem, damaged)
@@ -135,7 +135,7 @@ def recheck_latest(storage: Storage, layout: CheckpointLayout) -> list[str]:
     return repairs
 
 
-def _latest_step_name(layout: CheckpointLayout) -> int | None:
+def latest_step_name(layout: CheckpointLayout) -> int | None:
     """The step a (possibly damaged) ``latest`` names, if it names one; used only to decide what to quarantine."""
     try:
         obj = read_record_json(layout.latest, "latest pointer")

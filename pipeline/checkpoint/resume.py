@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipeline.checkpoint.committer import staged_uncommitted
-from pipeline.checkpoint.manifest import read_latest, verify_committed
+from pipeline.checkpoint.manifest import read_latest, read_newest, verify_committed
 from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.remote import staged_uncommitted as remote_staged
 from pipeline.errors import DeadlineError, PipelineError
@@ -59,7 +59,7 @@ def decide(
         if remote is not None:  # pull verifies every file while reading it
             latest = read_latest(remote.pull())
             return latest.step if latest else 0
-        latest = read_latest(layout)
+        latest = read_newest(layout)
         if latest is None:
             return 0
         verify_committed(layout.committed_step(latest.step), latest.step)

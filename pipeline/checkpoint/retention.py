@@ -140,16 +140,22 @@ def empty_trash(area: Path) -> None:
         clear_file(trash)
         return
     for entry in sorted(trash.iterdir()):
-        if is_real_dir(entry):
-            remove_tree(entry)  # renames it to a hidden sibling inside the trash first: a crash leaves it there
-        else:
-            clear_file(entry)
+        try:
+            if is_real_dir(entry):
+                remove_tree(entry)  # renames it to a hidden sibling inside the trash first: a crash leaves it there
+            else:
+                clear_file(entry)
+        except OSError as e:  # another committer empties the same trash (a duplicate, a ghost): the next call
+            log.warning("retention: %s not deleted yet (%s); the next pass finishes it", entry, e)
 
 
 def retire(area: Path, steps: tuple[int, ...]) -> None:
     """Move each step out of ``area`` in one rename, then delete them all inside the trash."""
     for step in steps:
-        move_aside(area / step_name(step), area / TRASH, step_name(step))
+        try:
+            move_aside(area / step_name(step), area / TRASH, step_name(step))
+        except OSError as e:  # another committer (a duplicate, a ghost) is retiring it too: the next pass looks
+            log.warning("retention: %s not moved out of %s (%s)", step_name(step), area, e)
     inject("retention.before_delete", area=area.name, steps=",".join(map(str, steps)))
     empty_trash(area)
 

@@ -147,7 +147,7 @@ def _job_alive_cached(ref: JobRef) -> bool:
 def run(ctx: TaskContext) -> dict[str, object]:
     layout = ctx.layout
     c = committer(ctx.cfg, layout, save_errors=lambda: _save_errors(layout))
-    with c.hold():
+    with c.hold(takeover=True):  # the run's one committer job: a stale holder (its ghost) is fenced off
         c.recover()
         if ctx.beside is not None:
             c.follow(alive=lambda: _producer_alive(ctx))
