@@ -111,6 +111,15 @@ def test_second_commit_beside_a_live_committer_on_another_mount_is_refused(share
         assert len(lines) == 1 and lines[0].startswith("error: another committer holds"), second.stderr
         assert f"pid {first.pid} on " in lines[0] and "epoch 1" in lines[0], lines[0]
         assert first.poll() is None, "the live committer must go on"
+        status = subprocess.run(
+            [sys.executable, "-m", "pipeline.status", str(b.run_dir)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert f"committer:  running: pid {first.pid} on " in status.stdout, status.stdout + status.stderr
     finally:
         first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=60)

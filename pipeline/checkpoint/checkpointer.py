@@ -47,12 +47,12 @@ from pipeline.checkpoint.async_save import AsyncSaver, stuck_writers
 from pipeline.checkpoint.background import BackgroundCommitter
 from pipeline.checkpoint.committer import CommitPolicy, staged_uncommitted
 from pipeline.checkpoint.manifest import read_manifest
+from pipeline.checkpoint.ownership import committer_alive
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult
 from pipeline.checkpoint.remote import record_store, recorded_store, remote_at
 from pipeline.checkpoint.remote import staged_uncommitted as remote_staged
 from pipeline.checkpoint.state import STEP_KEY, load_state, piece_groups, save_state
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
-from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
 
@@ -301,16 +301,18 @@ class Checkpointer:
             errors = "; ".join(self._committer.errors[-3:]) or "no error reported"
             return f"cannot resume: the committer's first pass over {self.layout.checkpoints} did not finish ({errors})"
 
-        def committer_alive() -> bool:
+        def external_alive() -> bool:
             if self._committer is not None:
                 return self._committer.alive()
-            return held_elsewhere(self.layout.committer_lock) or time.monotonic() - start < _EXTERNAL_START_S
+            if committer_alive(self.layout.checkpoints, self.layout.committer_lock):
+                return True
+            return time.monotonic() - start < _EXTERNAL_START_S
 
         return resume.decide(
             self.layout,
             self.world_size,
             deadline_s=self.deadline_s,
-            committer_alive=committer_alive,
+            committer_alive=external_alive,
             committer_hint=f" (is the committer running? python -m pipeline.commit {self.layout.run_dir} --follow)",
             remote=self.remote,
         )
@@ -355,7 +357,7 @@ class Checkpointer:
 
         def running() -> bool:
             nonlocal last_seen
-            if held_elsewhere(lock):
+            if committer_alive(self.layout.checkpoints, lock):
                 last_seen = time.monotonic()
                 return True
             return time.monotonic() - (last_seen if last_seen is not None else start) < self._external_wait_s
@@ -391,7 +393,7 @@ class Checkpointer:
         start_one = f"python -m pipeline.commit {self.layout.run_dir}"
         if last_seen is None:
             why = f"no committer ran (start `{start_one}`)"
-        elif held_elsewhere(lock):
+        elif committer_alive(self.layout.checkpoints, lock):
             why = f"the committer holding {lock} did not commit them within deadline_s={self.deadline_s:g}s"
         else:
             why = f"the committer that ran stopped before committing them (start `{start_one}`)"

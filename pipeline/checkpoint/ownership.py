@@ -41,6 +41,7 @@ import xxhash
 
 from pipeline.errors import PipelineError
 from pipeline.storage.atomic import json_bytes, write_bytes_atomic
+from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.s3 import Conflict, S3Store
 
@@ -282,6 +283,17 @@ class FileLease:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(self.path, data)
         return True
+
+
+def live_holder(checkpoints: Path) -> Holder | None:
+    """The committer of ``checkpoints/`` whose heartbeat is fresh, on any node (None: no live one)."""
+    held = Holder.parse(FileLease(checkpoints / LEASE).read()[0])
+    return held if held is not None and held.live(time.time()) else None
+
+
+def committer_alive(checkpoints: Path, lock: Path) -> bool:
+    """Whether a committer of ``checkpoints/`` runs: the node-local lock held here, or a live lease anywhere."""
+    return held_elsewhere(lock) or live_holder(checkpoints) is not None
 
 
 class ObjectLease:

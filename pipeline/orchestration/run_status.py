@@ -17,6 +17,7 @@ from typing import Any
 
 from pipeline.checkpoint import pieces
 from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest
+from pipeline.checkpoint.ownership import committer_alive, live_holder
 from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
 from pipeline.checkpoint.retention import output_areas, record_path
@@ -26,7 +27,6 @@ from pipeline.orchestration.contract import OPTIONAL, ORDER
 from pipeline.orchestration.lease import read_lease
 from pipeline.orchestration.records import pid_alive, resume_command, stage_alive
 from pipeline.orchestration.remote_status import add_sharing, remote_checkpoints
-from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.integrity import lstat_kind, read_record_json
 from pipeline.storage.layout import CheckpointLayout, RunLayout, parse_step
 from pipeline.storage.runs import read_run_yaml
@@ -324,6 +324,12 @@ def _library_checkpoints(layout: CheckpointLayout) -> Status:
     return _checkpoints(layout, None) if remote is None else remote_checkpoints(remote)
 
 
+def _committer_line(layout: CheckpointLayout) -> str | None:
+    """Who commits these checkpoints now, as its lease record says (any node), or None."""
+    held = live_holder(layout.checkpoints)
+    return held.describe(time.time()) if held is not None else None
+
+
 def collect_checkpoints(layout: CheckpointLayout) -> Status:
     """A checkpoint dir written by the library (a ``torchrun`` script's ``Checkpointer``): no run.yaml, no stage
     records; its checkpoints and outputs as the run view shows them."""
@@ -331,7 +337,8 @@ def collect_checkpoints(layout: CheckpointLayout) -> Status:
         "run_id": layout.run_id,
         "run_dir": str(layout.run_dir),
         "library": True,
-        "committer_running": held_elsewhere(layout.committer_lock),
+        "committer_running": committer_alive(layout.checkpoints, layout.committer_lock),
+        "committer": _committer_line(layout),
         "checkpoints": _library_checkpoints(layout),
         "consolidated": _outputs(*output_areas(layout)["consolidated"]),
         "exported": _outputs(*output_areas(layout)["export"]),

@@ -159,12 +159,19 @@ def _outputs_text(items: list[Status]) -> str:
     return ", ".join(f"step {o['step']}" + ("" if o["complete"] else " (no done-marker)") for o in items) or "none"
 
 
+def _committer_text(status: Status) -> str:
+    if not status["committer_running"]:
+        return "not running"
+    holder = status.get("committer")
+    return f"running: {holder}" if holder else "running (holds the committer lock on this node)"
+
+
 def render(status: Status) -> list[str]:
     """The terminal view of :func:`collect`'s (or :func:`collect_checkpoints`') dict."""
     if status.get("library"):
         lines = [
             f"checkpoints: {status['run_dir']} (written by the library's Checkpointer)",
-            f"committer:  {'running (holds the committer lock)' if status['committer_running'] else 'not running'}",
+            f"committer:  {_committer_text(status)}",
         ]
         lines += _checkpoint_lines(status["checkpoints"])
         lines.append(f"consolidated: {_outputs_text(status['consolidated'])}")
