@@ -62,7 +62,7 @@ class CommitterBusy(PipelineError):
 class CommitterLost(PipelineError):
     """This committer's lease was taken over (a higher epoch holds it): it stops and acts no more."""
 
-    exit_code = 3
+    exit_code = 1
 
 
 class LeaseStore(Protocol):
