@@ -136,7 +136,9 @@ def _problems(layout: RunLayout, outcome: dict[str, str], seen: Observed) -> lis
     if not any(o == "ran" for o in outcome.values()):
         problems.append(f"no committer ran: {outcome}")
     published = {s: read_manifest(p).attempt for s, p in step_entries(POSIX, layout.checkpoints)}
-    if published != {6: ATTEMPT, 8: ATTEMPT}:
+    # keep_last=2 keeps 6 and 8; an older step whose retirement raced the other committer's waits for the next
+    # commit's retention (kept a while longer is harmless; deleted wrongly is not).
+    if not {6, 8} <= published.keys() or set(published.values()) != {ATTEMPT}:
         problems.append(f"published {published}, expected steps 6 and 8 (keep_last=2) of attempt {ATTEMPT}")
     latest = read_latest(layout)
     if latest is None or latest.step != 8:

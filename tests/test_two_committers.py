@@ -25,8 +25,8 @@ from pipeline.storage.backend import POSIX
 from tests import contention
 from tests.conftest import ROOT
 from tests.sharedfs import SharedFS
-from tests.sharedfs_fixture import shared_fs  # noqa: F401  (the session's two mounts)
 
+pytest_plugins = ["tests.sharedfs_fixture"]  # the session's two mounts (one instance with tests/test_sharedfs.py)
 pytestmark = pytest.mark.xdist_group("sharedfs")
 
 TRIALS = 12
@@ -34,12 +34,12 @@ TRIALS = 12
 
 
 @pytest.mark.parametrize("leased", [True, False], ids=["leased", "unleased"])
-def test_two_committers_started_together_publish_each_step_once(shared_fs: SharedFS, leased: bool) -> None:  # noqa: F811
+def test_two_committers_started_together_publish_each_step_once(shared_fs: SharedFS, leased: bool) -> None:
     failures = {i: p for i in range(TRIALS) if (p := contention.trial(shared_fs, leased))}
     assert not failures, f"{len(failures)} of {TRIALS} trials failed: {failures}"
 
 
-def test_ranks_write_through_one_mount_committer_verifies_through_the_other(shared_fs: SharedFS) -> None:  # noqa: F811
+def test_ranks_write_through_one_mount_committer_verifies_through_the_other(shared_fs: SharedFS) -> None:
     writer, reader = contention.layouts(shared_fs, "follow")
     contention.stage(writer, ())
     contention.wait_visible(reader.staging)
@@ -91,7 +91,7 @@ def _latest(layout: contention.RunLayout) -> int:
     return found.step if found else 0
 
 
-def test_second_commit_beside_a_live_committer_on_another_mount_is_refused(shared_fs: SharedFS) -> None:  # noqa: F811
+def test_second_commit_beside_a_live_committer_on_another_mount_is_refused(shared_fs: SharedFS) -> None:
     a, b = contention.layouts(shared_fs, "refuse")
     contention.stage(a, (2,))
     first = _commit(a.run_dir, "--follow", "--interval", "0.2")
@@ -127,7 +127,7 @@ def test_second_commit_beside_a_live_committer_on_another_mount_is_refused(share
     assert _holder(b).released  # type: ignore[union-attr]
 
 
-def test_a_committer_stopped_past_its_lease_is_fenced_and_harmless(shared_fs: SharedFS) -> None:  # noqa: F811
+def test_a_committer_stopped_past_its_lease_is_fenced_and_harmless(shared_fs: SharedFS) -> None:
     a, b = contention.layouts(shared_fs, "ghost")
     contention.stage(a, (2,))
     ghost = _commit(a.run_dir, "--follow", "--interval", "0.2", "--lease", "2")

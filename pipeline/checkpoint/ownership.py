@@ -178,9 +178,10 @@ class CommitterLease:
         self._thread = threading.Thread(target=self._beat, name="committer-lease", daemon=True)
         self._thread.start()
 
-    def fence(self) -> None:
-        """Check that this process still holds the lease (renewing it); raise :class:`CommitterLost` if a
-        higher epoch took it. Called before every act that changes the checkpoints."""
+    def fence(self, renew: bool = False) -> None:
+        """Check that this process still holds the lease; raise :class:`CommitterLost` if a higher epoch took it.
+        Called before every act that changes the checkpoints: one read, and a write only when the record is not
+        ours (a ghost's) or ``renew`` (the heartbeat) asks for one."""
         with self._lock:
             for _ in range(10):  # a compare-and-swap lost to a concurrent write: look again
                 if self._lost is not None:
@@ -193,6 +194,8 @@ class CommitterLease:
                         f"{self.store.where} to {held.describe(time.time())}: it stops and commits nothing more"
                     )
                     raise CommitterLost(self._lost)
+                if not renew and held is not None and held.token == self.token and not held.released:
+                    return
                 if held is not None and held.token != self.token:
                     log.warning(
                         "a stale committer rewrote %s (%s): epoch %d restores it",
@@ -249,7 +252,7 @@ class CommitterLease:
     def _beat(self) -> None:
         while not self._stop.wait(self.lease_s / 5):
             try:
-                self.fence()
+                self.fence(renew=True)
             except CommitterLost:  # the committer's next pass says so, once
                 return
             except (OSError, PipelineError) as e:  # a store hiccup: the next beat tries again
