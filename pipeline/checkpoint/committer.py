@@ -21,25 +21,27 @@ quarantine tolerate entries another committer already moved.
 
 Every :meth:`Committer.recover` first re-verifies the step ``latest`` names: damage there (a changed or missing
 file, a manifest that is not the one ``latest`` recorded, garbage in ``latest`` itself) is quarantined and
-``latest`` goes back to the newest committed step that verifies. Nothing is followed through a symlink.
+``latest`` goes back to the newest committed step that verifies. A damaged file that several steps hold (a piece
+of an incremental save, hard-linked) takes every committed step holding it to quarantine
+(:func:`~pipeline.checkpoint.repair.quarantine_damage`). Nothing is followed through a symlink.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pipeline.checkpoint import repair, retention
+from pipeline.checkpoint.duplicates import RACES, DuplicateTolerance
 from pipeline.checkpoint.manifest import (
     MANIFEST,
-    Manifest,
     Marker,
     complete_markers,
     describe_incomplete,
+    pointer_step,
     read_latest,
     read_newest,
     staged_world,
@@ -58,7 +60,7 @@ from pipeline.checkpoint.ownership import (
     LeaseStore,
 )
 from pipeline.checkpoint.repair import step_entries
-from pipeline.checkpoint.step_checks import check_agreement, check_stored, verify_marked
+from pipeline.checkpoint.step_checks import verified_manifest
 from pipeline.errors import DeadlineError, PipelineError, VerificationError
 from pipeline.storage.backend import POSIX, Storage
 from pipeline.storage.faults import inject
@@ -67,11 +69,6 @@ from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
 
 log = logging.getLogger(__name__)
-
-RACES = (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST)
-"""What a publish or a read meets when another committer moves the same step at the same moment."""
-VISIBILITY_S = 5.0
-"""How long a rename by another node may take to show through this node's mount (measured: ~10-20 ms)."""
 
 
 @dataclass(frozen=True)
@@ -105,12 +102,6 @@ class CommitReport:
 __all__ = ["CommitPolicy", "CommitReport", "Committer", "CommitterBusy", "CommitterLost"]
 
 
-def pointer_step(layout: CheckpointLayout) -> int:
-    """The step the ``latest`` pointer itself names, checked (0: none)."""
-    latest = read_latest(layout)
-    return latest.step if latest else 0
-
-
 def latest_step(layout: CheckpointLayout) -> int:
     """The newest committed step (0: none): ``latest``, or a newer published step when ``latest`` lags."""
     latest = read_newest(layout)
@@ -136,8 +127,10 @@ def staged_uncommitted(layout: CheckpointLayout, world_size: int, upto: int | No
     return pending
 
 
-class Committer:
+class Committer(DuplicateTolerance):
     """Commits the staged steps of one checkpoint dir. Not thread-safe: one thread drives it."""
+
+    policy: CommitPolicy
 
     def __init__(
         self,
@@ -200,7 +193,13 @@ class Committer:
         for step, path in step_entries(self.storage, self.layout.checkpoints):
             if step <= after or self.storage.kind(path) != "dir" or self.storage.kind(path / MANIFEST) != "file":
                 continue
-            verify_committed(path, step)
+            try:
+                verify_committed(path, step)
+            except VerificationError as e:  # published, then damaged: never left above latest to fail every start
+                where, shared = repair.quarantine_damage(self.storage, self.layout, path, str(e), step)
+                self.report.quarantined += [f"step {step}: {e} (moved to {where})", *shared]
+                after = pointer_step(self.layout)
+                continue
             write_latest(self.layout, step, hash_file(path / MANIFEST))
             log.warning("step %d was published but latest was not moved (interrupted commit): latest -> %d", step, step)
             self.report.committed[step] = time.time()
@@ -221,24 +220,9 @@ class Committer:
                 continue  # damaged markers: the last pass quarantines the step
             if markers is not None and self._commit_or_quarantine(step, markers):
                 done.append(step)
+        self._finish_unmanifested()
         self._catch_up_latest()
         return done
-
-    def _catch_up_latest(self) -> None:
-        """``latest`` behind the newest published step (a stale committer elsewhere moved it back, or a commit
-        was interrupted before moving it): verified, then ``latest`` moves up to it."""
-        newest = read_newest(self.layout)
-        if newest is None or newest.step <= pointer_step(self.layout):
-            return
-        try:
-            verify_committed(self.layout.committed_step(newest.step), newest.step)
-        except VerificationError as e:
-            log.warning("step %d is published but does not verify; latest stays (the next start rechecks): %s",
-                        newest.step, e)  # fmt: skip
-            return
-        log.warning("latest was behind published step %d: moved up to it", newest.step)
-        self.fence()
-        self._move_latest(newest.step, newest.manifest_hash)
 
     def follow(self, alive: Callable[[], bool], stop: Callable[[], bool] = lambda: False) -> None:
         """Commit each step as soon as it is complete while the producer is ``alive()`` (and ``stop()`` is not
@@ -306,16 +290,6 @@ class Committer:
         """Staged steps newer than ``latest`` (complete or not): work a following committer still expects."""
         return self._candidates()
 
-    def _holes(self) -> list[int]:
-        """Staged steps at or below ``latest`` that are not published: a publish that two committers raced and
-        neither completed (seen on a FUSE mount). Committing one is harmless: ``latest`` does not move back."""
-        after = latest_step(self.layout)
-        return [
-            s
-            for s, _ in step_entries(self.storage, self.layout.staging)
-            if s <= after and self.storage.kind(self.layout.committed_step(s)) is None
-        ]
-
     def _candidates(self) -> list[int]:
         after = latest_step(self.layout)
         return [s for s, _ in step_entries(self.storage, self.layout.staging) if s > after]
@@ -340,38 +314,16 @@ class Committer:
         retention.apply(self.layout, self.policy, latest_step=latest_step(self.layout) or None)
         return True
 
-    def _interfered(self, step: int) -> bool:
-        """Whether another committer is visibly at work on ``step``: its staged dir gone, or a published one."""
-        staged, final = self.layout.staged_step(step), self.layout.committed_step(step)
-        return self.storage.kind(staged) is None or self.storage.kind(final) is not None
-
-    def _taken_by_another(self, step: int, wait: bool) -> bool:
-        """Whether another committer published ``step`` (or moved it out of staging) while this one checked it.
-        ``wait``: give another node's rename up to :data:`VISIBILITY_S` to show through this node's mount."""
-        staged, final = self.layout.staged_step(step), self.layout.committed_step(step) / MANIFEST
-        deadline = time.monotonic() + (VISIBILITY_S if wait else 0.0)
-        while True:
-            named = repair.latest_step_name(self.layout)
-            if self.storage.kind(final) == "file" or (named is not None and named >= step and wait):
-                log.warning("step %d was published by another committer while this one checked it: left to it", step)
-                return True
-            if time.monotonic() >= deadline:
-                if wait and self.storage.kind(staged) is None:
-                    log.warning("step %d left staging under this committer (another committer moved it)", step)
-                    return True
-                return False
-            time.sleep(0.02)
-
     def _quarantine_step(self, step: int, e: Exception) -> None:
         self.fence()
         staged = self.layout.staged_step(step)
         try:
-            where = repair.quarantine(self.storage, self.layout, staged, str(e), step)
+            where, shared = repair.quarantine_damage(self.storage, self.layout, staged, str(e), step)
         except FileNotFoundError:
             if self._taken_by_another(step, wait=True):
                 return
             raise
-        self.report.quarantined.append(f"step {step}: {e} (moved to {where})")
+        self.report.quarantined += [f"step {step}: {e} (moved to {where})", *shared]
 
     def _wait_for_markers(self, step: int, attempt: str | None, alive: Callable[[], bool]) -> list[Marker]:
         staged = self.layout.staged_step(step)
@@ -394,17 +346,7 @@ class Committer:
         publish the step, then move ``latest``; returns the manifest's hash."""
         layout = self.layout
         staged = layout.staged_step(step)
-        fmt, files = check_agreement(step, markers, str(staged))
-        verify_marked(staged, markers, fmt)
-        check_stored(fmt, staged, step, markers, self.policy.allow_pickle)
-        manifest = Manifest(
-            step=step,
-            world_size=markers[0].world_size,
-            format=markers[0].format,
-            attempt=markers[0].attempt,
-            run_id=layout.run_id,
-            files=files,
-        )
+        manifest = verified_manifest(step, markers, staged, layout.run_id, self.policy.allow_pickle)
         self.fence()
         try:
             manifest_hash = write_manifest(staged, manifest)
@@ -423,16 +365,5 @@ class Committer:
         inject("verify.before_latest", step=step)
         self.fence()
         self._move_latest(step, manifest_hash)
-        log.info("committed step %d (%d files) -> %s", step, len(files), layout.committed_step(step))
+        log.info("committed step %d (%d files) -> %s", step, len(manifest.files), layout.committed_step(step))
         return manifest_hash
-
-    def _move_latest(self, step: int, manifest_hash: str) -> None:
-        """``latest`` -> ``step``, unless it already names a newer published step (another committer's)."""
-        try:
-            newest = read_newest(self.layout)
-        except VerificationError:
-            newest = None  # a damaged latest: this commit replaces it
-        if newest is not None and newest.step > step:
-            log.warning("step %d is newer (another committer's): latest is not moved back to %d", newest.step, step)
-            return
-        write_latest(self.layout, step, manifest_hash, epoch=self.lease.epoch if self.lease else None)

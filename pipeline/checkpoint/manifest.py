@@ -240,9 +240,19 @@ def read_latest(layout: CheckpointLayout) -> Latest | None:
             "rerun verify_manifest to rebuild it from the newest step that verifies"
         )
     manifest_file = safe_join(layout.checkpoints, f"{step_name(step)}/{MANIFEST}")
-    if lstat_kind(manifest_file) != "file" or hash_file(manifest_file) != digest:
+    try:
+        same = lstat_kind(manifest_file) == "file" and hash_file(manifest_file) == digest
+    except FileNotFoundError:  # retired between the look and the read
+        same = False
+    if not same:
         raise VerificationError(f"{layout.latest} names step {step}, but {manifest_file} is missing or differs")
     return Latest(step=step, manifest_hash=digest)
+
+
+def pointer_step(layout: CheckpointLayout) -> int:
+    """The step the ``latest`` pointer itself names, checked (0: none)."""
+    latest = read_latest(layout)
+    return latest.step if latest else 0
 
 
 def read_newest(layout: CheckpointLayout) -> Latest | None:
@@ -279,7 +289,7 @@ def _newest_published(layout: CheckpointLayout, after: int) -> Latest | None:
         try:
             if read_manifest(manifest_file.parent).step == step:
                 return Latest(step=step, manifest_hash=hash_file(manifest_file))
-        except VerificationError:
+        except (VerificationError, FileNotFoundError):  # damaged, or retired while read
             continue
     return None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from pipeline.checkpoint.manifest import Marker, marker_path
+from pipeline.checkpoint.manifest import Manifest, Marker, marker_path
 from pipeline.errors import VerificationError, plural
 from pipeline.formats.registry import FORMATS, Format
 from pipeline.storage.integrity import FileEntry, verify_entries
@@ -85,3 +85,15 @@ def verify_marked(staged: Path, markers: list[Marker], fmt: Format) -> None:
         entries.extend(m.files)
         listed_in.extend([str(marker_path(staged, m.rank))] * len(m.files))
     verify_entries(staged, entries, listed_in)
+
+
+def verified_manifest(step: int, markers: list[Marker], step_dir: Path, run_id: str, allow_pickle: bool) -> Manifest:
+    """Every check of this module on ``step_dir``, then the manifest that commits it: a function of the markers
+    (one attempt) alone, so whichever committer writes it writes the same bytes."""
+    fmt, files = check_agreement(step, markers, str(step_dir))
+    verify_marked(step_dir, markers, fmt)
+    check_stored(fmt, step_dir, step, markers, allow_pickle)
+    first = markers[0]
+    return Manifest(
+        step=step, world_size=first.world_size, format=first.format, attempt=first.attempt, run_id=run_id, files=files
+    )
