@@ -188,6 +188,7 @@ class Committer(DuplicateTolerance):
         """What a committer does first: remove its own litter, re-verify ``latest`` (quarantining damage), and
         finish a commit that was interrupted between publishing a step and moving ``latest``."""
         repair.sweep_temp_files(self.storage, self.layout)
+        self._finish_unmanifested()  # before latest is judged: its step may be one
         self.report.quarantined += repair.recheck_latest(self.storage, self.layout)
         after = pointer_step(self.layout)
         for step, path in step_entries(self.storage, self.layout.checkpoints):
@@ -208,6 +209,7 @@ class Committer(DuplicateTolerance):
         """One look: commit every staged step newer than ``latest`` whose markers are all there (one attempt)
         and whose files verify; quarantine one that does not. Steps still incomplete are left for later."""
         done = []
+        self._finish_unmanifested()
         for step in self._candidates() + self._holes():
             staged = self.layout.staged_step(step)
             if self.storage.kind(self.layout.committed_step(step)) is not None or self.storage.kind(staged) != "dir":
@@ -220,7 +222,6 @@ class Committer(DuplicateTolerance):
                 continue  # damaged markers: the last pass quarantines the step
             if markers is not None and self._commit_or_quarantine(step, markers):
                 done.append(step)
-        self._finish_unmanifested()
         self._catch_up_latest()
         return done
 
