@@ -263,8 +263,13 @@ def read_newest(layout: CheckpointLayout) -> Latest | None:
     try:
         latest = read_latest(layout)
     except VerificationError:
-        named = _named_step(layout)  # a stale committer's pointer to a step retired since: newer ones decide
-        if named is None or (newer := _newest_published(layout, named)) is None:
+        # A stale committer's pointer to a step retired since (its directory is gone): the published steps
+        # decide. A pointer to a step that is there but differs is damage: the committer's recheck repairs it.
+        named = _named_step(layout)
+        if named is None or lstat_kind(layout.committed_step(named)) is not None:
+            raise
+        newer = _newest_published(layout, -1)
+        if newer is None:
             raise
         return newer
     return _newest_published(layout, latest.step if latest is not None else -1) or latest

@@ -168,7 +168,11 @@ class CommitterLease:
         self.epoch = (held.epoch if held is not None else 0) + 1
         if held is not None and held.live(now):
             log.warning("taking over the committer lease from %s: epoch %d fences it", held.describe(now), self.epoch)
-        if not self._write(version):
+        try:
+            written = self._write(version)
+        except FileNotFoundError:  # a rename raced by another node's onto the same name (seen on a FUSE mount)
+            written = False
+        if not written:
             raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._holder_line()}")
         time.sleep(SETTLE_S)
         try:
