@@ -175,10 +175,10 @@ class CommitterLease:
         if not written:
             raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._holder_line()}")
         time.sleep(SETTLE_S)
-        try:
-            self.fence()
-        except CommitterLost as e:
-            raise CommitterBusy(str(e)) from None
+        held = self.current()  # two starting at once: the record that stayed decides, whichever epoch it has
+        if held is None or held.token != self.token:
+            what = held.describe(time.time()) if held is not None else "a record that vanished"
+            raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {what}")
         self._thread = threading.Thread(target=self._beat, name="committer-lease", daemon=True)
         self._thread.start()
 
