@@ -1,9 +1,11 @@
-"""``python -m pipeline.status <run dir | run id | last> [--root DIR] [--experiment NAME] [--json]``
+"""``python -m pipeline.status <run dir | run id | last> [--root DIR] [--experiment NAME] [--json] [--verify]``
 
 Shows one run without touching it (no lease, nothing written): who owns it, each stage's last record (with the
 scheduler's word on its job), the errors and their logs, committed / staged / quarantined steps, retention,
-outputs, and the resume command. A library checkpoint dir shows its checkpoints. Exit 0 when the status could be
-shown (a failed run included), 2 for bad arguments or an unknown run (one line on stderr).
+outputs, and the resume command. A library checkpoint dir shows its checkpoints. ``--verify`` also re-hashes every
+committed step against its manifest and says per step ok or damaged (naming the file). Exit 0 when the status
+could be shown (a failed run included), 1 when ``--verify`` found a damaged step, 2 for bad arguments or an
+unknown run (one line on stderr).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from pathlib import Path
 
 from pipeline.errors import PipelineError, RunNotFoundError
-from pipeline.orchestration.run_status import collect, collect_checkpoints
+from pipeline.orchestration.run_status import collect, collect_checkpoints, verify_steps
 from pipeline.orchestration.status_view import render
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RUN_YAML, CheckpointLayout, RunLayout
@@ -33,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default=DEFAULT_ROOT, help="where runs live, as run.root (default: %(default)s)")
     p.add_argument("--experiment", help="look the id up under this experiment only (default: every experiment)")
     p.add_argument("--json", action="store_true", help="print the same data as one JSON object")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also re-hash every committed step's files against its manifest (reads every byte; changes nothing): "
+        "ok or damaged per step, exit 1 when one is damaged",
+    )
     return p
 
 
@@ -69,12 +77,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     status = collect(layout) if isinstance(layout, RunLayout) else collect_checkpoints(layout)
-    text = json.dumps(status, indent=2, default=str) if args.json else "\n".join(render(status))
+    lines = list(render(status))
+    if args.verify:
+        try:
+            checks = status["verify"] = verify_steps(layout)
+        except (PipelineError, OSError) as e:
+            print(f"error: cannot verify: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        lines += [f"verify: step {v['step']} {'ok' if v['ok'] else 'DAMAGED: ' + v['error']}" for v in checks]
+        lines.append(f"verify: {sum(v['ok'] for v in checks)} of {len(checks)} committed step(s) ok")
+    text = json.dumps(status, indent=2, default=str) if args.json else "\n".join(lines)
     try:
         print(text, flush=True)
     except BrokenPipeError:  # piped into head & co.: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail again
-    return 0
+    return 1 if any(not v["ok"] for v in status.get("verify", ())) else 0
 
 
 if __name__ == "__main__":

@@ -13,11 +13,16 @@ same bytes as the latest committed step's piece of that name does not write it a
   object_key`). Retention deletes a piece only when no committed manifest lists it.
 
 Either way the committer re-reads and checks every file of a step, shared or not, before its manifest is written.
+A piece is taken only from a committed step (POSIX, besides: the step this process saved last, at the very inode
+it wrote), with the size listed. A damaged piece that verification finds leaves for ``quarantine/`` with every
+committed step that holds it (:func:`pipeline.checkpoint.repair.quarantine_damage`; in a bucket,
+:func:`pipeline.checkpoint.remote_pieces.holders`), so no source lists it any more and the next save writes it.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,7 @@ from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.formats.dcp_pieces import Pieces
 from pipeline.storage.atomic import link_file
-from pipeline.storage.integrity import FileEntry, lstat_kind, safe_join
+from pipeline.storage.integrity import FileEntry, safe_join
 from pipeline.storage.layout import CheckpointLayout
 
 FROZEN, BUFFERS = "frozen", "buffers"
@@ -52,15 +57,24 @@ def shared_groups(module: torch.nn.Module, under: str) -> dict[str, str]:
     return out
 
 
-_RECENT: dict[tuple[Path, int], tuple[int, dict[str, FileEntry]]] = {}
-"""POSIX: the pieces each rank of this process last saved (by checkpoints dir), so the next save may link them
-while that step still waits for its commit (a bucket shares only what a committed manifest lists)."""
+_RECENT: dict[tuple[Path, int], tuple[int, dict[str, FileEntry], dict[str, tuple[int, int]]]] = {}
+"""POSIX: the pieces each rank of this process last saved (by checkpoints dir), with the inode each was written
+to, so the next save may link them while that step still waits for its commit (a bucket shares only what a
+committed manifest lists). Only that inode is ever linked: a step that was quarantined since (its files moved
+out), or a path that names another file now, is not a source."""
 
 
 def remember(layout: CheckpointLayout, rank: int, step: int, files: tuple[FileEntry, ...]) -> None:
     """Rank ``rank`` wrote its marker for ``step`` listing ``files``: its pieces may be linked by its next save."""
     own = {e.path: e for e in files if e.path.startswith(f"__{rank}_") and is_piece(e.path)}
-    _RECENT[(layout.checkpoints, rank)] = (step, own)
+    inodes: dict[str, tuple[int, int]] = {}
+    for name in own:
+        try:
+            st = os.lstat(layout.staged_step(step) / name)
+        except OSError:
+            continue
+        inodes[name] = (st.st_dev, st.st_ino)
+    _RECENT[(layout.checkpoints, rank)] = (step, own, inodes)
 
 
 def for_rank(
@@ -92,11 +106,20 @@ def for_rank(
             previous = mine(read_manifest(sources[0]).files)
     except (VerificationError, OSError):
         previous, sources = {}, []
-    step, recent = _RECENT.get((layout.checkpoints, rank), (0, {}))
+    step, recent, inodes = _RECENT.get((layout.checkpoints, rank), (0, {}, {}))
+    only: dict[str, tuple[int, int]] | None = None  # None: any file of the committed step with the listed size
     if recent and (latest is None or step > latest.step):
         previous = recent  # newer than latest: its files are where the committer leaves them, staged or published
         sources = [layout.staged_step(step), layout.committed_step(step)]
-    return Pieces(groups, previous, lambda name: any(link_piece(src, staged, name) for src in sources))
+        only = inodes
+
+    def reuse(name: str) -> bool:
+        if only is not None and name not in only:
+            return False
+        ident = only[name] if only is not None else None
+        return any(link_piece(src, staged, name, previous[name].size, ident) for src in sources)
+
+    return Pieces(groups, previous, reuse)
 
 
 def _still_stored(remote: Remote, entry: FileEntry) -> bool:
@@ -109,12 +132,18 @@ def _still_stored(remote: Remote, entry: FileEntry) -> bool:
     return info is not None and info.size == entry.size
 
 
-def link_piece(step_dir: Path, staged: Path, name: str) -> bool:
+def link_piece(
+    step_dir: Path, staged: Path, name: str, size: int | None = None, inode: tuple[int, int] | None = None
+) -> bool:
     """Hard-link the committed step's file ``name`` into ``staged`` (replacing a stale one there); False when it
-    cannot be (gone by retention meanwhile, a filesystem without hard links): the piece is then written."""
+    cannot be (gone by retention or quarantine meanwhile, a filesystem without hard links) or when it is not the
+    file expected (``size`` bytes; ``inode``: that very file): the piece is then written."""
     try:
         src = safe_join(step_dir, name)  # every component lstat-checked: a planted link is never followed
-        if lstat_kind(src) != "file":
+        st = os.lstat(src)
+        if not stat.S_ISREG(st.st_mode) or size is not None and st.st_size != size:
+            return False
+        if inode is not None and (st.st_dev, st.st_ino) != inode:
             return False
         link_file(src, staged / name)
     except (OSError, VerificationError):

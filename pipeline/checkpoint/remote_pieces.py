@@ -1,7 +1,9 @@
 """Shared pieces in a bucket (``pieces/<xxh3-128>``): which are still needed, and deleting the rest.
 
 Inputs: the committed manifests (and, for the sweep, the markers of staged attempts) under one checkpoints root.
-Outputs: deletions of piece objects that no committed manifest lists; a quarantined attempt's note on its pieces.
+Outputs: deletions of piece objects that no committed manifest lists; a quarantined attempt's note on its pieces;
+which pieces of a step that failed verification are damaged, and which other committed steps list them (the
+committer quarantines those too: one object, one damage).
 Owner: the one committer (``pipeline/checkpoint/remote_committer.py``) calls these; nothing else deletes a piece.
 
 A piece is deleted only when no committed manifest lists it, decided from every committed manifest read at that
@@ -14,10 +16,13 @@ attempt's uploads), when no rank of the run uploads any more.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from pipeline.checkpoint.remote import Remote, is_marker_name
-from pipeline.errors import VerificationError
+from pipeline.errors import PipelineError, VerificationError
+from pipeline.formats.dcp_names import is_piece
 from pipeline.storage.faults import inject
+from pipeline.storage.integrity import FileEntry
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +92,34 @@ def quarantine_note(remote: Remote, step: int, attempt: str, keys: list[str]) ->
         f"shared pieces its markers list (left in {remote.url(remote.pieces_prefix())}, not copied: "
         f"{len(pieces)} object(s), {sum(pieces.values())} bytes): {', '.join(sorted(pieces))}\n"
     )
+
+
+def damaged(remote: Remote, files: Iterable[FileEntry]) -> dict[str, FileEntry]:
+    """The pieces among ``files`` whose object is missing, or has another size or hash than listed: key -> entry
+    (each read once; one that cannot be read now is not called damaged)."""
+    out: dict[str, FileEntry] = {}
+    seen: set[str] = set()
+    for e in files:
+        keys = remote.piece_keys((e,)) if is_piece(e.path) else set()
+        for key in keys - seen:
+            seen.add(key)
+            try:
+                info = remote.store.head(key)
+                ok = info is not None and info.size == e.size
+                ok = ok and remote.store.download(key, e.size, None) == (e.size, e.hash)
+            except (PipelineError, OSError):
+                continue
+            if not ok:
+                out[key] = e
+    return out
+
+
+def holders(remote: Remote, keys: set[str], besides: int) -> dict[int, list[str]]:
+    """Committed steps other than ``besides`` whose manifest lists one of ``keys``: step -> those keys."""
+    out: dict[int, list[str]] = {}
+    for step in remote.committed() if keys else []:
+        found = remote.read_manifest_or_none(step) if step != besides else None
+        hit = sorted(remote.piece_keys(found.files) & keys) if found is not None else []
+        if hit:
+            out[step] = hit
+    return out

@@ -6,6 +6,9 @@ leaves the newest step that verifies as ``latest``.
   a manifest that is not the one ``latest`` recorded, garbage in ``latest`` itself), and ``step_N`` entries that
   are links or files, move to ``quarantine/`` (never deleted), and ``latest`` goes back to the newest step that
   verifies (or is removed if none does);
+* :func:`quarantine_damage`: a damaged step moves to ``quarantine/`` together with every committed step that
+  holds one of its damaged files (a piece of an incremental save hard-linked into several steps: one inode, so
+  one damage), each note naming the piece; ``latest`` then goes back to the newest step that verifies;
 * :func:`quarantine`: a path moved aside with the reason beside it.
 """
 
@@ -13,14 +16,30 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
-from pipeline.checkpoint.manifest import MANIFEST, read_latest, verify_committed, write_latest
+from pipeline.checkpoint.manifest import (
+    MANIFEST,
+    MARKER_RE,
+    Marker,
+    read_latest,
+    read_manifest,
+    verify_committed,
+    write_latest,
+)
 from pipeline.errors import VerificationError
 from pipeline.storage.atomic import is_temp_name, json_bytes
 from pipeline.storage.backend import Storage
-from pipeline.storage.integrity import hash_file, read_record_json
+from pipeline.storage.integrity import (
+    FileEntry,
+    hash_file,
+    lstat_kind,
+    read_record_json,
+    safe_join,
+    verify_entries,
+)
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 
 log = logging.getLogger(__name__)
@@ -58,15 +77,26 @@ def planted(storage: Storage, layout: CheckpointLayout) -> list[Path]:
     return [p for area in areas for _, p in step_entries(storage, area) if storage.kind(p) != "dir"]
 
 
-def quarantine(storage: Storage, layout: CheckpointLayout, path: Path, reason: str, step: int | None = None) -> Path:
-    """Move ``path`` (a step dir, a planted link, a damaged ``latest``) into ``quarantine/``, with the reason."""
+def quarantine(
+    storage: Storage,
+    layout: CheckpointLayout,
+    path: Path,
+    reason: str,
+    step: int | None = None,
+    damaged: dict[str, object] | None = None,
+) -> Path:
+    """Move ``path`` (a step dir, a planted link, a damaged ``latest``) into ``quarantine/``, with the reason.
+    ``damaged``: the damaged shared piece that took it there (its file, where it was found, why, with which steps)."""
     where = storage.move_aside(path, layout.quarantine, f"{path.name}.{int(time.time())}")
     is_dir = storage.kind(where) == "dir"
     note = quarantine_note(where, is_dir)
     record: dict[str, object] = {"path": str(path), "reason": reason, "step": step}
     shared = _linked_files(where) if is_dir else {}
-    if shared:  # pieces of an incremental save: their bytes are other steps' too, and stay theirs
-        record["shared"] = {"files": sorted(shared), "bytes": sum(shared.values())}
+    if shared or damaged:  # pieces of an incremental save: their bytes are other steps' too, and stay theirs
+        pieces: dict[str, object] = {"files": sorted(shared), "bytes": sum(shared.values())}
+        if damaged:
+            pieces["damaged"] = damaged
+        record["shared"] = pieces
     storage.write_atomic(note, json_bytes(record))
     log.error("QUARANTINED %s: %s -> %s", path, reason, where)
     return where
@@ -89,21 +119,39 @@ def _linked_files(step_dir: Path) -> dict[str, int]:
     return out
 
 
-def _newest_verifying(storage: Storage, layout: CheckpointLayout) -> tuple[int, str] | None:
-    """The newest published step whose files verify against its manifest and markers: (step, manifest hash)."""
+def _newest_verifying(storage: Storage, layout: CheckpointLayout, repairs: list[str]) -> tuple[int, str] | None:
+    """The newest published step whose files verify against its manifest and markers: (step, manifest hash).
+    A newer step that does not verify is damage: it is quarantined (with the steps that share its damaged
+    pieces) rather than left above ``latest``, where every later commit would meet it again."""
     for step, path in reversed(step_entries(storage, layout.checkpoints)):
+        if storage.kind(path) != "dir":
+            continue  # quarantined meanwhile with a step that shares its damaged piece
         try:
             verify_committed(path, step)
         except VerificationError as e:
             log.warning("committed step %d does not verify, not a candidate for latest: %s", step, e)
+            where, more = quarantine_damage(storage, layout, path, str(e), step, fall_back=False)
+            repairs += [f"step {step} does not verify either: {e} (moved to {where})", *more]
             continue
         return step, hash_file(path / MANIFEST)
     return None
 
 
+def _fall_back(storage: Storage, layout: CheckpointLayout, repairs: list[str]) -> tuple[int, str] | None:
+    """``latest`` -> the newest step that verifies (or removed if none does); returns that step."""
+    fallback = _newest_verifying(storage, layout, repairs)
+    if fallback is None:
+        if storage.kind(layout.latest) is not None:
+            storage.delete_file(layout.latest)
+    else:
+        write_latest(layout, *fallback)
+    return fallback
+
+
 def recheck_latest(storage: Storage, layout: CheckpointLayout) -> list[str]:
-    """Re-verify the step ``latest`` names; on damage quarantine it and point ``latest`` at the newest step
-    that verifies (or remove ``latest`` if none does). Returns what was repaired."""
+    """Re-verify the step ``latest`` names; on damage quarantine it (with every committed step that shares a
+    damaged piece of it) and point ``latest`` at the newest step that verifies (or remove ``latest`` if none
+    does). Returns what was repaired."""
     repairs: list[str] = []
     for path in planted(storage, layout):
         kind = storage.kind(path)
@@ -119,20 +167,132 @@ def recheck_latest(storage: Storage, layout: CheckpointLayout) -> list[str]:
         problem = str(e)
     damaged = latest_step_name(layout)
     step_damaged = damaged is not None and storage.kind(layout.committed_step(damaged)) is not None
+    shared: list[str] = []
     if damaged is not None and step_damaged:
-        where = quarantine(storage, layout, layout.committed_step(damaged), problem, damaged)
+        where, shared = quarantine_damage(storage, layout, layout.committed_step(damaged), problem, damaged, False)
     else:
         where = quarantine(storage, layout, layout.latest, problem)
-    fallback = _newest_verifying(storage, layout)
+    fallback = _fall_back(storage, layout, shared)
     if fallback is None:
-        storage.delete_file(layout.latest)
         now = "latest removed (no committed step verifies)"
     else:
-        write_latest(layout, *fallback)
         now = f"latest moved back to step {fallback[0]}" if step_damaged else f"latest rebuilt as step {fallback[0]}"
         now += ", the newest step that verifies"
     repairs.append(f"{now}: {problem} (moved to {where}); rerun to train again from there")
-    return repairs
+    return repairs + shared
+
+
+# -- damage shared by several steps (the pieces of incremental saves) ----------------------------------------
+
+
+def quarantine_damage(
+    storage: Storage, layout: CheckpointLayout, path: Path, problem: str, step: int | None, fall_back: bool = True
+) -> tuple[Path, list[str]]:
+    """Quarantine the step at ``path`` (committed or staged) that failed verification with ``problem``, and with
+    it every committed step holding one of its damaged files under the same inode (a hard-linked piece: the
+    same bytes, the same damage), each note naming the piece. ``fall_back``: then, if the step ``latest`` names
+    went too, ``latest`` moves back to the newest step that verifies (or is removed). Returns where ``path``
+    went and a line per other step quarantined (and for ``latest``)."""
+    bad = damaged_links(path)  # before the move: the names are the step's
+    where = quarantine(storage, layout, path, problem, step, _damage_note(bad, path, problem) if bad else None)
+    lines: list[str] = []
+    wanted = {ident: entry for ident, entry in bad.values()}
+    for other, (other_path, held) in holders(storage, layout, set(wanted), path).items():
+        names = sorted(name for name, ident in held if _holds_damage(other_path, name, wanted[ident]))
+        if not names:
+            continue
+        why = f"{', '.join(names)}: one file (hard link) with the damaged one(s) of {path}: {problem}"
+        moved = quarantine(storage, layout, other_path, why, other, _damage_note(bad, path, problem))
+        lines.append(f"step {other}: holds {', '.join(names)}, damaged in {path} too (moved to {moved})")
+    named = latest_step_name(layout)
+    if fall_back and lines and named is not None and storage.kind(layout.committed_step(named)) is None:
+        fallback = _fall_back(storage, layout, lines)
+        lines.append(f"latest moved back to step {fallback[0]}" if fallback else "latest removed (no step verifies)")
+    return where, lines
+
+
+def _damage_note(bad: dict[str, tuple[tuple[int, int], FileEntry]], path: Path, problem: str) -> dict[str, object]:
+    return {"files": sorted(bad), "found_in": str(path), "reason": problem}
+
+
+def _holds_damage(step_dir: Path, name: str, bad: FileEntry) -> bool:
+    """Whether ``step_dir``'s ``name`` (one inode with a file that does not match ``bad``) fails what
+    ``step_dir`` itself lists for it: at once when it lists the same size and hash, else re-hashed. A file the
+    step does not list, or a step whose list cannot be read, is left to its own verification."""
+    mine = next((e for e in _listed(step_dir) if e.path == name), None)
+    if mine is None:
+        return False
+    if (mine.size, mine.hash) == (bad.size, bad.hash):
+        return True
+    try:
+        verify_entries(step_dir, [mine], str(step_dir))
+    except (VerificationError, OSError):
+        return True
+    return False
+
+
+def _listed(step_dir: Path) -> list[FileEntry]:
+    """The files a step lists: its manifest's (committed), else its readable markers' (staged); unreadable: none."""
+    try:
+        if lstat_kind(step_dir / MANIFEST) == "file":
+            return list(read_manifest(step_dir).files)
+        names = [e.name for e in os.scandir(step_dir) if MARKER_RE.match(e.name) and e.is_file(follow_symlinks=False)]
+    except (OSError, VerificationError):
+        return []
+    out: list[FileEntry] = []
+    for name in names:
+        try:
+            out += Marker.from_json(read_record_json(step_dir / name, "marker"), str(step_dir / name)).files
+        except (OSError, VerificationError):
+            continue
+    return out
+
+
+def damaged_links(step_dir: Path) -> dict[str, tuple[tuple[int, int], FileEntry]]:
+    """The files of ``step_dir`` that another name holds too (a hard link: several steps' piece) and that do not
+    match what the step lists for them: name -> ((st_dev, st_ino), entry). Only those are re-hashed, one by one;
+    nothing is followed through a symlink."""
+    out: dict[str, tuple[tuple[int, int], FileEntry]] = {}
+    for e in _listed(step_dir):
+        try:
+            st = os.lstat(safe_join(step_dir, e.path))
+        except (OSError, VerificationError):
+            continue  # missing or unsafe: this step's own damage, no other step's
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2:
+            continue
+        try:
+            verify_entries(step_dir, [e], str(step_dir))
+        except (VerificationError, OSError):
+            out[e.path] = ((st.st_dev, st.st_ino), e)
+    return out
+
+
+def holders(
+    storage: Storage, layout: CheckpointLayout, idents: set[tuple[int, int]], besides: Path
+) -> dict[int, tuple[Path, list[tuple[str, tuple[int, int]]]]]:
+    """Committed steps other than ``besides`` with files of those inodes (lstat only, never followed):
+    step -> (the step dir, [(the file's name, its inode)])."""
+    out: dict[int, tuple[Path, list[tuple[str, tuple[int, int]]]]] = {}
+    if not idents:
+        return out
+    inodes = {ino for _, ino in idents}
+    for step, path in step_entries(storage, layout.checkpoints):
+        if path == besides or storage.kind(path) != "dir":
+            continue
+        try:
+            entries = list(os.scandir(path))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.inode() not in inodes or not entry.is_file(follow_symlinks=False):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in idents:
+                out.setdefault(step, (path, []))[1].append((entry.name, (st.st_dev, st.st_ino)))
+    return out
 
 
 def latest_step_name(layout: CheckpointLayout) -> int | None:

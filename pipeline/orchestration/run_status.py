@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint import pieces
-from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest
+from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest, verify_committed
 from pipeline.checkpoint.ownership import committer_alive, live_holder
 from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
@@ -328,6 +328,30 @@ def _committer_line(layout: CheckpointLayout) -> str | None:
     """Who commits these checkpoints now, as its lease record says (any node), or None."""
     held = live_holder(layout.checkpoints)
     return held.describe(time.time()) if held is not None else None
+
+
+def verify_steps(layout: CheckpointLayout) -> list[Status]:
+    """``--verify``: every committed step's files re-hashed against its manifest, read in place (in a bucket
+    nothing is cached), nothing changed: ``{"step", "ok", "error"}`` per step, the error naming the damaged file."""
+    if isinstance(layout, RunLayout):
+        ck = _config(layout)[0].get("checkpoint")
+        url = ck.get("storage") if isinstance(ck, dict) else None
+        at = S3Url.parse(url).join(layout.run_dir.parent.name, layout.run_id) if isinstance(url, str) and url else None
+        remote = Remote(root=at, cache_dir=layout.run_dir) if at is not None else None
+    else:
+        remote = remote_at(None, layout.run_dir)
+    out: list[Status] = []
+    steps = remote.committed() if remote is not None else [s for _, s in _step_entries(layout.checkpoints)]
+    for step in steps:
+        try:
+            if remote is None:
+                verify_committed(layout.committed_step(step), step)
+            elif (found := remote.read_manifest(step)) is not None:
+                remote.fetch_verified(found[0], None)
+            out.append({"step": step, "ok": True, "error": None})
+        except (PipelineError, OSError) as e:
+            out.append({"step": step, "ok": False, "error": _why(e)})
+    return out
 
 
 def collect_checkpoints(layout: CheckpointLayout) -> Status:
