@@ -263,34 +263,36 @@ class RemoteCommitter(Committer):
             listed = [f for m in self.remote.markers(step, attempt, self.policy.world_size) if m for f in m.files]
         except VerificationError:
             listed = []
-        bad = remote_pieces.damaged(self.remote, listed)
         where = self._move_to_quarantine(step, attempt, str(e))
         self.report.quarantined.append(f"step {step}: {e} (moved to {where})")
-        self._quarantine_holders(bad, step, str(e))
+        self._quarantine_holders(listed, step, str(e))
 
     def _quarantine_committed(self, step: int, reason: str, holders: bool = True) -> None:
         """A committed step that does not verify: its manifest goes first (it is no longer committed), then its
         objects move to quarantine; then (``holders``) every committed step listing one of its damaged pieces."""
         remote = self.remote
         found = remote.read_manifest_or_none(step)
-        bad = remote_pieces.damaged(remote, found.files) if found is not None and holders else {}
         remote.store.delete([remote.manifest_key(step)])
         for attempt in remote.attempts(step):
             where = self._move_to_quarantine(step, attempt, reason)
             self.report.quarantined.append(f"step {step}: {reason} (moved to {where})")
         if found is None:
             self.report.quarantined.append(f"step {step}: {reason}")
-        self._quarantine_holders(bad, step, reason)
+        if holders and found is not None:
+            self._quarantine_holders(list(found.files), step, reason)
 
-    def _quarantine_holders(self, bad: dict[str, FileEntry], step: int, reason: str) -> None:
-        """Every committed step listing a damaged piece of ``step`` (one object: one damage) goes to quarantine,
-        its note naming the piece; ``latest`` moves back if its step was one of them."""
+    def _quarantine_holders(self, files: list[FileEntry], step: int, reason: str) -> None:
+        """Every committed step listing a piece of ``files`` (``step``'s) that is damaged goes to quarantine too
+        (one object: one damage), its note naming the piece; ``latest`` moves back if its step was one of them.
+        Only pieces another committed step lists are re-read."""
         latest, _ = self._safe_latest()
-        hit = remote_pieces.holders(self.remote, set(bad), step)
-        for other, keys in hit.items():
+        others = remote_pieces.holders(self.remote, self.remote.piece_keys(tuple(files)), step)
+        bad = remote_pieces.damaged(self.remote, files, {k for keys in others.values() for k in keys})
+        hit = {s: [k for k in keys if k in bad] for s, keys in others.items()}
+        for other, keys in ((s, ks) for s, ks in hit.items() if ks):
             names = ", ".join(f"{self.remote.url(k)} ({bad[k].path})" for k in keys)
             self._quarantine_committed(other, f"lists damaged piece {names}, as step {step} does: {reason}", False)
-        if latest is not None and latest.step in hit:
+        if latest is not None and hit.get(latest.step):
             self._move_back(latest.step)
 
     def _move_to_quarantine(self, step: int, attempt: str, reason: str) -> str:

@@ -94,13 +94,13 @@ def quarantine_note(remote: Remote, step: int, attempt: str, keys: list[str]) ->
     )
 
 
-def damaged(remote: Remote, files: Iterable[FileEntry]) -> dict[str, FileEntry]:
-    """The pieces among ``files`` whose object is missing, or has another size or hash than listed: key -> entry
-    (each read once; one that cannot be read now is not called damaged)."""
+def damaged(remote: Remote, files: Iterable[FileEntry], among: set[str]) -> dict[str, FileEntry]:
+    """The pieces among ``files`` with a key in ``among`` whose object is missing, or has another size or hash
+    than listed: key -> entry (each read once; one that cannot be read now is not called damaged)."""
     out: dict[str, FileEntry] = {}
     seen: set[str] = set()
     for e in files:
-        keys = remote.piece_keys((e,)) if is_piece(e.path) else set()
+        keys = remote.piece_keys((e,)) & among if is_piece(e.path) else set()
         for key in keys - seen:
             seen.add(key)
             try:
