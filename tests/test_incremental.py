@@ -27,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from pipeline.checkpoint import Checkpointer, pieces, rank_save
 from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.manifest import read_latest, verify_committed
+from pipeline.checkpoint.ownership import LEASE
 from pipeline.checkpoint.rank_save import RankTarget
 from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.retention import retire
@@ -335,7 +336,7 @@ def test_every_retention_order_in_a_bucket_deletes_a_piece_only_when_no_manifest
     per_step = {s: _step_keys(template, s) for s in STEPS}
 
     def expected(remaining: frozenset[int]) -> set[str]:
-        return {k for s in remaining for k in per_step[s]} | {template.key("latest")}
+        return {k for s in remaining for k in per_step[s]} | {template.key("latest"), template.key(LEASE)}
 
     work = Remote(S3Url(bucket, f"{prefix}/work"), cache_dir=layout.run_dir)
     c = remote_committer(layout, work)
@@ -411,7 +412,7 @@ def test_a_crash_in_bucket_retention_never_leaves_a_committed_step_without_its_p
             c.recover()
             c.finish(None, lambda: False)
         remaining = remote.committed()
-        want = {k for s in remaining for k in _step_keys(remote, s)} | {remote.key("latest")}
+        want = {k for s in remaining for k in _step_keys(remote, s)} | {remote.key("latest"), remote.key(LEASE)}
         assert set(keys(bucket, remote.root.prefix + "/")) == want, f"after the sweep that follows {fault}"
     assert remote.committed() == [3, 4, 5, 6]  # the crash at the first request deleted nothing
 

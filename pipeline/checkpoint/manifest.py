@@ -269,7 +269,7 @@ def read_newest(layout: CheckpointLayout) -> Latest | None:
         if named is None or lstat_kind(layout.committed_step(named)) is not None:
             raise
         newer = _newest_published(layout, -1)
-        if newer is None:
+        if newer is None or named > newer.step:  # a retired step is older than what is published; garbage is not
             raise
         return newer
     return _newest_published(layout, latest.step if latest is not None else -1) or latest
