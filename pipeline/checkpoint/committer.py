@@ -210,6 +210,10 @@ class Committer(DuplicateTolerance):
         and whose files verify; quarantine one that does not. Steps still incomplete are left for later."""
         done = []
         self._finish_unmanifested()
+        try:
+            latest_step(self.layout)
+        except VerificationError:  # a damaged latest, or a stale committer's pointer to a step retired since
+            self.report.quarantined += repair.recheck_latest(self.storage, self.layout)
         for step in self._candidates() + self._holes():
             staged = self.layout.staged_step(step)
             if self.storage.kind(self.layout.committed_step(step)) is not None or self.storage.kind(staged) != "dir":

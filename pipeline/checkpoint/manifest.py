@@ -233,7 +233,15 @@ def read_latest(layout: CheckpointLayout) -> Latest | None:
     except FileNotFoundError:
         return None
     step, digest = (obj.get("step"), obj.get("manifest_hash")) if isinstance(obj, dict) else (None, None)
-    if type(step) is not int or step < 0 or not isinstance(digest, str) or obj.get("dir") != step_name(step):
+    epoch = obj.get("epoch", 0) if isinstance(obj, dict) else 0  # who moved it (optional: older pointers lack it)
+    bad_epoch = type(epoch) is not int or epoch < 0
+    if (
+        type(step) is not int
+        or step < 0
+        or not isinstance(digest, str)
+        or obj.get("dir") != step_name(step)
+        or bad_epoch
+    ):
         shown = repr(obj)[:120]
         raise VerificationError(
             f"{layout.latest} is malformed ({shown}): it must name step, dir and manifest_hash; "
@@ -260,28 +268,8 @@ def read_newest(layout: CheckpointLayout) -> Latest | None:
     after the step ``latest`` names (its manifest is the commit; ``latest`` lags when a commit was interrupted
     before moving it, or a stale committer on another node moved it back) is newer: ``latest`` never regresses
     for a reader. Every file of the step returned is still to be verified by the caller."""
-    try:
-        latest = read_latest(layout)
-    except VerificationError:
-        # A stale committer's pointer to a step retired since (its directory is gone): the published steps
-        # decide. A pointer to a step that is there but differs is damage: the committer's recheck repairs it.
-        named = _named_step(layout)
-        if named is None or lstat_kind(layout.committed_step(named)) is not None:
-            raise
-        newer = _newest_published(layout, -1)
-        if newer is None or named > newer.step:  # a retired step is older than what is published; garbage is not
-            raise
-        return newer
+    latest = read_latest(layout)  # a pointer naming a missing step is refused: the committer's recheck repairs it
     return _newest_published(layout, latest.step if latest is not None else -1) or latest
-
-
-def _named_step(layout: CheckpointLayout) -> int | None:
-    try:
-        obj = read_record_json(layout.latest, "latest pointer")
-    except (OSError, VerificationError):
-        return None
-    step = obj.get("step") if isinstance(obj, dict) else None
-    return step if type(step) is int and step >= 0 else None
 
 
 def _newest_published(layout: CheckpointLayout, after: int) -> Latest | None:
