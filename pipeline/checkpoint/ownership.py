@@ -280,7 +280,7 @@ class FileLease:
             return None, None
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except (FileNotFoundError, OSError):
+        except OSError:  # gone between the look and the open, or unreadable: no holder to obey
             return None, None
         with os.fdopen(fd, "rb") as f:
             data = f.read(1 << 16)
