@@ -38,10 +38,10 @@ import boto3  # noqa: E402
 import torch  # noqa: E402
 from boto3.s3.transfer import TransferConfig  # noqa: E402
 
-from pipeline.checkpoint.committer import CommitPolicy  # noqa: E402
+from pipeline.checkpoint.bucket_store import BucketCheckpoints  # noqa: E402
+from pipeline.checkpoint.committer import CommitPolicy, Committer  # noqa: E402
 from pipeline.checkpoint.manifest import Marker  # noqa: E402
 from pipeline.checkpoint.remote import Remote  # noqa: E402
-from pipeline.checkpoint.remote_committer import RemoteCommitter  # noqa: E402
 from pipeline.formats.registry import FORMATS, Format, _dcp_owner  # noqa: E402
 from pipeline.storage import s3  # noqa: E402
 from pipeline.storage.integrity import describe  # noqa: E402
@@ -152,7 +152,7 @@ def commit_scale(tmp: Path, bucket: str, sizes: list[int]) -> dict[str, object]:
         with cf.ThreadPoolExecutor(16) as pool:
             list(pool.map(stage, range(ranks)))
         staged_s = time.monotonic() - t0
-        committer = RemoteCommitter(layout, remote, CommitPolicy(world_size=ranks))
+        committer = Committer(layout, CommitPolicy(world_size=ranks), BucketCheckpoints(layout, remote))
         with committer.hold():
             t0 = time.monotonic()
             done = committer.commit_ready()
@@ -179,7 +179,7 @@ def consolidation(tmp: Path, bucket: str, mb: int, rounds: int) -> dict[str, obj
     state = {"model": {f"w{i}": torch.randn(4096, 4096) for i in range(n)}}  # 64 MiB each
     result = rank_save.save_dcp(RankTarget(layout, 0, 1, "a", remote=remote), 1, state, None)
     assert result.ok, result.error
-    committer = RemoteCommitter(layout, remote, CommitPolicy(world_size=1))
+    committer = Committer(layout, CommitPolicy(world_size=1), BucketCheckpoints(layout, remote))
     with committer.hold():
         assert committer.commit_ready() == [1], committer.report.quarantined
     manifest = remote.read_manifest(1)

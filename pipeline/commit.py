@@ -24,7 +24,7 @@ from types import FrameType
 from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
 from pipeline.checkpoint.ownership import DEFAULT_LEASE_S
 from pipeline.checkpoint.remote import remote_at
-from pipeline.checkpoint.remote_committer import RemoteCommitter
+from pipeline.checkpoint.stores import store_for
 from pipeline.errors import PipelineError
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import CheckpointLayout
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    committer = Committer(layout, policy) if remote is None else RemoteCommitter(layout, remote, policy)
+    committer = Committer(layout, policy, store_for(layout, remote))
     try:
         with committer.hold():
             committer.recover()

@@ -39,7 +39,7 @@ from pipeline.storage.integrity import describe, hash_file
 from pipeline.storage.layout import CheckpointLayout, RunLayout
 from pipeline.storage.s3 import S3Url
 from tests.conftest import ROOT, run_cli
-from tests.s3.helpers import assert_invariants, keys
+from tests.s3.helpers import assert_invariants, bucket_store, keys
 from tests.s3.helpers import committer as remote_committer
 from tests.seed_helpers import TEST_FORMAT
 
@@ -354,7 +354,7 @@ def test_every_retention_order_in_a_bucket_deletes_a_piece_only_when_no_manifest
         current.update(want)
 
     def remove(step: int) -> None:
-        c.remove_step(step)
+        bucket_store(c).remove_step(step)
 
     def state() -> frozenset[int]:
         now = set(keys(bucket, work.root.prefix + "/"))
@@ -404,7 +404,7 @@ def test_a_crash_in_bucket_retention_never_leaves_a_committed_step_without_its_p
     for step, fault in ((1, "retention.after_manifest"), (2, "retention.pieces"), (3, "s3.delete")):
         monkeypatch.setenv("PIPELINE_FAULTS", fault)
         with pytest.raises(InjectedFault):
-            remote_committer(layout, remote).remove_step(step)
+            bucket_store(remote_committer(layout, remote)).remove_step(step)
         monkeypatch.delenv("PIPELINE_FAULTS")
         assert assert_invariants(layout, remote) == 6, f"after a crash at {fault}"
         c = remote_committer(layout, remote)

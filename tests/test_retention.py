@@ -12,7 +12,8 @@ import pytest
 from pipeline.checkpoint import retention
 from pipeline.checkpoint.manifest import MANIFEST
 from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER
-from pipeline.checkpoint.retention import TRASH, Decision, apply, decide
+from pipeline.checkpoint.posix_store import PosixCheckpoints
+from pipeline.checkpoint.retention import TRASH, Decision, decide
 from pipeline.config.schema import CheckpointConfig
 from pipeline.errors import ConfigError
 from pipeline.storage import faults
@@ -21,6 +22,11 @@ from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import RunLayout
 
 # --- the pure decision ---------------------------------------------------------------------------------------
+
+
+def apply(layout: RunLayout, cfg: retention.Policy, *, latest_step: int | None) -> Decision:
+    """Retention as the committer applies it to a checkpoints dir."""
+    return retention.apply(PosixCheckpoints(layout), cfg, latest_step=latest_step)
 
 
 def _split(d: Decision) -> tuple[list[int], list[int]]:

@@ -18,6 +18,7 @@ import pytest
 import tests.seed_helpers as sh
 from pipeline import status
 from pipeline.checkpoint import retention
+from pipeline.checkpoint.posix_store import PosixCheckpoints
 from pipeline.config.compose import load_config
 from pipeline.config.identity import write_run_record
 from pipeline.config.schema import CheckpointConfig, PipelineConfig
@@ -374,7 +375,9 @@ def test_retention_decisions_are_shown(
 ) -> None:
     cfg, layout = run
     _finish(cfg, layout)
-    retention.apply(layout, CheckpointConfig(keep_last=1), latest_step=8)  # the record the committer writes
+    retention.apply(
+        PosixCheckpoints(layout), CheckpointConfig(keep_last=1), latest_step=8
+    )  # the record the committer writes
     code, out, _ = _status(capsys, str(layout.run_dir))
     assert code == 0
     assert _line(out, "retention").startswith("  retention at 20") and _line(out, "retention").endswith(

@@ -13,7 +13,7 @@ import time
 
 from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterLost
 from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.remote_committer import RemoteCommitter
+from pipeline.checkpoint.stores import store_for
 from pipeline.errors import PipelineError
 from pipeline.storage.layout import CheckpointLayout
 
@@ -22,9 +22,7 @@ log = logging.getLogger(__name__)
 
 class BackgroundCommitter:
     def __init__(self, layout: CheckpointLayout, policy: CommitPolicy, remote: Remote | None = None) -> None:
-        self.committer: Committer | RemoteCommitter = (
-            Committer(layout, policy) if remote is None else RemoteCommitter(layout, remote, policy)
-        )
+        self.committer = Committer(layout, policy, store_for(layout, remote))
         self.errors: list[str] = []
         self._stop = threading.Event()
         self.recovered = threading.Event()

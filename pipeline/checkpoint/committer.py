@@ -1,29 +1,29 @@
 """The one committer: verifies staged steps, publishes them, and only then moves ``latest``.
 
-Inputs: ``checkpoints/staging/step_N/`` with each rank's ``rank_K.done.json``.
-Outputs: ``checkpoints/step_N/manifest.json`` and the step published in one act (POSIX: a directory rename),
-then ``checkpoints/latest`` replaced atomically; steps whose files fail their marker's size or hash move to
-``checkpoints/quarantine/`` (never deleted) and the error names the file; retention after each commit.
+Inputs: a step's staged files and each rank's ``rank_K.done.json`` in its store (:mod:`pipeline.checkpoint.store`).
+Outputs: the step published with its manifest (the commit point), then ``latest`` moved; a step whose files fail
+their marker's size or hash goes to quarantine (never deleted) and the error names the file; retention after
+each commit.
 
 The same :class:`Committer` runs in the app's verify-manifest job, in a ``torchrun`` script's rank 0 (a
-background thread of :class:`~pipeline.checkpoint.Checkpointer`), and in ``python -m pipeline.commit``. Exactly
-commits a checkpoint dir at a time: :meth:`Committer.hold` takes the committer lease (a record with a fencing epoch
-and a heartbeat, :mod:`pipeline.checkpoint.ownership`; ``flock`` only as a fast path on one node), and checks it
-before every act that changes the checkpoints.
+background thread of :class:`~pipeline.checkpoint.Checkpointer`), and in ``python -m pipeline.commit``, over
+either store: it is written once, above :class:`~pipeline.checkpoint.store.CheckpointStore`. Exactly one
+commits a checkpoints root at a time: :meth:`Committer.hold` takes the committer lease (a record with a fencing
+epoch and a heartbeat, :mod:`pipeline.checkpoint.ownership`; ``flock`` only as a fast path on one node), and
+checks it before every act that changes the checkpoints.
 
 Since no shared filesystem gives exclusion across nodes, a second committer (an operator's, or a ghost that
 comes back after a partition) can still act once between its last check and its act. Every such act is
 harmless: the manifest is a function of the staged attempt alone, so whoever writes it writes the same bytes and
 whoever publishes publishes the same step (a publish that finds the step already published by the other accepts
 it); a staged step that vanishes while it is verified is the other's publish, never damage to quarantine;
-``latest`` is never moved to an older step than the one it names while that step is published; retention and
-quarantine tolerate entries another committer already moved.
+``latest`` is never moved to an older step than the newest published one; retention and quarantine tolerate
+entries another committer already moved.
 
 Every :meth:`Committer.recover` first re-verifies the step ``latest`` names: damage there (a changed or missing
 file, a manifest that is not the one ``latest`` recorded, garbage in ``latest`` itself) is quarantined and
-``latest`` goes back to the newest committed step that verifies. A damaged file that several steps hold (a piece
-of an incremental save, hard-linked) takes every committed step holding it to quarantine
-(:func:`~pipeline.checkpoint.repair.quarantine_damage`). Nothing is followed through a symlink.
+``latest`` goes back to the newest committed step that verifies. A damaged piece that several steps hold (an
+incremental save's) takes every committed step holding it to quarantine. Nothing is followed through a symlink.
 """
 
 from __future__ import annotations
@@ -34,37 +34,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from pipeline.checkpoint import repair, retention
-from pipeline.checkpoint.duplicates import RACES, DuplicateTolerance
-from pipeline.checkpoint.manifest import (
-    MANIFEST,
-    Marker,
-    complete_markers,
-    describe_incomplete,
-    pointer_step,
-    read_latest,
-    read_newest,
-    staged_world,
-    step_markers,
-    verify_committed,
-    write_latest,
-    write_manifest,
-)
-from pipeline.checkpoint.ownership import (
-    DEFAULT_LEASE_S,
-    LEASE,
-    CommitterBusy,
-    CommitterLease,
-    CommitterLost,
-    FileLease,
-    LeaseStore,
-)
-from pipeline.checkpoint.repair import step_entries
-from pipeline.checkpoint.step_checks import verified_manifest
-from pipeline.errors import DeadlineError, PipelineError, VerificationError
-from pipeline.storage.backend import POSIX, Storage
+from pipeline.checkpoint import retention
+from pipeline.checkpoint.manifest import Marker, complete_markers, describe_incomplete
+from pipeline.checkpoint.ownership import DEFAULT_LEASE_S, CommitterBusy, CommitterLease, CommitterLost
+from pipeline.checkpoint.posix_store import PosixCheckpoints, latest_step, staged_uncommitted
+from pipeline.checkpoint.store import RACES, CheckpointStore, Taken
+from pipeline.errors import DeadlineError, VerificationError
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import hash_file
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
 
@@ -99,71 +75,43 @@ class CommitReport:
     incomplete: list[tuple[int, str]] = field(default_factory=list)
 
 
-__all__ = ["CommitPolicy", "CommitReport", "Committer", "CommitterBusy", "CommitterLost"]
+__all__ = [
+    "CommitPolicy",
+    "CommitReport",
+    "Committer",
+    "CommitterBusy",
+    "CommitterLost",
+    "latest_step",
+    "staged_uncommitted",
+]
 
 
-def latest_step(layout: CheckpointLayout) -> int:
-    """The newest committed step (0: none): ``latest``, or a newer published step when ``latest`` lags."""
-    latest = read_newest(layout)
-    return latest.step if latest else 0
-
-
-def staged_uncommitted(layout: CheckpointLayout, world_size: int, upto: int | None = None) -> list[int]:
-    """Steps newer than ``latest`` staged with every rank's marker (one attempt) but not committed yet: what a
-    resuming trainer waits for, so a step staged before a kill is never lost nor trained again."""
-    try:
-        done = latest_step(layout)
-    except (VerificationError, OSError, ValueError):
-        return []  # the committer repairs latest first; resuming then reports what it found
-    pending = []
-    for step, staged in step_entries(POSIX, layout.staging):
-        if step <= done or (upto is not None and step > upto) or POSIX.kind(staged) != "dir":
-            continue
-        try:
-            if complete_markers(step_markers(staged, step, staged_world(staged, step, world_size)), None):
-                pending.append(step)
-        except VerificationError:
-            continue
-    return pending
-
-
-class Committer(DuplicateTolerance):
-    """Commits the staged steps of one checkpoint dir. Not thread-safe: one thread drives it."""
-
-    policy: CommitPolicy
+class Committer:
+    """Commits the staged steps of one checkpoints root. Not thread-safe: one thread drives it."""
 
     def __init__(
         self,
         layout: CheckpointLayout,
         policy: CommitPolicy,
-        storage: Storage = POSIX,
+        store: CheckpointStore | None = None,
         save_errors: Callable[[], dict[int, str]] = dict,
     ) -> None:
-        """``save_errors()``: why the producer could not save a step, when it says (named beside a missing marker)."""
+        """``store``: where the checkpoints are (default: ``layout``'s directory). ``save_errors()``: why the
+        producer could not save a step, when it says (named beside a missing marker)."""
         self.layout = layout
         self.policy = policy
-        self.storage = storage
+        self.store: CheckpointStore = store if store is not None else PosixCheckpoints(layout)
         self.save_errors = save_errors
         self.report = CommitReport()
         self.lease: CommitterLease | None = None
-
-    def lease_store(self) -> LeaseStore:
-        """Where this committer's lease record lives (beside the checkpoints it commits)."""
-        return FileLease(self.layout.checkpoints / LEASE)
 
     @contextlib.contextmanager
     def hold(self, takeover: bool = False) -> Iterator[None]:
         """Be the one committer of these checkpoints for the block, or raise :class:`CommitterBusy` naming the
         live holder. ``takeover``: this process was made the owner by the scheduler or the training job (the
         run's committer job, rank 0 of a process group), so a live holder is fenced off rather than obeyed."""
-        self.storage.makedirs(self.layout.checkpoints)
-        with self.storage.exclusive(self.layout.committer_lock) as mine:  # one node: the kernel's lock, fast
-            if not mine:
-                raise CommitterBusy(
-                    f"another committer holds {self.layout.committer_lock}: exactly one commits "
-                    f"{self.layout.checkpoints} (stop the other one, or let it finish)"
-                )
-            lease = CommitterLease(self.lease_store(), self.policy.lease_s)
+        with self.store.opened():
+            lease = CommitterLease(self.store.lease_store(), self.policy.lease_s)
             lease.acquire(takeover)
             self.lease = lease
             try:
@@ -182,26 +130,32 @@ class Committer(DuplicateTolerance):
         if lost is not None:
             raise CommitterLost(lost)
 
+    def _tidy_args(self) -> tuple[int, bool]:
+        return self.policy.world_size, self.policy.allow_pickle
+
+    @property
+    def epoch(self) -> int | None:
+        return self.lease.epoch if self.lease is not None else None
+
     # -- the passes --------------------------------------------------------------------------------------------
 
     def recover(self) -> None:
         """What a committer does first: remove its own litter, re-verify ``latest`` (quarantining damage), and
         finish a commit that was interrupted between publishing a step and moving ``latest``."""
-        repair.sweep_temp_files(self.storage, self.layout)
-        self._finish_unmanifested()  # before latest is judged: its step may be one
-        self.report.quarantined += repair.recheck_latest(self.storage, self.layout)
-        after = pointer_step(self.layout)
-        for step, path in step_entries(self.storage, self.layout.checkpoints):
-            if step <= after or self.storage.kind(path) != "dir" or self.storage.kind(path / MANIFEST) != "file":
+        self.report.quarantined += self.store.tidy(self.fence, *self._tidy_args(), first=True)
+        self.report.quarantined += self.recheck_latest()
+        after = self._pointer_step()
+        for step in self.store.committed():
+            if step <= after:
                 continue
             try:
-                verify_committed(path, step)
+                manifest_hash = self.store.verify_committed(step)
             except VerificationError as e:  # published, then damaged: never left above latest to fail every start
-                where, shared = repair.quarantine_damage(self.storage, self.layout, path, str(e), step)
-                self.report.quarantined += [f"step {step}: {e} (moved to {where})", *shared]
-                after = pointer_step(self.layout)
+                self._quarantine(step, None, str(e), committed=True)
+                after = self._pointer_step()
                 continue
-            write_latest(self.layout, step, hash_file(path / MANIFEST))
+            self.fence()
+            self.store.move_latest(step, manifest_hash, self.epoch)
             log.warning("step %d was published but latest was not moved (interrupted commit): latest -> %d", step, step)
             self.report.committed[step] = time.time()
 
@@ -209,23 +163,22 @@ class Committer(DuplicateTolerance):
         """One look: commit every staged step newer than ``latest`` whose markers are all there (one attempt)
         and whose files verify; quarantine one that does not. Steps still incomplete are left for later."""
         done = []
-        self._finish_unmanifested()
+        self.report.quarantined += self.store.tidy(self.fence, *self._tidy_args(), first=False)
         try:
-            latest_step(self.layout)
+            self.latest_step()
         except VerificationError:  # a damaged latest, or a stale committer's pointer to a step retired since
-            self.report.quarantined += repair.recheck_latest(self.storage, self.layout)
-        for step in self._candidates() + self._holes():
-            staged = self.layout.staged_step(step)
-            if self.storage.kind(self.layout.committed_step(step)) is not None or self.storage.kind(staged) != "dir":
+            self.report.quarantined += self.recheck_latest()
+        for step in self._candidates() + self.store.holes(self.latest_step()):
+            if self.store.is_published(step):
                 continue
-            try:
-                markers = complete_markers(
-                    step_markers(staged, step, staged_world(staged, step, self.policy.world_size)), None
-                )
-            except VerificationError:
-                continue  # damaged markers: the last pass quarantines the step
-            if markers is not None and self._commit_or_quarantine(step, markers):
-                done.append(step)
+            for attempt in self.store.attempts(step):
+                try:
+                    markers = complete_markers(self.store.markers(step, attempt, self.policy.world_size), None)
+                except VerificationError:
+                    continue  # damaged markers: the last pass quarantines the step
+                if markers is not None and self._commit_or_quarantine(step, markers):
+                    done.append(step)
+                    break
         self._catch_up_latest()
         return done
 
@@ -244,7 +197,7 @@ class Committer(DuplicateTolerance):
         """The last pass: each staged step newer than ``latest`` waits for its markers (deadline, liveness) and
         is committed or quarantined; steps that cannot complete are recorded in the report."""
         for step in self._candidates():
-            if self.storage.kind(self.layout.committed_step(step)) is not None:
+            if self.store.is_published(step):
                 log.warning("step %d is staged again but already published; the staged copy is left alone", step)
                 continue
             try:
@@ -253,13 +206,16 @@ class Committer(DuplicateTolerance):
                 self.report.incomplete.append((step, str(e)))
                 continue
             except VerificationError as e:
-                self._quarantine_step(step, e)
+                self._quarantine_staged(step, None, e)
                 continue
             self._commit_or_quarantine(step, markers)
+        self.fence()
+        self.store.sweep(self.latest_step(), self.policy.world_size)
 
     def latest_step(self) -> int:
-        """The step ``latest`` names (0: none)."""
-        return latest_step(self.layout)
+        """The newest committed step (0: none): ``latest``, or a newer published step when ``latest`` lags."""
+        newest = self.store.newest()
+        return newest.step if newest else 0
 
     def raise_problems(self) -> None:
         """Fail (one line) if a step was quarantined or a step newer than ``latest`` could not complete."""
@@ -279,96 +235,178 @@ class Committer(DuplicateTolerance):
         """``latest``'s step when it verifies, nothing newer is staged or published, and nothing is planted;
         else None (a committer has work to do)."""
         try:
-            newest = read_latest(self.layout)
-            if newest is None or self._candidates() or repair.planted(self.storage, self.layout):
+            newest = self.store.read_latest()
+            if newest is None or self._candidates() or self.store.stray():
                 return None
-            if any(s > newest.step for s, _ in step_entries(self.storage, self.layout.checkpoints)):
+            if any(s > newest.step for s in self.store.committed()):
                 return None
-            verify_committed(self.layout.committed_step(newest.step), newest.step)
+            self.store.verify_committed(newest.step)
         except (VerificationError, OSError, ValueError):
             return None
         return newest.step
-
-    # -- one step ----------------------------------------------------------------------------------------------
 
     def pending(self) -> list[int]:
         """Staged steps newer than ``latest`` (complete or not): work a following committer still expects."""
         return self._candidates()
 
+    # -- latest and its repair ---------------------------------------------------------------------------------
+
+    def _pointer_step(self) -> int:
+        latest = self.store.read_latest()
+        return latest.step if latest else 0
+
+    def recheck_latest(self) -> list[str]:
+        """Re-verify the step ``latest`` names; on damage quarantine it (with every committed step that shares a
+        damaged piece of it) and point ``latest`` at the newest step that verifies (or remove ``latest`` if none
+        does). Returns what was repaired."""
+        try:
+            latest = self.store.read_latest()
+            if latest is None:
+                return []
+            self.store.verify_committed(latest.step)
+            return []
+        except VerificationError as e:
+            problem = str(e)
+        self.fence()
+        named = self.store.latest_named()
+        step_damaged = named is not None and self.store.is_published(named)
+        shared: list[str] = []
+        if named is not None and step_damaged:
+            moved = self.store.quarantine(named, None, problem, committed=True)
+            where, shared = moved.where, list(moved.others.values())
+        else:
+            where = self.store.drop_latest(problem)
+        fallback = self._fall_back(shared)
+        if fallback is None:
+            now = "latest removed (no committed step verifies)"
+        else:
+            now = f"latest moved back to step {fallback}" if step_damaged else f"latest rebuilt as step {fallback}"
+            now += ", the newest step that verifies"
+        moved = f"step {named} moved to {where}" if step_damaged else f"moved to {where}"
+        return [f"{now}: {problem} ({moved}); rerun to train again from there", *shared]
+
+    def _fall_back(self, repairs: list[str]) -> int | None:
+        """``latest`` -> the newest committed step that verifies (removed if none does); returns that step. A
+        newer step that does not verify is damage: quarantined rather than left above ``latest``."""
+        for step in reversed(self.store.committed()):
+            if not self.store.is_published(step):
+                continue  # quarantined meanwhile with a step that shares its damaged piece
+            try:
+                manifest_hash = self.store.verify_committed(step)
+            except VerificationError as e:
+                log.warning("committed step %d does not verify, not a candidate for latest: %s", step, e)
+                moved = self.store.quarantine(step, None, str(e), committed=True)
+                repairs += [f"step {step} does not verify either: {e} (moved to {moved.where})", *moved.others.values()]
+                continue
+            self.store.move_latest(step, manifest_hash, self.epoch, back=True)
+            log.warning("latest -> step %d (the newest committed step that verifies)", step)
+            return step
+        self.store.remove_latest()
+        return None
+
+    def _catch_up_latest(self) -> None:
+        """``latest`` behind the newest published step (a stale committer elsewhere moved it back, or a commit
+        was interrupted before moving it): verified, then ``latest`` moves up to it."""
+        newest = self.store.newest()
+        if newest is None or newest.step <= self._pointer_step():
+            return
+        try:
+            self.store.verify_committed(newest.step)
+        except VerificationError as e:
+            log.warning("step %d is published but does not verify; latest stays (the next start rechecks): %s",
+                        newest.step, e)  # fmt: skip
+            return
+        log.warning("latest was behind published step %d: moved up to it", newest.step)
+        self.fence()
+        self.store.move_latest(newest.step, newest.manifest_hash, self.epoch)
+
+    # -- one step ----------------------------------------------------------------------------------------------
+
     def _candidates(self) -> list[int]:
-        after = latest_step(self.layout)
-        return [s for s, _ in step_entries(self.storage, self.layout.staging) if s > after]
+        after = self.latest_step()
+        return [s for s in self.store.staged() if s > after]
 
     def _commit_or_quarantine(self, step: int, markers: list[Marker]) -> bool:
         try:
             self.commit(step, markers)
         except VerificationError as e:
-            if self._taken_by_another(step, wait=self._interfered(step)):
+            if self.store.raced(step):
                 return False
-            self._quarantine_step(step, e)
+            self._quarantine_staged(step, markers[0].attempt, e)
+            return False
+        except Taken as e:
+            self.report.quarantined.append(f"step {step}: {e}")
             return False
         except OSError as e:  # the staged step vanished under the check: another committer's, or a real I/O error
             if e.errno not in RACES:
                 raise
-            if self._taken_by_another(step, wait=True):
+            if self.store.taken_by_another(step, wait=True):
                 return False
             log.warning("step %d: %s (another committer at work on it?): looked at again next pass", step, e)
             return False
         self.report.committed[step] = time.time()
-        self.fence()
-        retention.apply(self.layout, self.policy, latest_step=latest_step(self.layout) or None)
+        self.apply_retention()
         return True
 
-    def _quarantine_step(self, step: int, e: Exception) -> None:
+    def apply_retention(self) -> retention.Decision:
+        """Retention after a commit: the committed steps the policy lets go, and the outputs past their count."""
         self.fence()
-        staged = self.layout.staged_step(step)
+        return retention.apply(self.store, self.policy, latest_step=self.latest_step() or None)
+
+    def _quarantine_staged(self, step: int, attempt: str | None, e: Exception) -> None:
         try:
-            where, shared = repair.quarantine_damage(self.storage, self.layout, staged, str(e), step)
+            self._quarantine(step, attempt, str(e), committed=False)
         except FileNotFoundError:
-            if self._taken_by_another(step, wait=True):
+            if self.store.taken_by_another(step, wait=True):
                 return
             raise
-        self.report.quarantined += [f"step {step}: {e} (moved to {where})", *shared]
+
+    def _quarantine(self, step: int, attempt: str | None, reason: str, committed: bool) -> None:
+        """Quarantine ``step`` and every committed step holding one of its damaged pieces; ``latest`` moves back
+        to the newest step that verifies when its step was one of them."""
+        self.fence()
+        named = self.store.latest_named()
+        moved = self.store.quarantine(step, attempt, reason, committed)
+        lines = list(moved.others.values())
+        hit = {step} if committed else set()
+        if named is not None and named in hit | set(moved.others) and not self.store.is_published(named):
+            fallback = self._fall_back(lines)
+            lines.append(f"latest moved back to step {fallback}" if fallback else "latest removed (no step verifies)")
+        self.report.quarantined += [f"step {step}: {reason} (moved to {moved.where})", *lines]
 
     def _wait_for_markers(self, step: int, attempt: str | None, alive: Callable[[], bool]) -> list[Marker]:
-        staged = self.layout.staged_step(step)
-
-        def markers() -> list[Marker | None]:
-            return step_markers(staged, step, staged_world(staged, step, self.policy.world_size))
+        def look() -> list[Marker | None] | None:
+            found = None
+            for a in self.store.attempts(step):
+                if attempt is not None and a is not None and a != attempt:
+                    continue
+                markers = self.store.markers(step, a, self.policy.world_size)
+                if complete_markers(markers, attempt) is not None:
+                    return markers
+                found = markers
+            return found
 
         def missing() -> str:
-            return f"step {step}: {describe_incomplete(markers(), attempt)} in {staged} (rank_<K>.done.json)"
+            got = look()
+            said = describe_incomplete(got, attempt) if got is not None else "no rank wrote a marker"
+            return f"step {step}: {said} in {self.store.staged_where(step)} (rank_<K>.done.json)"
 
-        return wait_until(
-            lambda: complete_markers(markers(), attempt),
-            deadline_s=self.policy.marker_deadline_s,
-            what=missing,
-            alive=alive,
-        )
+        def complete() -> list[Marker] | None:
+            got = look()
+            return complete_markers(got, attempt) if got is not None else None
+
+        return wait_until(complete, deadline_s=self.policy.marker_deadline_s, what=missing, alive=alive)
 
     def commit(self, step: int, markers: list[Marker]) -> str:
-        """Verify ``step``'s staged files against its markers and the format's own metadata, write the manifest,
-        publish the step, then move ``latest``; returns the manifest's hash."""
-        layout = self.layout
-        staged = layout.staged_step(step)
-        manifest = verified_manifest(step, markers, staged, layout.run_id, self.policy.allow_pickle)
+        """Verify ``step``'s staged files against its markers and the format's own metadata, publish the step
+        with its manifest, then move ``latest``; returns the manifest's hash."""
+        manifest = self.store.verify_staged(step, markers, self.policy.allow_pickle)
         self.fence()
-        try:
-            manifest_hash = write_manifest(staged, manifest)
-            inject("verify.before_publish", step=step)
-            self.storage.publish(staged, layout.committed_step(step))
-        except (OSError, PipelineError) as e:
-            # Another committer published this step first? The same attempt, so the same manifest bytes. An I/O
-            # error (EIO, ENOSPC: a failed fsync) fails the commit even then: it is never retried into success.
-            raced = isinstance(e, OSError) and e.errno in RACES or type(e) is PipelineError
-            if not raced or not self._taken_by_another(step, wait=True):
-                raise
-            try:
-                return hash_file(layout.committed_step(step) / MANIFEST)
-            except OSError:
-                return ""  # published, then retired by its committer's retention: latest is past it
+        manifest_hash = self.store.publish(manifest)
+        if manifest_hash is None:  # another committer published this very attempt: latest is its to move
+            return ""
         inject("verify.before_latest", step=step)
         self.fence()
-        self._move_latest(step, manifest_hash)
-        log.info("committed step %d (%d files) -> %s", step, len(manifest.files), layout.committed_step(step))
+        self.store.move_latest(step, manifest_hash, self.epoch)
+        log.info("committed step %d (%d files) -> %s", step, len(manifest.files), self.store.where)
         return manifest_hash

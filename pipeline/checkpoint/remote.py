@@ -268,16 +268,28 @@ class Remote:
             return None, None
         obj = parse_record(got[0], "latest pointer", self.url(key))
         step, h = (obj.get("step"), obj.get("manifest_hash")) if isinstance(obj, dict) else (None, None)
-        if type(step) is not int or step < 0 or not isinstance(h, str) or obj.get("dir") != step_name(step):
+        epoch = obj.get("epoch", 0) if isinstance(obj, dict) else 0  # optional: older pointers lack it
+        bad_epoch = type(epoch) is not int or epoch < 0
+        if (
+            type(step) is not int
+            or step < 0
+            or not isinstance(h, str)
+            or obj.get("dir") != step_name(step)
+            or bad_epoch
+        ):
             raise VerificationError(
                 f"{self.url(key)} is malformed ({repr(obj)[:120]}): it must name step, dir and hash"
             )
         return Latest(step=step, manifest_hash=h), got[1]
 
-    def move_latest(self, step: int, manifest_hash: str, *, back: bool = False) -> None:
-        """Compare-and-swap ``latest`` to ``step``: forward only (``back``: the repair of a damaged latest)."""
+    def move_latest(self, step: int, manifest_hash: str, *, back: bool = False, epoch: int | None = None) -> None:
+        """Compare-and-swap ``latest`` to ``step``: forward only (``back``: the repair of a damaged latest);
+        ``epoch``: the committer lease epoch of the writer (who moved it, for readers)."""
         key = self.key(LATEST)
-        data = record_bytes({"step": step, "dir": step_name(step), "manifest_hash": manifest_hash})
+        record: dict[str, object] = {"step": step, "dir": step_name(step), "manifest_hash": manifest_hash}
+        if epoch is not None:
+            record["epoch"] = epoch
+        data = record_bytes(record)
         for _ in range(20):
             try:
                 current, etag = self.read_latest()

@@ -1,14 +1,12 @@
-"""The committer's repairs: what it does before committing anything new, so a crash or tampering anywhere
-leaves the newest step that verifies as ``latest``.
+"""The POSIX store's repairs (:mod:`pipeline.checkpoint.posix_store`): its litter, planted entries, and damage
+that several steps share. The decisions (re-verify ``latest``, fall back to the newest step that verifies) are the
+committer's, written once for every store.
 
 * :func:`sweep_temp_files`: temp files a committer that died left in ``checkpoints/``;
-* :func:`recheck_latest`: the step ``latest`` names is verified again; damage there (a changed or missing file,
-  a manifest that is not the one ``latest`` recorded, garbage in ``latest`` itself), and ``step_N`` entries that
-  are links or files, move to ``quarantine/`` (never deleted), and ``latest`` goes back to the newest step that
-  verifies (or is removed if none does);
+* :func:`planted`: ``step_N`` entries that are links or files (quarantined, never followed);
 * :func:`quarantine_damage`: a damaged step moves to ``quarantine/`` together with every committed step that
   holds one of its damaged files (a piece of an incremental save hard-linked into several steps: one inode, so
-  one damage), each note naming the piece; ``latest`` then goes back to the newest step that verifies;
+  one damage), each note naming the piece (the committer then moves ``latest`` back if its step went);
 * :func:`quarantine`: a path moved aside with the reason beside it.
 """
 
@@ -24,17 +22,13 @@ from pipeline.checkpoint.manifest import (
     MANIFEST,
     MARKER_RE,
     Marker,
-    read_latest,
     read_manifest,
-    verify_committed,
-    write_latest,
 )
 from pipeline.errors import VerificationError
 from pipeline.storage.atomic import is_temp_name, json_bytes
 from pipeline.storage.backend import Storage
 from pipeline.storage.integrity import (
     FileEntry,
-    hash_file,
     lstat_kind,
     read_record_json,
     safe_join,
@@ -119,83 +113,19 @@ def _linked_files(step_dir: Path) -> dict[str, int]:
     return out
 
 
-def _newest_verifying(storage: Storage, layout: CheckpointLayout, repairs: list[str]) -> tuple[int, str] | None:
-    """The newest published step whose files verify against its manifest and markers: (step, manifest hash).
-    A newer step that does not verify is damage: it is quarantined (with the steps that share its damaged
-    pieces) rather than left above ``latest``, where every later commit would meet it again."""
-    for step, path in reversed(step_entries(storage, layout.checkpoints)):
-        if storage.kind(path) != "dir":
-            continue  # quarantined meanwhile with a step that shares its damaged piece
-        try:
-            verify_committed(path, step)
-        except VerificationError as e:
-            log.warning("committed step %d does not verify, not a candidate for latest: %s", step, e)
-            where, more = quarantine_damage(storage, layout, path, str(e), step, fall_back=False)
-            repairs += [f"step {step} does not verify either: {e} (moved to {where})", *more]
-            continue
-        return step, hash_file(path / MANIFEST)
-    return None
-
-
-def _fall_back(storage: Storage, layout: CheckpointLayout, repairs: list[str]) -> tuple[int, str] | None:
-    """``latest`` -> the newest step that verifies (or removed if none does); returns that step."""
-    fallback = _newest_verifying(storage, layout, repairs)
-    if fallback is None:
-        if storage.kind(layout.latest) is not None:
-            storage.delete_file(layout.latest)
-    else:
-        write_latest(layout, *fallback)
-    return fallback
-
-
-def recheck_latest(storage: Storage, layout: CheckpointLayout) -> list[str]:
-    """Re-verify the step ``latest`` names; on damage quarantine it (with every committed step that shares a
-    damaged piece of it) and point ``latest`` at the newest step that verifies (or remove ``latest`` if none
-    does). Returns what was repaired."""
-    repairs: list[str] = []
-    for path in planted(storage, layout):
-        kind = storage.kind(path)
-        where = quarantine(storage, layout, path, f"{path} is a {kind}, not a step directory; never followed")
-        repairs.append(f"{path} was a {storage.kind(where)}, not a step directory (moved to {where})")
-    try:
-        latest = read_latest(layout)
-        if latest is None:
-            return repairs
-        verify_committed(layout.committed_step(latest.step), latest.step)
-        return repairs
-    except VerificationError as e:
-        problem = str(e)
-    damaged = latest_step_name(layout)
-    step_damaged = damaged is not None and storage.kind(layout.committed_step(damaged)) is not None
-    shared: list[str] = []
-    if damaged is not None and step_damaged:
-        where, shared = quarantine_damage(storage, layout, layout.committed_step(damaged), problem, damaged, False)
-    else:
-        where = quarantine(storage, layout, layout.latest, problem)
-    fallback = _fall_back(storage, layout, shared)
-    if fallback is None:
-        now = "latest removed (no committed step verifies)"
-    else:
-        now = f"latest moved back to step {fallback[0]}" if step_damaged else f"latest rebuilt as step {fallback[0]}"
-        now += ", the newest step that verifies"
-    repairs.append(f"{now}: {problem} (moved to {where}); rerun to train again from there")
-    return repairs + shared
-
-
 # -- damage shared by several steps (the pieces of incremental saves) ----------------------------------------
 
 
 def quarantine_damage(
-    storage: Storage, layout: CheckpointLayout, path: Path, problem: str, step: int | None, fall_back: bool = True
-) -> tuple[Path, list[str]]:
+    storage: Storage, layout: CheckpointLayout, path: Path, problem: str, step: int | None
+) -> tuple[Path, dict[int, str]]:
     """Quarantine the step at ``path`` (committed or staged) that failed verification with ``problem``, and with
     it every committed step holding one of its damaged files under the same inode (a hard-linked piece: the
-    same bytes, the same damage), each note naming the piece. ``fall_back``: then, if the step ``latest`` names
-    went too, ``latest`` moves back to the newest step that verifies (or is removed). Returns where ``path``
-    went and a line per other step quarantined (and for ``latest``)."""
+    same bytes, the same damage), each note naming the piece. Returns where ``path`` went and, per other step
+    quarantined, a line saying why."""
     bad = damaged_links(path)  # before the move: the names are the step's
     where = quarantine(storage, layout, path, problem, step, _damage_note(bad, path, problem) if bad else None)
-    lines: list[str] = []
+    lines: dict[int, str] = {}
     wanted = {ident: entry for ident, entry in bad.values()}
     for other, (other_path, held) in holders(storage, layout, set(wanted), path).items():
         names = sorted(name for name, ident in held if _holds_damage(other_path, name, wanted[ident]))
@@ -203,11 +133,7 @@ def quarantine_damage(
             continue
         why = f"{', '.join(names)}: one file (hard link) with the damaged one(s) of {path}: {problem}"
         moved = quarantine(storage, layout, other_path, why, other, _damage_note(bad, path, problem))
-        lines.append(f"step {other}: holds {', '.join(names)}, damaged in {path} too (moved to {moved})")
-    named = latest_step_name(layout)
-    if fall_back and lines and named is not None and storage.kind(layout.committed_step(named)) is None:
-        fallback = _fall_back(storage, layout, lines)
-        lines.append(f"latest moved back to step {fallback[0]}" if fallback else "latest removed (no step verifies)")
+        lines[other] = f"step {other}: holds {', '.join(names)}, damaged in {path} too (moved to {moved})"
     return where, lines
 
 

@@ -30,15 +30,17 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from pipeline.checkpoint.manifest import MANIFEST
 from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER, EXPORT_MARKER
 from pipeline.errors import VerificationError
 from pipeline.storage.atomic import clear_file, is_temp_name, move_aside, remove_tree, write_json_atomic
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import is_real_dir, lstat_kind, read_record_json
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
+
+if TYPE_CHECKING:
+    from pipeline.checkpoint.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -203,16 +205,18 @@ def read_record(layout: CheckpointLayout) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def apply(layout: CheckpointLayout, cfg: Policy, *, latest_step: int | None) -> Decision:
-    """Carry out retention for ``checkpoints/`` (``keep_last``, ``keep_every``) and the output areas
-    (``keep_outputs_last``); return the decision for ``checkpoints/``.
+def apply(store: CheckpointStore, cfg: Policy, *, latest_step: int | None) -> Decision:
+    """Carry out retention for the committed steps of ``store`` (``keep_last``, ``keep_every``) and the local
+    output areas (``keep_outputs_last``); return the decision for the committed steps.
 
     ``latest_step`` is the step ``latest`` names now (None: no step is removed anywhere). Only the committer may
     call this. ``checkpoints/retention.json`` is rewritten when something was removed or the kept steps or
     policy changed, so a call with nothing to do writes nothing (nor does a run that never set a policy).
     """
+    layout = store.layout
     _sweep_record_temps(layout)
-    checkpoints = _apply_area(layout.checkpoints, MANIFEST, latest_step, cfg.keep_last, cfg.keep_every)
+    checkpoints = decide(store.committed(), latest_step, cfg.keep_last, cfg.keep_every)
+    store.retire(checkpoints.removed)
     outputs = {
         kind: _apply_area(area, marker, latest_step, cfg.keep_outputs_last, None)
         for kind, (area, marker) in output_areas(layout).items()

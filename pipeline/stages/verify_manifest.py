@@ -23,7 +23,7 @@ from typing import Any
 
 import pipeline.orchestration.checkpoint_store as storage
 from pipeline.checkpoint.committer import CommitPolicy, Committer
-from pipeline.checkpoint.remote_committer import RemoteCommitter
+from pipeline.checkpoint.stores import store_for
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.orchestration.contract import JobRef, Resources, StageContract, TaskContext
@@ -75,12 +75,9 @@ def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:
         )
 
 
-def committer(cfg: PipelineConfig, layout: RunLayout, **kw: Any) -> Committer | RemoteCommitter:
+def committer(cfg: PipelineConfig, layout: RunLayout, **kw: Any) -> Committer:
     """The run's committer: of the run dir's ``checkpoints/``, or of its bucket (``checkpoint.storage``)."""
-    remote = storage.remote(cfg, layout)
-    if remote is None:
-        return Committer(layout, policy(cfg), **kw)
-    return RemoteCommitter(layout, remote, policy(cfg), **kw)
+    return Committer(layout, policy(cfg), store_for(layout, storage.remote(cfg, layout)), **kw)
 
 
 def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:

@@ -341,22 +341,22 @@ def mutant_verification_noop(mp: pytest.MonkeyPatch) -> None:
 
 def mutant_latest_before_publish(mp: pytest.MonkeyPatch) -> None:
     """The commit's last two steps swapped: ``latest`` is replaced, then the step directory is published."""
-    from pipeline.checkpoint import committer  # noqa: PLC0415
+    from pipeline.checkpoint import posix_store  # noqa: PLC0415
     from pipeline.storage.backend import PosixStorage  # noqa: PLC0415
 
     pending: list[tuple[Any, ...]] = []
-    real_publish, real_latest = PosixStorage.publish, committer.write_latest
+    real_publish, real_latest = PosixStorage.publish, posix_store.write_latest
 
     def deferred_publish(*args: Any) -> None:
         pending.append(args)
 
-    def latest_then_publish(*args: Any) -> None:
-        real_latest(*args)
+    def latest_then_publish(*args: Any, **kwargs: Any) -> None:
+        real_latest(*args, **kwargs)
         while pending:
             real_publish(*pending.pop(0))
 
     mp.setattr(PosixStorage, "publish", deferred_publish)
-    mp.setattr(committer, "write_latest", latest_then_publish)
+    mp.setattr(posix_store, "write_latest", latest_then_publish)
 
 
 def mutant_in_place_overwrite(mp: pytest.MonkeyPatch) -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 import boto3
 
 from pipeline.checkpoint import rank_save
-from pipeline.checkpoint.committer import CommitPolicy
+from pipeline.checkpoint.bucket_store import BucketCheckpoints
+from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.rank_save import RankTarget
 from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.remote_committer import RemoteCommitter
 from pipeline.storage.integrity import describe
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.s3 import S3Url
@@ -47,9 +47,9 @@ def stage_step(layout: CheckpointLayout, remote: Remote, step: int, *, world: in
         stage_rank(layout, remote, step, rank, world=world, attempt=attempt)
 
 
-def committer(layout: CheckpointLayout, remote: Remote, world: int = 2, **policy: object) -> RemoteCommitter:
+def committer(layout: CheckpointLayout, remote: Remote, world: int = 2, **policy: object) -> Committer:
     kw: dict[str, object] = {"marker_deadline_s": 1.0, "poll_interval_s": 0.05, **policy}
-    return RemoteCommitter(layout, remote, CommitPolicy(world_size=world, **kw))  # type: ignore[arg-type]
+    return Committer(layout, CommitPolicy(world_size=world, **kw), BucketCheckpoints(layout, remote))  # type: ignore[arg-type]
 
 
 def client() -> object:
@@ -76,3 +76,10 @@ def assert_invariants(layout: CheckpointLayout, remote: Remote) -> int:
         return 0
     remote.fetch_verified(found[0], None)
     return found[0].step
+
+
+def bucket_store(c: Committer) -> BucketCheckpoints:
+    """The bucket store a committer of :func:`committer` commits to."""
+    if not isinstance(c.store, BucketCheckpoints):
+        raise TypeError(f"{c.store!r} is not a bucket store")
+    return c.store

@@ -27,7 +27,7 @@ from pipeline.storage.faults import InjectedFault
 from pipeline.storage.integrity import describe
 from pipeline.storage.s3 import S3Store, StoreError
 from tests.s3.flaky_proxy import flaky_proxy
-from tests.s3.helpers import assert_invariants, committer, keys, make_remote, stage_rank, stage_step
+from tests.s3.helpers import assert_invariants, bucket_store, committer, keys, make_remote, stage_rank, stage_step
 from tests.s3.server import S3Server
 from tests.seed_helpers import TEST_FORMAT
 
@@ -371,7 +371,7 @@ def test_retention_deletes_manifest_first_and_never_a_referenced_object(
             remote.fetch_verified(got[0], None)
     assert remote.committed() == [5, 6]
     with c.hold():
-        c.sweep()
+        bucket_store(c).sweep_unreferenced()
     left = {k.split("/")[2] for k in keys(bucket, f"{prefix}/step_")}
     assert left == {"step_5", "step_6"}
 

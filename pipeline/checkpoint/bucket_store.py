@@ -1,0 +1,318 @@
+"""Checkpoints in a bucket: the protocol's store over an S3-compatible object store, committed without a rename.
+
+Inputs: ``step_N/<attempt>/`` objects and each rank's ``rank_K.done.json`` object (:mod:`pipeline.checkpoint.remote`).
+Outputs: ``step_N/manifest.json`` written with ``If-None-Match: *`` (the commit point) once every listed object
+was re-read and matched its size and hash (and nothing unlisted sits beside them), then ``latest`` moved by
+compare-and-swap; a refused attempt's objects are copied to ``quarantine/`` and removed; retention deletes a
+step's manifest first and its objects after; a sweep deletes objects that no committed manifest references
+(other attempts of a committed step, attempts of steps that ``latest`` superseded) and aborts incomplete
+multipart uploads there (dead writers').
+Owner: the one committer (:class:`~pipeline.checkpoint.committer.Committer`), which holds the committer lease,
+an object written by compare-and-swap; the manifest's ``If-None-Match`` besides, so of two committers racing for
+a step exactly one commits it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from pipeline.checkpoint import remote_pieces
+from pipeline.checkpoint.manifest import Latest, Manifest, Marker
+from pipeline.checkpoint.ownership import CommitterBusy, LeaseStore
+from pipeline.checkpoint.remote import LATEST, QUARANTINE, Remote, digest, is_marker_name
+from pipeline.checkpoint.step_checks import check_agreement, check_stored, foreign_files
+from pipeline.checkpoint.store import Quarantined, Taken
+from pipeline.errors import VerificationError
+from pipeline.storage.atomic import remove_tree
+from pipeline.storage.backend import POSIX
+from pipeline.storage.faults import inject
+from pipeline.storage.integrity import FileEntry
+from pipeline.storage.layout import CheckpointLayout, parse_step
+from pipeline.storage.s3 import Conflict
+
+log = logging.getLogger(__name__)
+
+
+class BucketCheckpoints:
+    """The checkpoints root ``remote`` (``s3://bucket/prefix``), with ``layout`` its local side (the committer's
+    lock and temporary files, the retention record)."""
+
+    def __init__(self, layout: CheckpointLayout, remote: Remote) -> None:
+        self.layout = layout
+        self.remote = remote
+
+    @property
+    def where(self) -> str:
+        return self.remote.url(self.remote.root.prefix)
+
+    def scratch(self) -> Path:
+        return self.layout.checkpoints
+
+    # -- ownership ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[None]:
+        """The bucket's conditional writes are checked first: the lease itself is one (compare-and-swap)."""
+        self.remote.store.check_conditional_writes(self.remote.root.prefix)
+        POSIX.makedirs(self.layout.checkpoints)
+        with POSIX.exclusive(self.layout.committer_lock) as mine:  # one node: the kernel's lock, fast
+            if not mine:
+                raise CommitterBusy(
+                    f"another committer holds {self.layout.committer_lock}: exactly one commits {self.where} "
+                    "(stop the other one, or let it finish)"
+                )
+            yield
+
+    def lease_store(self) -> LeaseStore:
+        return self.remote.lease_store()
+
+    # -- latest ---------------------------------------------------------------------------------------------
+
+    def read_latest(self) -> Latest | None:
+        found = self.remote.verified_latest()
+        return Latest(step=found[0].step, manifest_hash=digest(found[1])) if found is not None else None
+
+    def latest_named(self) -> int | None:
+        try:
+            latest, _ = self.remote.read_latest()
+        except VerificationError:
+            return None
+        return latest.step if latest is not None else None
+
+    def newest(self) -> Latest | None:
+        """``latest`` as written: it moves only forward (compare-and-swap), so no published step is newer for long."""
+        latest, _ = self.remote.read_latest()
+        return latest
+
+    def move_latest(self, step: int, manifest_hash: str, epoch: int | None, *, back: bool = False) -> None:
+        self.remote.move_latest(step, manifest_hash, back=back, epoch=epoch)
+
+    def drop_latest(self, problem: str) -> str:
+        """A damaged ``latest``: copied to ``quarantine/`` with the reason, then deleted."""
+        remote = self.remote
+        dst = remote.key(QUARANTINE, f"latest-{int(time.time())}") + "/"
+        if remote.store.head(remote.key(LATEST)) is not None:
+            remote.store.copy(remote.key(LATEST), dst + LATEST)
+        remote.store.put(dst + "reason.txt", (problem + "\n").encode())
+        self.remove_latest()
+        log.error("quarantined %s to %s: %s", remote.url(remote.key(LATEST)), remote.url(dst), problem)
+        return remote.url(dst)
+
+    def remove_latest(self) -> None:
+        self.remote.store.delete([self.remote.key(LATEST)])
+
+    # -- committed steps ------------------------------------------------------------------------------------
+
+    def committed(self) -> list[int]:
+        return self.remote.committed()
+
+    def is_published(self, step: int) -> bool:
+        return self.remote.store.head(self.remote.manifest_key(step)) is not None
+
+    def verify_committed(self, step: int) -> str:
+        found = self.remote.read_manifest(step)
+        if found is None:
+            raise VerificationError(f"{self.remote.url(self.remote.manifest_key(step))} is missing")
+        self.remote.fetch_verified(found[0], None)
+        return digest(found[1])
+
+    def stray(self) -> list[str]:
+        return []  # keys are names, never links
+
+    # -- staged steps ---------------------------------------------------------------------------------------
+
+    def staged(self) -> list[int]:
+        committed = set(self.remote.committed())
+        return [s for s in self.remote.steps() if s not in committed and self.remote.attempts(s)]
+
+    def attempts(self, step: int) -> list[str | None]:
+        return list(self.remote.attempts(step))
+
+    def markers(self, step: int, attempt: str | None, world_size: int) -> list[Marker | None]:
+        if attempt is None:
+            raise VerificationError(f"step {step}: a marker in a bucket is read per attempt")
+        return self.remote.markers(step, attempt, world_size)
+
+    def staged_where(self, step: int) -> str:
+        return self.remote.url(self.remote.step_prefix(step))
+
+    def verify_staged(self, step: int, markers: list[Marker], allow_pickle: bool) -> Manifest:
+        """Verify ``step``'s objects against its markers (sizes, a full re-read for hashes, nothing extra) and
+        the format's own metadata."""
+        remote = self.remote
+        attempt = markers[0].attempt
+        prefix = remote.attempt_prefix(step, attempt)
+        fmt, files = check_agreement(step, markers, remote.url(prefix))
+        bad = foreign_files(markers, fmt)
+        if bad is not None:
+            raise VerificationError(
+                f"{remote.url(remote.marker_key(step, attempt, bad[0].rank))} lists {bad[1]}, which {fmt.name} names "
+                "as another rank's files: each rank lists only the files it owns"
+            )
+        listed = {prefix + f.path for f in files}
+        extra = sorted(
+            k for k in remote.store.listing(prefix) if k not in listed and not is_marker_name(k[len(prefix) :])
+        )
+        if extra:
+            raise VerificationError(f"{remote.url(extra[0])} is in step {step} but no marker lists it")
+        manifest = Manifest(
+            step=step,
+            world_size=markers[0].world_size,
+            format=markers[0].format,
+            attempt=attempt,
+            run_id=self.layout.run_id,
+            files=files,
+        )
+        tmp = Path(tempfile.mkdtemp(prefix=f".verify-step_{step}-", dir=self.scratch()))
+        try:
+            remote.fetch_verified(manifest, tmp)  # every byte re-read and hashed
+            check_stored(fmt, tmp, step, markers, allow_pickle)
+        finally:
+            remove_tree(tmp)
+        return manifest
+
+    def publish(self, manifest: Manifest) -> str | None:
+        inject("verify.before_publish", step=manifest.step)
+        try:
+            return self.remote.create_manifest(manifest)
+        except Conflict as e:
+            raise Taken(str(e)) from None
+
+    def taken_by_another(self, step: int, wait: bool) -> bool:
+        return self.is_published(step)
+
+    def raced(self, step: int) -> bool:
+        return self.is_published(step)
+
+    def holes(self, upto: int) -> list[int]:
+        return []  # the commit point is one conditional write: a raced publish leaves no half-published step
+
+    # -- damage ---------------------------------------------------------------------------------------------
+
+    def quarantine(self, step: int, attempt: str | None, reason: str, committed: bool) -> Quarantined:
+        """A committed step: its manifest goes first (it is no longer committed), then its objects; a staged
+        one: the ``attempt``'s objects (None: every attempt's). Then every committed step listing one of its
+        pieces that is damaged (one object: one damage), its note naming the piece."""
+        remote = self.remote
+        files: list[FileEntry] = []
+        if committed:
+            found = remote.read_manifest_or_none(step)
+            remote.store.delete([remote.manifest_key(step)])
+            files = list(found.files) if found is not None else []
+        attempts = [attempt] if attempt is not None else remote.attempts(step)
+        for a in attempts if not committed else []:
+            with contextlib.suppress(VerificationError):
+                files += [f for m in remote.markers(step, a, 1) if m for f in m.files]
+        wheres = [self._move_to_quarantine(step, a, reason) for a in attempts]
+        return Quarantined(
+            ", ".join(wheres) or remote.url(remote.step_prefix(step)), self._holders(files, step, reason)
+        )
+
+    def _holders(self, files: list[FileEntry], step: int, reason: str) -> dict[int, str]:
+        """Every committed step listing a piece of ``files`` (``step``'s) that is damaged goes to quarantine too.
+        Only pieces another committed step lists are re-read."""
+        remote = self.remote
+        others = remote_pieces.holders(remote, remote.piece_keys(tuple(files)), step)
+        bad = remote_pieces.damaged(remote, files, {k for keys in others.values() for k in keys})
+        out: dict[int, str] = {}
+        for other, keys in ((s, [k for k in ks if k in bad]) for s, ks in others.items()):
+            if not keys:
+                continue
+            names = ", ".join(f"{remote.url(k)} ({bad[k].path})" for k in keys)
+            why = f"lists damaged piece {names}, as step {step} does: {reason}"
+            remote.store.delete([remote.manifest_key(other)])
+            wheres = [self._move_to_quarantine(other, a, why) for a in remote.attempts(other)]
+            out[other] = f"step {other}: {why} (moved to {', '.join(wheres)})"
+        return out
+
+    def _move_to_quarantine(self, step: int, attempt: str, reason: str) -> str:
+        remote = self.remote
+        src = remote.attempt_prefix(step, attempt)
+        dst = remote.key(QUARANTINE, f"step_{step}-{attempt}-{int(time.time())}") + "/"
+        keys = list(remote.store.listing(src))
+        for k in keys:
+            remote.store.copy(k, dst + k[len(src) :])
+        remote.store.put(
+            dst + "reason.txt", (reason + "\n" + remote_pieces.quarantine_note(remote, step, attempt, keys)).encode()
+        )
+        remote.store.delete(keys)
+        log.error("quarantined step %d (attempt %s) to %s: %s", step, attempt, remote.url(dst), reason)
+        return remote.url(dst)
+
+    # -- litter, retention and the sweep --------------------------------------------------------------------
+
+    def tidy(self, fence: Callable[[], None], world_size: int, allow_pickle: bool, first: bool) -> list[str]:
+        if first:
+            self.remote.store.sweep_probes(self.remote.root.prefix)  # probes a killed launch left behind
+        return []
+
+    def retire(self, steps: tuple[int, ...]) -> None:
+        for step in steps:
+            inject("retention.remove", step=step)
+            self.remove_step(step)
+            log.info("retention: removed step %d from %s", step, self.where)
+        if steps:
+            self.sweep_unreferenced()
+
+    def remove_step(self, step: int) -> None:
+        """Delete a committed step: its manifest first (it stops being committed), then its objects, then the
+        shared pieces it listed that no committed manifest still lists. A crash in between leaves objects no
+        manifest references, which :meth:`sweep_unreferenced` removes."""
+        remote = self.remote
+        found = remote.read_manifest_or_none(step)
+        remote.store.delete([remote.manifest_key(step)])
+        inject("retention.after_manifest", step=step)
+        remote.store.delete(sorted(remote.store.listing(remote.step_prefix(step))))
+        if found is not None:
+            remote_pieces.drop(remote, remote.piece_keys(found.files))
+
+    def sweep(self, latest: int, world_size: int) -> None:
+        self.sweep_unreferenced()
+        remote_pieces.sweep(self.remote, world_size)
+
+    def sweep_unreferenced(self) -> list[str]:
+        """Delete objects no committed manifest references, at or below ``latest`` only (a step above it may be
+        uploading now): other attempts of a committed step, and every attempt of a step that has no manifest;
+        abort incomplete multipart uploads there too. Returns the deleted keys."""
+        remote = self.remote
+        latest = self.latest_step()
+        committed = set(remote.committed())
+        deleted: list[str] = []
+        for step in remote.steps():
+            if step > latest:
+                continue
+            keep = None
+            if step in committed:
+                found = remote.read_manifest_or_none(step)
+                if found is None:
+                    continue  # unreadable manifest: recover decides, not the sweep
+                keep = remote.attempt_prefix(step, found.attempt)
+            prefix = remote.step_prefix(step)
+            doomed = [
+                k
+                for k in remote.store.listing(prefix)
+                if not (keep and k.startswith(keep)) and k != remote.manifest_key(step)
+            ]
+            if doomed:
+                remote.store.delete(doomed)
+                deleted += doomed
+        if deleted:
+            log.info("sweep: deleted %d unreferenced object(s) under %s", len(deleted), remote.root)
+        root = remote.root.prefix + "/"
+
+        def dead(key: str) -> bool:  # an upload of a step at or below latest: no live writer uploads there
+            step = parse_step(key[len(root) :].split("/", 1)[0])
+            return step is not None and step <= latest
+
+        for up in remote.store.abort_uploads(root, dead):
+            log.warning("aborted an incomplete upload of a dead writer: %s", remote.url(up))
+        return deleted
+
+    def latest_step(self) -> int:
+        latest = self.newest()
+        return latest.step if latest else 0

@@ -1,0 +1,275 @@
+"""Checkpoints in a POSIX directory (local disk, NFS, Lustre, GPFS, a FUSE mount): the protocol's store.
+
+Inputs: ``checkpoints/staging/step_N/`` with each rank's files and ``rank_K.done.json``.
+Outputs: ``checkpoints/step_N/`` published in one directory rename with its ``manifest.json`` (written into the
+staged dir first: the manifest is a function of the staged attempt, so two committers write the same bytes);
+``checkpoints/latest`` replaced by rename; a refused step moved to ``checkpoints/quarantine/`` with its reason;
+retention's steps moved into ``checkpoints/.deleting/`` in one rename, then deleted.
+Owner: the one committer (:class:`~pipeline.checkpoint.committer.Committer`); every mutation goes through
+:class:`~pipeline.storage.backend.Storage` (temp file, fsync, rename; never following a link).
+
+No shared filesystem gives exclusion across nodes, so a duplicate committer (an operator's second one, a ghost
+that a partition froze past its lease) can act once more before its fence stops it. This store copes with what
+such an act leaves:
+
+* a staged step that vanished, or a publish that failed with a race's errno, while the step is (or soon shows
+  as) published: the other's publish, accepted (:meth:`PosixCheckpoints.taken_by_another`);
+* ``latest`` never moved below a newer published step (readers check it against the newest published manifest);
+* a complete staged step at or below ``latest`` left unpublished, or a published step without its manifest (a
+  directory rename of a FUSE filesystem raced by two mounts): verified and committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from pipeline.checkpoint import repair, retention
+from pipeline.checkpoint.manifest import (
+    MANIFEST,
+    Latest,
+    Manifest,
+    Marker,
+    complete_markers,
+    read_latest,
+    read_newest,
+    staged_world,
+    step_markers,
+    verify_committed,
+    write_latest,
+    write_manifest,
+)
+from pipeline.checkpoint.ownership import LEASE, CommitterBusy, FileLease, LeaseStore
+from pipeline.checkpoint.repair import step_entries
+from pipeline.checkpoint.step_checks import verified_manifest
+from pipeline.checkpoint.store import RACES, Quarantined
+from pipeline.errors import PipelineError, VerificationError
+from pipeline.storage.backend import POSIX, Storage
+from pipeline.storage.faults import inject
+from pipeline.storage.integrity import hash_file, is_real_dir
+from pipeline.storage.layout import CheckpointLayout
+
+log = logging.getLogger(__name__)
+
+VISIBILITY_S = 5.0
+"""How long a rename by another node may take to show through this node's mount (measured: ~10-20 ms)."""
+
+
+def latest_step(layout: CheckpointLayout) -> int:
+    """The newest committed step (0: none): ``latest``, or a newer published step when ``latest`` lags."""
+    latest = read_newest(layout)
+    return latest.step if latest else 0
+
+
+def staged_uncommitted(layout: CheckpointLayout, world_size: int, upto: int | None = None) -> list[int]:
+    """Steps newer than ``latest`` staged with every rank's marker (one attempt) but not committed yet: what a
+    resuming trainer waits for, so a step staged before a kill is never lost nor trained again."""
+    try:
+        done = latest_step(layout)
+    except (VerificationError, OSError, ValueError):
+        return []  # the committer repairs latest first; resuming then reports what it found
+    pending = []
+    for step, staged in step_entries(POSIX, layout.staging):
+        if step <= done or (upto is not None and step > upto) or POSIX.kind(staged) != "dir":
+            continue
+        try:
+            if complete_markers(step_markers(staged, step, staged_world(staged, step, world_size)), None):
+                pending.append(step)
+        except VerificationError:
+            continue
+    return pending
+
+
+class PosixCheckpoints:
+    """The checkpoints dir of ``layout``."""
+
+    def __init__(self, layout: CheckpointLayout, storage: Storage = POSIX) -> None:
+        self.layout = layout
+        self.storage = storage
+
+    @property
+    def where(self) -> str:
+        return str(self.layout.checkpoints)
+
+    def scratch(self) -> Path:
+        return self.layout.checkpoints
+
+    # -- ownership ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[None]:
+        self.storage.makedirs(self.layout.checkpoints)
+        with self.storage.exclusive(self.layout.committer_lock) as mine:  # one node: the kernel's lock, fast
+            if not mine:
+                raise CommitterBusy(
+                    f"another committer holds {self.layout.committer_lock}: exactly one commits "
+                    f"{self.layout.checkpoints} (stop the other one, or let it finish)"
+                )
+            yield
+
+    def lease_store(self) -> LeaseStore:
+        return FileLease(self.layout.checkpoints / LEASE)
+
+    # -- latest ---------------------------------------------------------------------------------------------
+
+    def read_latest(self) -> Latest | None:
+        return read_latest(self.layout)
+
+    def latest_named(self) -> int | None:
+        return repair.latest_step_name(self.layout)
+
+    def newest(self) -> Latest | None:
+        return read_newest(self.layout)
+
+    def move_latest(self, step: int, manifest_hash: str, epoch: int | None, *, back: bool = False) -> None:
+        if not back:
+            try:
+                newest = read_newest(self.layout)
+            except VerificationError:
+                newest = None  # a damaged latest: this commit replaces it
+            if newest is not None and newest.step > step:
+                log.warning("step %d is newer (another committer's): latest is not moved back to %d", newest.step, step)
+                return
+        write_latest(self.layout, step, manifest_hash, epoch=epoch)
+
+    def drop_latest(self, problem: str) -> str:
+        return str(repair.quarantine(self.storage, self.layout, self.layout.latest, problem))
+
+    def remove_latest(self) -> None:
+        if self.storage.kind(self.layout.latest) is not None:
+            self.storage.delete_file(self.layout.latest)
+
+    # -- committed steps ------------------------------------------------------------------------------------
+
+    def committed(self) -> list[int]:
+        kind = self.storage.kind
+        return [s for s, p in step_entries(self.storage, self.layout.checkpoints)
+                if kind(p) == "dir" and kind(p / MANIFEST) == "file"]  # fmt: skip
+
+    def is_published(self, step: int) -> bool:
+        return self.storage.kind(self.layout.committed_step(step)) is not None
+
+    def verify_committed(self, step: int) -> str:
+        path = self.layout.committed_step(step)
+        verify_committed(path, step)
+        return hash_file(path / MANIFEST)
+
+    def stray(self) -> list[str]:
+        return [str(p) for p in repair.planted(self.storage, self.layout)]
+
+    # -- staged steps ---------------------------------------------------------------------------------------
+
+    def staged(self) -> list[int]:
+        return [s for s, _ in step_entries(self.storage, self.layout.staging)]
+
+    def attempts(self, step: int) -> list[str | None]:
+        return [None] if self.storage.kind(self.layout.staged_step(step)) == "dir" else []
+
+    def markers(self, step: int, attempt: str | None, world_size: int) -> list[Marker | None]:
+        staged = self.layout.staged_step(step)
+        return step_markers(staged, step, staged_world(staged, step, world_size))
+
+    def staged_where(self, step: int) -> str:
+        return str(self.layout.staged_step(step))
+
+    def verify_staged(self, step: int, markers: list[Marker], allow_pickle: bool) -> Manifest:
+        return verified_manifest(step, markers, self.layout.staged_step(step), self.layout.run_id, allow_pickle)
+
+    def publish(self, manifest: Manifest) -> str | None:
+        step = manifest.step
+        staged = self.layout.staged_step(step)
+        try:
+            manifest_hash = write_manifest(staged, manifest)
+            inject("verify.before_publish", step=step)
+            self.storage.publish(staged, self.layout.committed_step(step))
+        except (OSError, PipelineError) as e:
+            # Another committer published this step first? The same attempt, so the same manifest bytes. An I/O
+            # error (EIO, ENOSPC: a failed fsync) fails the commit even then: it is never retried into success.
+            raced = isinstance(e, OSError) and e.errno in RACES or type(e) is PipelineError
+            if not raced or not self.taken_by_another(step, wait=True):
+                raise
+            return None
+        return manifest_hash
+
+    def taken_by_another(self, step: int, wait: bool) -> bool:
+        staged, final = self.layout.staged_step(step), self.layout.committed_step(step) / MANIFEST
+        deadline = time.monotonic() + (VISIBILITY_S if wait else 0.0)
+        while True:
+            named = repair.latest_step_name(self.layout)
+            if self.storage.kind(final) == "file" or (named is not None and named >= step and wait):
+                log.warning("step %d was published by another committer while this one checked it: left to it", step)
+                return True
+            if time.monotonic() >= deadline:
+                if wait and self.storage.kind(staged) is None:
+                    log.warning("step %d left staging under this committer (another committer moved it)", step)
+                    return True
+                return False
+            time.sleep(0.02)
+
+    def raced(self, step: int) -> bool:
+        """Another committer is visibly at work on ``step`` (its staged dir gone, or a published one): give its
+        rename the time to show, then accept it."""
+        interfered = self.storage.kind(self.layout.staged_step(step)) is None or self.is_published(step)
+        return self.taken_by_another(step, wait=interfered)
+
+    def holes(self, upto: int) -> list[int]:
+        """Staged steps at or below ``upto`` that are not published: a publish that two committers raced and
+        neither completed (seen on a FUSE mount). Committing one is harmless: ``latest`` does not move back."""
+        return [s for s in self.staged() if s <= upto and not self.is_published(s)]
+
+    # -- damage, litter, retention --------------------------------------------------------------------------
+
+    def quarantine(self, step: int, attempt: str | None, reason: str, committed: bool) -> Quarantined:
+        path = self.layout.committed_step(step) if committed else self.layout.staged_step(step)
+        where, others = repair.quarantine_damage(self.storage, self.layout, path, reason, step)
+        return Quarantined(str(where), others)
+
+    def tidy(self, fence: Callable[[], None], world_size: int, allow_pickle: bool, first: bool) -> list[str]:
+        repairs: list[str] = []
+        if first:
+            repair.sweep_temp_files(self.storage, self.layout)
+            for path in repair.planted(self.storage, self.layout):
+                kind = self.storage.kind(path)
+                fence()
+                where = repair.quarantine(
+                    self.storage, self.layout, path, f"{path} is a {kind}, not a step directory; never followed"
+                )
+                repairs.append(f"{path} was a {self.storage.kind(where)}, not a step directory (moved to {where})")
+        self._finish_unmanifested(fence, world_size, allow_pickle)
+        return repairs
+
+    def _finish_unmanifested(self, fence: Callable[[], None], world_size: int, allow_pickle: bool) -> None:
+        """A published step without its manifest: two committers' publishes raced on a filesystem whose directory
+        rename is not atomic against writes inside it (seen on a FUSE mount). Verified, its manifest is written."""
+        for step, path in step_entries(self.storage, self.layout.checkpoints):
+            if self.storage.kind(path) != "dir" or self.storage.kind(path / MANIFEST) is not None:
+                continue
+            try:
+                markers = complete_markers(step_markers(path, step, staged_world(path, step, world_size)), None)
+                if markers is None:
+                    continue
+                manifest = verified_manifest(step, markers, path, self.layout.run_id, allow_pickle)
+            except (VerificationError, OSError) as e:
+                log.warning("%s is published without a manifest and does not verify; not a committed step: %s", path, e)
+                continue
+            fence()
+            write_manifest(path, manifest)
+            log.warning(
+                "step %d was published without its manifest (a raced publish): verified, manifest written", step
+            )
+
+    def retire(self, steps: tuple[int, ...]) -> None:
+        area = self.layout.checkpoints
+        if not is_real_dir(area):  # missing, or a link planted for a managed area: nothing under it is touched
+            return
+        retention.empty_trash(area)
+        if steps:
+            log.info("retention: removing %s from %s", steps, area)
+            retention.retire(area, steps)
+
+    def sweep(self, latest: int, world_size: int) -> None:
+        """Nothing: a staged step left below ``latest`` is a hole a raced publish left, or a record of an attempt
+        that lost; it costs disk only, and ``status`` shows it."""
