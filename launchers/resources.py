@@ -6,8 +6,8 @@ import shutil
 from typing import Any
 
 from pipeline.config.schema import LauncherConfig, SlurmLauncherConfig
-from pipeline.orchestration.contract import Resources, StageContract
-from pipeline.orchestration.plan import Plan, PlannedStage
+from pipeline.driver.plan import Plan, PlannedStage
+from pipeline.stagekit.contract import Resources, StageContract
 
 
 def submitit_parameters(
