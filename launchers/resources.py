@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
-from pipeline.config.schema import LauncherConfig, SlurmLauncherConfig
+from pipeline.config.launcher import LauncherConfig, SlurmLauncherConfig
 from pipeline.driver.plan import Plan, PlannedStage
 from pipeline.stagekit.contract import Resources, StageContract
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
 import pipeline.stagekit.checkpoint_store as storage
-from pipeline.config.schema import STAGE_ALL, PipelineConfig, SlurmLauncherConfig, rank_batch_size
+from pipeline.config.launcher import SlurmLauncherConfig
+from pipeline.config.schema import STAGE_ALL, PipelineConfig, rank_batch_size
 from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, plural
 from pipeline.rundir.layout import RunLayout
 from pipeline.stagekit.contract import Resources, StageContract

@@ -20,8 +20,9 @@ from types import FrameType
 
 import pipeline.stagekit.checkpoint_store as storage
 from pipeline.config.identity import RunRecord, differences, read_run_record, recorded_changes, write_run_record
+from pipeline.config.launcher import SlurmLauncherConfig
 from pipeline.config.overrides import carried
-from pipeline.config.schema import STAGE_ALL, PipelineConfig, SlurmLauncherConfig
+from pipeline.config.schema import STAGE_ALL, PipelineConfig
 from pipeline.driver.lease import RunLease
 from pipeline.driver.plan import Plan, make_plan
 from pipeline.driver.run_status import collect
