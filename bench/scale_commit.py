@@ -6,7 +6,7 @@ DCP checkpoint of N ranks, written without N processes: ``files_per_rank`` small
 as ``FileSystemWriter.finish`` writes it: ``files_per_rank`` tensors, each sharded over all N ranks as FSDP2
 stores them, one chunk per rank in that rank's file ``i``, plus one bytes item of rank 0), and each rank's
 ``rank_K.done.json`` with the real sizes and xxh3-128 hashes. Then the verify-manifest stage runs on it exactly
-as its job runs it (``pipeline.orchestration.task.execute_task("verify_manifest", ...)``: re-check of
+as its job runs it (``pipeline.driver.task.execute_task("verify_manifest", ...)``: re-check of
 ``latest``, marker wait, size + hash of every file, the format's metadata and owner checks, ``manifest.json``,
 publish, ``latest``, retention); that call is what is timed. The step must commit, and its manifest must list
 every file written. ``recheck`` times ``verify_committed`` of the committed step afterwards: what every later
@@ -55,10 +55,10 @@ from pipeline.checkpoint.manifest import (  # noqa: E402
     verify_committed,
 )
 from pipeline.config.compose import load_config  # noqa: E402
+from pipeline.driver.task import execute_task  # noqa: E402
 from pipeline.formats.dcp import FORMAT, METADATA_FILE  # noqa: E402
-from pipeline.orchestration.task import execute_task  # noqa: E402
+from pipeline.rundir.layout import RunLayout  # noqa: E402
 from pipeline.storage.integrity import FileEntry  # noqa: E402
-from pipeline.storage.layout import RunLayout  # noqa: E402
 
 DEFAULT_RANKS = (64, 128, 256, 512, 1024, 2048, 4096)
 STEP = 1

@@ -1,12 +1,12 @@
 """The ``Launcher`` base: how the runner hands planned stage jobs to whatever runs them (the runner's side of the
-interface, ``JobLauncher`` and ``JobHandle``, is in :mod:`pipeline.orchestration.supervise`)."""
+interface, ``JobLauncher`` and ``JobHandle``, is in :mod:`pipeline.driver.supervise`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 
-from pipeline.orchestration.supervise import JobHandle, JobWatch, StageJob
+from pipeline.driver.supervise import JobHandle, JobWatch, StageJob
 
 
 class Launcher:

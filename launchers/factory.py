@@ -5,7 +5,7 @@ from __future__ import annotations
 from launchers.base import Launcher
 from launchers.inprocess import InProcessLauncher
 from launchers.submitit_launcher import SubmititLauncher
-from pipeline.config.schema import LauncherConfig
+from pipeline.config.launcher import LauncherConfig
 from pipeline.errors import ConfigError
 
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from launchers.base import JobHandle, Launcher
-from pipeline.orchestration.supervise import StageJob
-from pipeline.orchestration.task import execute_task
+from pipeline.driver.supervise import StageJob
+from pipeline.driver.task import execute_task
 
 
 class _Done:

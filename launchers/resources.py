@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
-from pipeline.config.schema import LauncherConfig, SlurmLauncherConfig
-from pipeline.orchestration.contract import Resources, StageContract
-from pipeline.orchestration.plan import Plan, PlannedStage
+from pipeline.config.launcher import LauncherConfig, SlurmLauncherConfig
+from pipeline.driver.plan import Plan, PlannedStage
+from pipeline.stagekit.contract import Resources, StageContract
 
 
 def submitit_parameters(

@@ -20,12 +20,13 @@ from submitit.core.utils import FailedJobError
 from launchers.base import JobHandle, Launcher
 from launchers.resources import submitit_parameters
 from launchers.task_outcomes import LocalTasks, failure_message, free_space, outcomes, size_text
-from pipeline.config.schema import LauncherConfig, LocalLauncherConfig, PipelineConfig, SlurmLauncherConfig
+from pipeline.config.launcher import LauncherConfig, LocalLauncherConfig, SlurmLauncherConfig
+from pipeline.config.schema import PipelineConfig
+from pipeline.driver.supervise import StageJob
+from pipeline.driver.task import execute_task
 from pipeline.errors import StageFailedError
-from pipeline.orchestration import preemption
-from pipeline.orchestration.contract import JobRef
-from pipeline.orchestration.supervise import StageJob
-from pipeline.orchestration.task import execute_task
+from pipeline.stagekit import preemption
+from pipeline.stagekit.contract import JobRef
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import clear_file
 

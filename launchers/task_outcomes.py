@@ -2,7 +2,7 @@
 
 A failed job's tasks rarely fail for one reason: the rank that raised first takes its peers down with it
 (gloo's "Connection closed by peer", a collective's timeout). Each task's stderr holds the failure line of
-:func:`pipeline.orchestration.task.failure_line` (which rank, when, what), and its result pickle, if any;
+:func:`pipeline.driver.task.failure_line` (which rank, when, what), and its result pickle, if any;
 a task with neither died without a Python error (a signal). The root cause is the task that ended first,
 preferring errors that are not collective side effects; its log path ends the line and holds the traceback.
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from pipeline.orchestration.task import parse_failure_line
+from pipeline.driver.task import parse_failure_line
 
 # Errors a task gets because a peer failed, not because of anything of its own: they never make the root cause
 # while another task has a reason of its own.

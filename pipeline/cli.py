@@ -25,12 +25,13 @@ from pipeline.config.docs import hydra_template, render_help
 from pipeline.config.identity import kept_global_batch
 from pipeline.config.overrides import SEARCHPATH, check_hydra_overrides, find_run, merge, parse, value_of
 from pipeline.config.schema import STAGE_ALL, PipelineConfig, register_configs, schema_key
+from pipeline.driver.plan import Plan, make_plan
+from pipeline.driver.progress import format_bytes
+from pipeline.driver.runner import Interrupted, check_identity, new_run_id, status_lines
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.orchestration.plan import Plan, make_plan
-from pipeline.orchestration.progress import format_bytes
-from pipeline.orchestration.runner import Interrupted, check_identity, new_run_id, status_lines
+from pipeline.rundir.layout import RunLayout
 from pipeline.stages import ORDER, get_stage
-from pipeline.storage.layout import RunLayout, restrict_umask
+from pipeline.storage.layout import restrict_umask
 
 _INFO_FLAGS = ("help", "hydra_help", "cfg", "info", "shell_completion")
 _exit_codes: list[int] = []
@@ -113,7 +114,7 @@ def _register_resolvers() -> None:
 def _hydra_task(dcfg: DictConfig) -> None:
     """Hydra's task function: one launch (one sweep point under ``-m``). Records its exit code."""
     from launchers.factory import make_launcher  # noqa: PLC0415 - submitit only when launching
-    from pipeline.orchestration import runner  # noqa: PLC0415
+    from pipeline.driver import runner  # noqa: PLC0415
 
     hc = HydraConfig.get()
     try:

@@ -16,12 +16,13 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline.driver.run_status import collect, collect_checkpoints, verify_steps
+from pipeline.driver.status_view import render
 from pipeline.errors import PipelineError, RunNotFoundError
-from pipeline.orchestration.run_status import collect, collect_checkpoints, verify_steps
-from pipeline.orchestration.status_view import render
+from pipeline.rundir.layout import RUN_YAML, RunLayout
+from pipeline.rundir.runs import DEFAULT_ROOT, locate_run, newest_runs
 from pipeline.storage.integrity import lstat_kind
-from pipeline.storage.layout import RUN_YAML, CheckpointLayout, RunLayout
-from pipeline.storage.runs import DEFAULT_ROOT, locate_run, newest_runs
+from pipeline.storage.layout import CheckpointLayout
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -14,9 +14,9 @@ import pytest
 
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
+from pipeline.driver.task import execute_task
 from pipeline.formats.registry import FORMATS, Format, _dcp_owner
-from pipeline.orchestration.task import execute_task
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from tests.s3.server import S3Server, seaweedfs
 from tests.seed_helpers import TEST_FORMAT
 

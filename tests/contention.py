@@ -34,8 +34,8 @@ from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy
 from pipeline.checkpoint.manifest import complete_markers, read_latest, read_manifest, read_newest, step_markers
 from pipeline.checkpoint.repair import step_entries
 from pipeline.errors import VerificationError
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.backend import POSIX
-from pipeline.storage.layout import RunLayout
 from tests.seed_helpers import stage_rank
 from tests.sharedfs import SharedFS, shared_filesystem
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import clear_file, write_bytes_atomic
 from pipeline.storage.integrity import describe
-from pipeline.storage.layout import RunLayout
 
 # fork: cheap and truly simultaneous; SEED_TESTS_START_METHOD=spawn checks that nothing relies on inherited state.
 START_METHOD = os.environ.get("SEED_TESTS_START_METHOD") or (

@@ -18,10 +18,10 @@ from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.config.compose import load_config
 from pipeline.errors import ConfigError
 from pipeline.formats.dcp import read_metadata_safe
-from pipeline.orchestration.contract import TaskContext
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import TaskContext
 from pipeline.stages import shard_save
 from pipeline.storage.atomic import read_json
-from pipeline.storage.layout import RunLayout
 from tests.conftest import run_cli
 
 ASYNC = ("checkpoint.async_save=true", "launcher.poll_interval_s=0.2")

@@ -34,7 +34,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from pipeline.workload.corpus import generate_corpus
 from pipeline.workload.data import SAMPLES_ENV, SampleStream
 from tests.conftest import ROOT, probe_env, probe_file, read_probe, run_cli, train_losses

@@ -12,7 +12,7 @@ from pipeline.config.compose import conf_dir, experiments, load_config
 from pipeline.config.identity import write_run_record
 from pipeline.config.schema import ExportConfig, PipelineConfig, parse_size, rank_batch_size
 from pipeline.errors import ConfigError
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from pipeline.workload.data import SampleStream
 from tests.conftest import RunFactory, run_cli
 

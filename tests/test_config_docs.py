@@ -8,7 +8,7 @@ import string
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import docs, schema, workload
+from pipeline.config import docs, keys, launcher, schema, workload
 
 STAGES = [("prepare_dirs", "Create the run layout."), ("consolidate", "Merge the shards of `latest`.")]
 
@@ -19,36 +19,36 @@ def composed() -> object:
 
 
 def test_every_schema_field_has_a_docstring() -> None:
-    classes = docs.schema_classes()
-    assert schema.PipelineConfig in classes and schema.SlurmLauncherConfig in classes
+    classes = keys.schema_classes()
+    assert schema.PipelineConfig in classes and launcher.SlurmLauncherConfig in classes
     undocumented = [
-        f"{cls.__name__}.{name}" for cls in classes for name, doc in docs.class_field_docs(cls).items() if not doc
+        f"{cls.__name__}.{name}" for cls in classes for name, doc in keys.class_field_docs(cls).items() if not doc
     ]
     assert not undocumented, f"add a docstring under these fields in pipeline/config/schema.py: {undocumented}"
 
 
 def test_inherited_fields_take_the_base_class_doc() -> None:
-    local = docs.class_field_docs(schema.LocalLauncherConfig)
-    base = docs.class_field_docs(schema.LauncherConfig)
+    local = keys.class_field_docs(launcher.LocalLauncherConfig)
+    base = keys.class_field_docs(launcher.LauncherConfig)
     assert local["kind"] == base["kind"] and local["kind"].startswith("Which launcher")
     assert local["master_addr"].startswith("Rendezvous address")
 
 
 def test_field_docs_covers_nested_keys_with_their_text() -> None:
-    fd = docs.field_docs()
+    fd = keys.field_docs()
     assert fd["train.steps"].startswith("Total optimizer steps of the run")
     assert fd["run.id"] and "\n" not in fd["run.id"]
     assert fd["launcher.poll_interval_s"] == "How often the launcher polls job state."
-    base = docs.class_field_docs(schema.LauncherConfig)  # every shared launcher key, documented by the base class
+    base = keys.class_field_docs(launcher.LauncherConfig)  # every shared launcher key, documented by the base class
     assert all(fd[f"launcher.{name}"] == doc for name, doc in base.items() if name != "stages")
     assert fd["launcher.stages.train.mem_gb"].startswith("Memory per task in GB")  # nested: one key per leaf
     assert fd["strategy.world_size"] == "Number of training ranks (tasks of the train job)."
     assert {"stage", "force", "dry_run", "experiment"} <= set(fd)
-    assert docs.all_keys() == list(fd)
+    assert keys.all_keys() == list(fd)
 
 
 def test_launcher_keys_are_the_union_marked_by_owner() -> None:
-    fd = docs.field_docs()
+    fd = keys.field_docs()
     assert fd["launcher.partition"].startswith("[launcher=slurm] SLURM partition")
     assert fd["launcher.master_addr"].startswith("[launcher=inprocess|local] ")
     assert not fd["launcher.poll_interval_s"].startswith("[")  # shared by every launcher: no owner note
@@ -58,24 +58,24 @@ def test_every_dataclass_leaf_is_a_key() -> None:
     def leaves(cls: type, prefix: str) -> set[str]:
         out: set[str] = set()
         for f in dataclasses.fields(cls):
-            sub = getattr(schema, str(f.type), None) or getattr(workload, str(f.type), None)
+            sub = next((getattr(m, str(f.type)) for m in (schema, launcher, workload) if hasattr(m, str(f.type))), None)
             out |= leaves(sub, f"{prefix}{f.name}.") if dataclasses.is_dataclass(sub) else {f"{prefix}{f.name}"}
         return out
 
     expected = leaves(schema.PipelineConfig, "") - {"launcher"}
     expected |= {
-        f"launcher.{k}" for c in (schema.LocalLauncherConfig, schema.SlurmLauncherConfig) for k in leaves(c, "")
+        f"launcher.{k}" for c in (launcher.LocalLauncherConfig, launcher.SlurmLauncherConfig) for k in leaves(c, "")
     }
-    assert set(docs.all_keys()) == expected
+    assert set(keys.all_keys()) == expected
 
 
 def test_group_options_and_experiments() -> None:
-    groups = docs.group_options()
+    groups = keys.group_options()
     assert groups["strategy"] == ["ddp", "deepspeed", "fsdp2"]
     assert groups["launcher"] == ["inprocess", "local", "slurm"]
     assert "experiment" not in groups
-    assert docs.group_defaults()["strategy"] == "ddp"
-    assert "tiny" in docs.experiment_names()
+    assert keys.group_defaults()["strategy"] == "ddp"
+    assert "tiny" in keys.experiment_names()
 
 
 def test_render_help_shows_usage_groups_stages_and_every_key(composed: object) -> None:
@@ -88,8 +88,8 @@ def test_render_help_shows_usage_groups_stages_and_every_key(composed: object) -
     assert any(line.split()[:1] == ["tiny"] for line in lines)
     for name, _ in STAGES:
         assert any(line.split()[:1] == [name] for line in lines), name
-    for key in docs.all_keys():
-        assert any(line.lstrip().startswith(f"{docs.cli_key(key)} = ") for line in lines), key
+    for key in keys.all_keys():
+        assert any(line.lstrip().startswith(f"{keys.cli_key(key)} = ") for line in lines), key
     assert any(line.lstrip().startswith("import.source = ") for line in lines)  # as typed, not import_
     assert max(len(line) for line in lines) <= docs.WIDTH
 
@@ -122,7 +122,7 @@ def test_render_help_values_come_from_the_composed_config_then_the_schema(compos
     ],
 )
 def test_did_you_mean(key: str, expected: str | None) -> None:
-    assert docs.did_you_mean(key, docs.all_keys()) == expected
+    assert keys.did_you_mean(key, keys.all_keys()) == expected
 
 
 def test_hydra_template_escapes_dollar_for_string_template() -> None:

@@ -455,8 +455,8 @@ def test_real_nvme_checkpoint_is_the_synthetic_layout_and_consolidates(nvme_avai
 @pytest.mark.distributed
 def test_pipeline_trains_commits_and_exports_with_nvme_offload(nvme_available: None, tmp_path: Path) -> None:
     from pipeline.checkpoint.manifest import read_latest, read_manifest
+    from pipeline.rundir.layout import RunLayout
     from pipeline.storage.atomic import read_json
-    from pipeline.storage.layout import RunLayout
     from tests.conftest import probe_env, probe_file, read_probe, run_cli
 
     proc = run_cli(

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.checkpoint.manifest import read_latest, read_manifest
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import read_json
-from pipeline.storage.layout import RunLayout
 from tests.conftest import probe_env, probe_file, read_probe, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

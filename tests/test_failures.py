@@ -19,11 +19,11 @@ from launchers import task_outcomes
 from launchers.submitit_launcher import SubmititHandle, SubmititLauncher
 from launchers.task_outcomes import TaskOutcome, failure_message, outcomes
 from pipeline.config.compose import load_config
+from pipeline.driver.runner import StageJob
+from pipeline.driver.task import failure_line, parse_failure_line
 from pipeline.errors import ConfigError, StageFailedError
-from pipeline.orchestration.runner import StageJob
-from pipeline.orchestration.task import failure_line, parse_failure_line
+from pipeline.rundir.layout import RunLayout
 from pipeline.stages import get_stage
-from pipeline.storage.layout import RunLayout
 from tests.conftest import run_cli
 
 GLOO = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"

@@ -18,11 +18,12 @@ from launchers import submitit_launcher
 from launchers.submitit_launcher import _INHERITED_RENDEZVOUS
 from pipeline.checkpoint.manifest import read_latest
 from pipeline.config.compose import load_config
-from pipeline.config.schema import LocalLauncherConfig, PipelineConfig, StrategyConfig
+from pipeline.config.launcher import LocalLauncherConfig
+from pipeline.config.schema import PipelineConfig, StrategyConfig
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.formats.dcp import load_into
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import read_json
-from pipeline.storage.layout import RunLayout
 from pipeline.strategies import process_group
 from pipeline.strategies.devices import check_backend, claim_cuda_device
 from pipeline.workload.data import load_tokenizer

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.checkpoint.manifest import read_latest, verify_committed
+from pipeline.driver.task import execute_task
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.orchestration.records import write_record
-from pipeline.orchestration.task import execute_task
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.records import write_record
 from pipeline.stages import train, verify_manifest
-from pipeline.storage.layout import RunLayout
 from tests import seed_helpers as sh
 from tests.conftest import RunFactory
 from tests.test_seeds import TRAIN_ATTEMPT, _verify

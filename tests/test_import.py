@@ -26,9 +26,9 @@ import torch
 from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.config.compose import load_config
 from pipeline.formats.dcp import load_into, stored_files
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import read_json
 from pipeline.storage.integrity import hash_file
-from pipeline.storage.layout import RunLayout
 from pipeline.workload.corpus import build_assets, load_tokenizer
 from pipeline.workload.model import build_model
 from tests.conftest import ROOT, run_cli, snapshot

@@ -31,12 +31,13 @@ from pipeline.checkpoint.ownership import LEASE
 from pipeline.checkpoint.rank_save import RankTarget
 from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.retention import retire
+from pipeline.driver.remote_status import remote_checkpoints
+from pipeline.driver.run_status import collect_checkpoints
 from pipeline.formats.dcp_names import is_piece
-from pipeline.orchestration.remote_status import remote_checkpoints
-from pipeline.orchestration.run_status import collect_checkpoints
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.faults import InjectedFault
 from pipeline.storage.integrity import describe, hash_file
-from pipeline.storage.layout import CheckpointLayout, RunLayout
+from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.s3 import S3Url
 from tests.conftest import ROOT, run_cli
 from tests.s3.helpers import assert_invariants, bucket_store, keys

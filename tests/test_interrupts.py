@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from pipeline.checkpoint.manifest import read_latest, verify_committed
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import read_json
-from pipeline.storage.layout import RunLayout
 from tests.conftest import ROOT, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.driver.lease import RunLease, read_lease
 from pipeline.errors import RunBusyError
-from pipeline.orchestration.lease import RunLease, read_lease
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import create_exclusive
-from pipeline.storage.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = socket.gethostname()
@@ -26,8 +26,8 @@ RACER = """
 import sys, time
 from pathlib import Path
 from pipeline.errors import RunBusyError
-from pipeline.orchestration.lease import RunLease
-from pipeline.storage.layout import RunLayout
+from pipeline.driver.lease import RunLease
+from pipeline.rundir.layout import RunLayout
 run_dir, go, release = map(Path, sys.argv[1:4])
 print("ready", flush=True)
 while not go.exists():
@@ -47,8 +47,8 @@ lease.release()
 CRASHER = """
 import os, sys
 from pathlib import Path
-from pipeline.orchestration.lease import RunLease
-from pipeline.storage.layout import RunLayout
+from pipeline.driver.lease import RunLease
+from pipeline.rundir.layout import RunLayout
 RunLease.acquire(RunLayout(Path(sys.argv[1])), command=["crasher"])
 os._exit(0)
 """

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.config.compose import load_config
+from pipeline.driver.plan import followed, make_plan
 from pipeline.errors import PipelineError
-from pipeline.orchestration.plan import followed, make_plan
+from pipeline.rundir.layout import RunLayout
 from pipeline.stages import consolidate, get_stage
-from pipeline.storage.layout import RunLayout
 from tests.conftest import RunFactory, run_cli
 
 

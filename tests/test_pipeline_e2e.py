@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.config.compose import load_config
 from pipeline.formats.dcp import load_into
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import read_json
 from pipeline.storage.integrity import hash_file
-from pipeline.storage.layout import RunLayout
 from pipeline.workload.data import load_tokenizer
 from pipeline.workload.model import build_model
 from tests.conftest import run_cli, snapshot, train_losses
@@ -151,7 +151,7 @@ def test_a_rerun_composes_and_plans_once_and_hashes_the_committed_step_once(
     from pipeline import cli
     from pipeline.checkpoint import committer, manifest
     from pipeline.config import compose
-    from pipeline.orchestration import plan, runner
+    from pipeline.driver import plan, runner
 
     calls = {"compose": 0, "make_plan": 0, "verify_committed": 0}
 

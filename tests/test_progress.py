@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 from pipeline.checkpoint.manifest import Manifest, write_manifest
-from pipeline.errors import plural
-from pipeline.orchestration.progress import (
+from pipeline.driver.progress import (
     FIRST_LINES,
     SUMMARY_EVERY,
     StageProgress,
@@ -24,9 +23,10 @@ from pipeline.orchestration.progress import (
     format_duration,
     format_number,
 )
+from pipeline.errors import plural
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import read_json
 from pipeline.storage.integrity import describe
-from pipeline.storage.layout import RunLayout
 from pipeline.storage.metrics import MetricsTail, MetricsWriter
 from tests.conftest import run_cli
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from pipeline.checkpoint.manifest import read_manifest
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -16,10 +16,10 @@ from pipeline.checkpoint.posix_store import PosixCheckpoints
 from pipeline.checkpoint.retention import TRASH, Decision, decide
 from pipeline.config.schema import CheckpointConfig
 from pipeline.errors import ConfigError
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage import faults
 from pipeline.storage.atomic import read_json
 from pipeline.storage.integrity import lstat_kind
-from pipeline.storage.layout import RunLayout
 
 # --- the pure decision ---------------------------------------------------------------------------------------
 

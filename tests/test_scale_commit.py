@@ -11,8 +11,8 @@ import pytest
 
 from bench.scale_commit import STEP, stage_dcp_step
 from pipeline.checkpoint.manifest import read_latest, read_manifest
+from pipeline.driver.task import execute_task
 from pipeline.errors import VerificationError
-from pipeline.orchestration.task import execute_task
 from pipeline.storage import integrity
 from pipeline.storage.integrity import FileEntry, describe, verify_entries
 from tests.conftest import RunFactory

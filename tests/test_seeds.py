@@ -29,14 +29,14 @@ from launchers.base import JobHandle, Launcher
 from pipeline.checkpoint.manifest import MANIFEST, read_latest, read_manifest, read_marker
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
+from pipeline.driver.runner import StageJob, resolve_layout
+from pipeline.driver.runner import run as run_pipeline
+from pipeline.driver.task import execute_task
 from pipeline.errors import VerificationError
-from pipeline.orchestration.records import read_record, write_record
-from pipeline.orchestration.runner import StageJob, resolve_layout
-from pipeline.orchestration.runner import run as run_pipeline
-from pipeline.orchestration.task import execute_task
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.records import read_record, write_record
 from pipeline.stages import verify_manifest
 from pipeline.storage.atomic import read_json
-from pipeline.storage.layout import RunLayout
 from tests import seed_helpers as sh
 from tests.conftest import RunFactory
 
@@ -441,10 +441,10 @@ def test_marker_copied_under_another_ranks_name_is_quarantined(tmp_path) -> None
 
     from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
     from pipeline.config.compose import load_config
+    from pipeline.driver.task import execute_task
     from pipeline.errors import VerificationError
-    from pipeline.orchestration.task import execute_task
+    from pipeline.rundir.layout import RunLayout
     from pipeline.storage.integrity import describe
-    from pipeline.storage.layout import RunLayout
 
     cfg = load_config(["+experiment=tiny", f"run.root={tmp_path}", "run.id=r", "checkpoint.marker_deadline_s=1"])
     layout = RunLayout.for_run(cfg.run.root, cfg.experiment, "r")

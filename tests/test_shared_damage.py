@@ -22,7 +22,7 @@ from pipeline.checkpoint import Checkpointer, pieces
 from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.manifest import read_latest, verify_committed
 from pipeline.checkpoint.remote import Remote
-from pipeline.orchestration.run_status import collect_checkpoints
+from pipeline.driver.run_status import collect_checkpoints
 from pipeline.status import main as status_main
 from pipeline.storage.integrity import FileEntry
 from pipeline.storage.layout import CheckpointLayout

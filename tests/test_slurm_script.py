@@ -13,10 +13,10 @@ import submitit
 from launchers.resources import sbatch_lines, submitit_parameters
 from launchers.submitit_launcher import RequeuedAtTimeLimit, SubmititLauncher, rendezvous_port, task_entry
 from pipeline.config.compose import load_config
+from pipeline.driver.plan import make_plan
+from pipeline.driver.supervise import StageJob
 from pipeline.errors import ConfigError
-from pipeline.orchestration.plan import make_plan
-from pipeline.orchestration.supervise import StageJob
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 
 needs_srun = pytest.mark.skipif(
     shutil.which("srun") is None, reason="submitit writes SLURM scripts only where srun is (scripts/slurm/start.sh)"

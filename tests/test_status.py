@@ -22,13 +22,13 @@ from pipeline.checkpoint.posix_store import PosixCheckpoints
 from pipeline.config.compose import load_config
 from pipeline.config.identity import write_run_record
 from pipeline.config.schema import CheckpointConfig, PipelineConfig
+from pipeline.driver.lease import RunLease
+from pipeline.driver.run_status import resume_command
+from pipeline.driver.task import execute_task
 from pipeline.errors import VerificationError
-from pipeline.orchestration import jobs
-from pipeline.orchestration.lease import RunLease
-from pipeline.orchestration.records import now_iso, write_record
-from pipeline.orchestration.run_status import resume_command
-from pipeline.orchestration.task import execute_task
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit import jobs
+from pipeline.stagekit.records import now_iso, write_record
 from tests.conftest import ROOT
 from tests.test_structure import NOT_IN_TOOLS
 
@@ -135,7 +135,7 @@ def test_finished_run(run: tuple[PipelineConfig, RunLayout], capsys: pytest.Capt
 
 
 def test_resume_command_is_the_runners(run: tuple[PipelineConfig, RunLayout]) -> None:
-    from pipeline.orchestration.runner import resume_command as runners
+    from pipeline.driver.runner import resume_command as runners
 
     _, layout = run
     assert resume_command(layout) == runners(layout)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.orchestration.contract import OPTIONAL
+from pipeline.stagekit.contract import OPTIONAL
 from pipeline.stages import ORDER, get_stage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,23 +35,20 @@ def _imports(path: Path, runtime_only: bool = False) -> set[str]:
     return out
 
 
-# Lower layers never import higher ones (entry -> launchers -> orchestration -> stages -> ... -> errors).
+# Lower layers never import higher ones. Each package is one layer; the library (storage, formats, checkpoint) is
+# at the bottom, then the app: its run dir, config, workload and strategies, the stage kit, the stages, the driver,
+# the launchers and the entry points.
 LAYERS: list[tuple[str, ...]] = [
     ("pipeline", "pipeline.errors"),
     ("pipeline.storage",),
-    ("pipeline.config",),
     ("pipeline.formats",),
     ("pipeline.checkpoint",),
+    ("pipeline.rundir",),
+    ("pipeline.config",),
     ("pipeline.workload", "pipeline.strategies"),
-    (
-        "pipeline.orchestration.contract",
-        "pipeline.orchestration.records",
-        "pipeline.orchestration.jobs",
-        "pipeline.orchestration.preemption",
-        "pipeline.orchestration.checkpoint_store",
-    ),
+    ("pipeline.stagekit",),
     ("pipeline.stages",),
-    ("pipeline.orchestration",),
+    ("pipeline.driver",),
     ("launchers",),
     (
         "pipeline.cli",
@@ -65,12 +62,16 @@ LAYERS: list[tuple[str, ...]] = [
 
 
 def _layer(module: str) -> int | None:
-    best: tuple[int, int] | None = None  # (prefix length, layer): the most specific prefix wins
-    for level, prefixes in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[0]):
-                best = (len(prefix), level)
-    return None if best is None else best[1]
+    """The layer of ``module``: its package's (``pipeline.stages.train`` -> ``pipeline.stages``), or its own for a
+    top-level module; None outside the project."""
+    parts = module.split(".")
+    if parts[0] not in ("pipeline", "launchers"):
+        return None
+    top = ".".join(parts[:2])  # pipeline.<package or top-level module>; launchers is one package
+    for level, names in enumerate(LAYERS):
+        if top in names or (parts[0] == "launchers" and "launchers" in names):
+            return level
+    return None
 
 
 def _module_name(path: Path) -> str:
@@ -87,6 +88,16 @@ def test_layers_only_import_downwards() -> None:
         for imported in _imports(path):  # TYPE_CHECKING imports count: they are dependencies too
             other = _layer(imported)
             assert other is None or other <= own, f"{module} (layer {own}) imports {imported} (layer {other})"
+
+
+def test_each_package_is_one_layer() -> None:
+    """LAYERS names packages (and the top-level modules), never a module inside a package: a package's modules all
+    sit on its layer, so the test needs no per-module exception."""
+    names = [name for layer in LAYERS for name in layer]
+    assert len(names) == len(set(names)), names
+    assert all(name == "launchers" or name.count(".") <= 1 for name in names), names
+    packages = {f"pipeline.{p.name}" for p in (ROOT / "pipeline").iterdir() if (p / "__init__.py").is_file()}
+    assert packages <= set(names), f"packages in no layer: {sorted(packages - set(names))}"
 
 
 def test_pipeline_top_level_is_only_the_entry_point() -> None:
@@ -139,7 +150,9 @@ LIBRARY = ("pipeline.checkpoint", "pipeline.storage", "pipeline.formats", "pipel
 """The checkpoint library: what a torchrun script imports. It knows nothing of the app."""
 APP_OR_FRAMEWORK = (
     "pipeline.config",
-    "pipeline.orchestration",
+    "pipeline.rundir",
+    "pipeline.stagekit",
+    "pipeline.driver",
     "pipeline.stages",
     "pipeline.workload",
     "pipeline.strategies",
@@ -164,6 +177,18 @@ def test_library_imports_nothing_from_the_app_hydra_or_submitit() -> None:
         assert not bad, f"{_module_name(path)} (library) imports {bad}"
 
 
+def test_library_knows_no_run_layout() -> None:
+    """The run dir (``run.yaml``, lease, stage records, assets) is the app's: the library names only the checkpoint
+    protocol's paths (:class:`~pipeline.storage.layout.CheckpointLayout`), and no library module names
+    :class:`~pipeline.rundir.layout.RunLayout` or ``run.yaml``."""
+    import pipeline.storage.layout as checkpoint_layout  # noqa: PLC0415
+
+    assert not hasattr(checkpoint_layout, "RunLayout") and not hasattr(checkpoint_layout, "RUN_YAML")
+    for path in (p for p in (ROOT / "pipeline").rglob("*.py") if _module_name(p).startswith(LIBRARY)):
+        names = {m.rsplit(".", 1)[-1] for m in _all_imports(path)}
+        assert not names & {"RunLayout", "RUN_YAML"}, f"{_module_name(path)} (library) imports the app's run layout"
+
+
 def test_library_runtime_loads_no_app_module() -> None:
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
@@ -181,7 +206,7 @@ def test_library_runtime_loads_no_app_module() -> None:
 
 TOOLS = ("status", "commit", "consolidate", "export")
 """The command lines ``python -m pipeline.<tool>``: they read a checkpoint or run dir without the app."""
-NOT_IN_TOOLS = ("hydra", "omegaconf", "submitit", "pipeline.config", "pipeline.stages", "pipeline.orchestration.runner")
+NOT_IN_TOOLS = ("hydra", "omegaconf", "submitit", "pipeline.config", "pipeline.stages", "pipeline.driver.runner")
 """What no tool loads: the app's config composition, the stage modules, the runner, Hydra and submitit."""
 
 

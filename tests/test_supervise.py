@@ -20,12 +20,12 @@ import pytest
 
 from pipeline.checkpoint.manifest import read_latest, verify_committed
 from pipeline.config.compose import load_config
+from pipeline.driver.plan import make_plan
+from pipeline.driver.supervise import RESTARTS_PER_LAUNCH, Execution, Interrupted, StageJob
 from pipeline.errors import StageFailedError
-from pipeline.orchestration.plan import make_plan
-from pipeline.orchestration.records import write_record
-from pipeline.orchestration.supervise import RESTARTS_PER_LAUNCH, Execution, Interrupted, StageJob
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.records import write_record
 from pipeline.storage.atomic import read_json
-from pipeline.storage.layout import RunLayout
 from tests.conftest import ROOT
 
 # --- the restart rules, against a fake launcher -----------------------------------------------------------------

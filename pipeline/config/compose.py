@@ -10,7 +10,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from pipeline.config.docs import all_keys, cli_key, did_you_mean
+from pipeline.config.keys import all_keys, cli_key, did_you_mean
 from pipeline.config.location import conf_dir
 from pipeline.config.schema import PipelineConfig, register_configs, schema_key
 from pipeline.errors import ConfigError, PipelineError

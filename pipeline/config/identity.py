@@ -25,9 +25,9 @@ import yaml
 
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import ConfigError
+from pipeline.rundir.layout import RunLayout
+from pipeline.rundir.runs import read_run_yaml
 from pipeline.storage.atomic import write_bytes_atomic
-from pipeline.storage.layout import RunLayout
-from pipeline.storage.runs import read_run_yaml
 
 
 def _walk(schema: type, prefix: str = "") -> dict[str, dict[str, Any]]:
@@ -162,7 +162,7 @@ def _recorded(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_run_record(path: Path) -> RunRecord:
-    """``run.yaml`` at ``path`` (:func:`pipeline.storage.runs.read_run_yaml`: ConfigError when unreadable)."""
+    """``run.yaml`` at ``path`` (:func:`pipeline.rundir.runs.read_run_yaml`: ConfigError when unreadable)."""
     data = read_run_yaml(path)
     return RunRecord(config=data.config, overrides=data.overrides, history=data.history)
 

@@ -18,8 +18,8 @@ from hydra.errors import HydraException
 
 from pipeline.config.identity import RunRecord, is_per_launch, read_run_record
 from pipeline.errors import ConfigError, RunNotFoundError
-from pipeline.storage.layout import RUN_YAML
-from pipeline.storage.runs import DEFAULT_ROOT, locate_run, newest_runs
+from pipeline.rundir.layout import RUN_YAML
+from pipeline.rundir.runs import DEFAULT_ROOT, locate_run, newest_runs
 
 # hydra.* settings a user may change: logging, and the config search path (your own conf/, also given as
 # --config-dir). Everything else (run/sweep dirs, output_subdir, chdir, launcher, sweeper) is the pipeline's:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import cast
 
-from pipeline.orchestration.contract import ORDER, StageModule
+from pipeline.stagekit.contract import ORDER, StageModule
 
 __all__ = ["INSIDE", "ORDER", "get_stage"]
 

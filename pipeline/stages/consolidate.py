@@ -12,7 +12,7 @@ for tensor, to DeepSpeed's ``zero_to_fp32``).
 
 from __future__ import annotations
 
-import pipeline.orchestration.checkpoint_store as storage
+import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint.outputs import (
     CONSOLIDATED_MARKER,
     CONSOLIDATED_WEIGHTS,
@@ -24,10 +24,10 @@ from pipeline.checkpoint.outputs import (
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.formats.dcp_stream import consolidate_dcp
-from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.orchestration.records import resume_command
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import Resources, StageContract, TaskContext
+from pipeline.stagekit.records import resume_command
 from pipeline.storage.integrity import lstat_kind
-from pipeline.storage.layout import RunLayout
 from pipeline.workload.size import parameters
 
 CONTRACT = StageContract(

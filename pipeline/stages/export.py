@@ -37,9 +37,10 @@ from pipeline.checkpoint.outputs import (
 from pipeline.config.schema import ExportConfig, ModelConfig, PipelineConfig, parse_size
 from pipeline.errors import CheckpointFormatError, PipelineError, VerificationError
 from pipeline.formats.safetensors_shards import write_sharded
-from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import Resources, StageContract, TaskContext
 from pipeline.storage.atomic import read_json, write_json_atomic
-from pipeline.storage.layout import RunLayout, step_name
+from pipeline.storage.layout import step_name
 from pipeline.workload.corpus import load_tokenizer
 from pipeline.workload.exported import ExportTensor, adapter_tensors, check_fits, export_tensors, model_hint
 from pipeline.workload.model import base_model, build_model, factory_config, is_transformers

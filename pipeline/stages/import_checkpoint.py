@@ -24,18 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pipeline.orchestration.checkpoint_store as storage
+import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, step_markers, write_marker
 from pipeline.checkpoint.remote import TRANSFER_THREADS, digest, safe_key_path
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError, plural
 from pipeline.formats.dcp_names import METADATA_FILE
 from pipeline.formats.registry import TORCH_SAVE, get_format
-from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import Resources, StageContract, TaskContext
 from pipeline.storage.atomic import clear_file, copy_file_atomic, remove_tree
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry, is_real_dir, lstat_kind, safe_join
-from pipeline.storage.layout import RunLayout
 from pipeline.storage.s3 import S3Store, S3Url
 
 CONTRACT = StageContract(

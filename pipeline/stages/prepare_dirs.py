@@ -16,10 +16,10 @@ import dataclasses
 from pipeline.checkpoint.outputs import finish, staging_dir, verified_output
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import UnsafePathError
-from pipeline.orchestration.contract import Resources, StageContract, TaskContext
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import Resources, StageContract, TaskContext
 from pipeline.storage.atomic import clear_file, remove_tree
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
-from pipeline.storage.layout import RunLayout
 
 CONTRACT = StageContract(
     name="prepare_dirs",

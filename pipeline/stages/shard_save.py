@@ -21,12 +21,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import pipeline.orchestration.checkpoint_store as storage
+import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint import rank_save
 from pipeline.checkpoint.async_save import AsyncSaver
 from pipeline.checkpoint.portable import TrainState, write_train_state
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult
-from pipeline.orchestration.contract import StageContract, TaskContext
+from pipeline.stagekit.contract import StageContract, TaskContext
 from pipeline.storage.integrity import FileEntry
 from pipeline.strategies import zero
 

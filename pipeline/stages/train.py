@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import pipeline.orchestration.checkpoint_store as storage
+import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint import pieces
 from pipeline.checkpoint import resume as resume_rule
 from pipeline.checkpoint.async_save import AsyncSaver, Settled, stuck_writers
@@ -34,13 +34,13 @@ from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_manife
 from pipeline.checkpoint.state import MODEL
 from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.orchestration.contract import Resources, StageContract, TaskContext
-from pipeline.orchestration.preemption import no_requeue_reason, preemptible, preemption_requested
-from pipeline.orchestration.records import producer_attempt, stage_alive
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import Resources, StageContract, TaskContext
+from pipeline.stagekit.preemption import no_requeue_reason, preemptible, preemption_requested
+from pipeline.stagekit.records import producer_attempt, stage_alive
 from pipeline.stages import shard_save
 from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
-from pipeline.storage.layout import RunLayout
 from pipeline.storage.metrics import MetricsWriter
 from pipeline.strategies import trainer as strategy
 from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed

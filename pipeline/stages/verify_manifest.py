@@ -21,16 +21,16 @@ import logging
 import time
 from typing import Any
 
-import pipeline.orchestration.checkpoint_store as storage
+import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.stores import store_for
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
-from pipeline.orchestration.contract import JobRef, Resources, StageContract, TaskContext
-from pipeline.orchestration.jobs import LOCAL_CLUSTERS, job_alive
-from pipeline.orchestration.records import producer_attempt, read_record, stage_alive
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import JobRef, Resources, StageContract, TaskContext
+from pipeline.stagekit.jobs import LOCAL_CLUSTERS, job_alive
+from pipeline.stagekit.records import producer_attempt, read_record, stage_alive
 from pipeline.storage.integrity import is_real_dir
-from pipeline.storage.layout import RunLayout
 from pipeline.workload.size import RECORD_BYTES, save_count
 
 CONTRACT = StageContract(
@@ -45,7 +45,7 @@ CONTRACT = StageContract(
     writes_bytes=lambda cfg: RECORD_BYTES * (1 + save_count(cfg)),  # manifests and latest
     # Beside train: one train job plus its own last pass, not train's limit times its requeues (days that
     # partitions refuse). On SLURM it is requeued at its limit, as train is; and the launcher starts it again
-    # when it ends while train runs (launchers/submitit_launcher.py, pipeline/orchestration/supervise.py).
+    # when it ends while train runs (launchers/submitit_launcher.py, pipeline/driver/supervise.py).
     sized_by=lambda cfg: Resources(cpus_per_task=1, mem_gb=2, timeout_min=cfg.train.time_limit_min + 30),
 )
 PRODUCER = CONTRACT.needs[0]

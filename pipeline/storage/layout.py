@@ -1,4 +1,4 @@
-"""Paths of a run directory. Pure functions of the run dir: no rank, clock or host ever enters a path."""
+"""Paths of a checkpoint directory. Pure functions of the directory: no rank, clock or host ever enters a path."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from pathlib import Path
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
-RUN_YAML = "run.yaml"
-"""The run's record (``pipeline/config/identity.py``): what a run dir is recognised by."""
 PRIVATE_UMASK_BITS = 0o022
 
 
@@ -37,8 +35,9 @@ class CheckpointLayout:
     """The checkpoint protocol's names under one directory: everything a rank, the committer and a reader need.
 
     ``<dir>/checkpoints/{staging/step_N, step_N, latest, quarantine}``. The library (a plain ``torchrun`` script's
-    :class:`~pipeline.checkpoint.Checkpointer`) uses exactly this; the app's :class:`RunLayout` adds its own
-    entries (``run.yaml``, records, assets, outputs) around the same names, so every reader works on both.
+    :class:`~pipeline.checkpoint.Checkpointer`) uses exactly this; the app's run dir
+    (:class:`pipeline.rundir.layout.RunLayout`) adds its own entries (``run.yaml``, records, assets, outputs)
+    around the same names, so every reader works on both.
     """
 
     run_dir: Path
@@ -96,74 +95,3 @@ class CheckpointLayout:
     def checkpoint_dirs(self) -> list[Path]:
         """What must exist before any rank saves: created once (idempotent ``mkdir``)."""
         return [self.checkpoints, self.staging, self.quarantine]
-
-
-@dataclass(frozen=True)
-class RunLayout(CheckpointLayout):
-    """``outputs/<experiment>/<run_id>/`` and everything under it (see README, "Run layout")."""
-
-    @staticmethod
-    def for_run(root: str | Path, experiment: str, run_id: str) -> RunLayout:
-        return RunLayout(Path(root).resolve() / experiment / run_id)
-
-    @property
-    def run_yaml(self) -> Path:
-        return self.run_dir / RUN_YAML
-
-    @property
-    def lease(self) -> Path:
-        """Who owns the run now: one launching process at a time (``pipeline/orchestration/lease.py``)."""
-        return self.run_dir / "lease.json"
-
-    @property
-    def lease_lock(self) -> Path:
-        """flock'ed while a launch takes, updates or releases the lease; never deleted."""
-        return self.run_dir / ".lease.lock"
-
-    @property
-    def broken_leases(self) -> Path:
-        """Stale leases moved aside when a launch breaks them (kept, never deleted)."""
-        return self.logs / "leases"
-
-    @property
-    def hydra_dir(self) -> Path:
-        """Hydra's record of the newest launch (config.yaml, hydra.yaml, overrides.yaml)."""
-        return self.run_dir / ".hydra"
-
-    def launch_owned(self) -> frozenset[str]:
-        """Entries of the run dir that belong to the launching process; ``run.overwrite`` keeps them (``run.yaml``
-        too: whichever launch recreates a run leaves it known by its id)."""
-        return frozenset(
-            {self.lease.name, self.lease_lock.name, self.logs.name, self.hydra_dir.name, self.run_yaml.name}
-        )
-
-    @property
-    def stages(self) -> Path:
-        return self.run_dir / "stages"
-
-    def stage_record(self, stage: str) -> Path:
-        return self.stages / f"{stage}.json"
-
-    @property
-    def logs(self) -> Path:
-        return self.run_dir / "logs"
-
-    @property
-    def assets(self) -> Path:
-        """Tokenizer and tokenized data, written once by prepare-dirs."""
-        return self.run_dir / "assets"
-
-    def planned_dirs(self) -> list[Path]:
-        """Directories prepare-dirs creates before any other job starts.
-
-        Not here: ``assets/`` (published by prepare-dirs) and ``logs/`` (created, mode 0700, by the launching
-        process, which needs it before the first job).
-        """
-        return [
-            self.stages,
-            self.checkpoints,
-            self.staging,
-            self.quarantine,
-            self.consolidated,
-            self.export,
-        ]

@@ -31,7 +31,7 @@ from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.config.workload import TrainConfig
 from pipeline.formats.dcp import FORMAT as DCP_FORMAT
 from pipeline.formats.dcp import load_into
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from pipeline.strategies import zero
 from pipeline.workload.data import SampleStream, load_tokenizer
 from pipeline.workload.model import base_model, build_model, fsdp_units, is_transformers, load_target, loss_of

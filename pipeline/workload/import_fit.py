@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeline.config.schema import PipelineConfig
 from pipeline.formats.registry import TORCH_SAVE
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from pipeline.workload.exported import check_fits, model_hint
 
 

@@ -27,9 +27,10 @@ import psutil
 
 from pipeline.checkpoint.manifest import MANIFEST, read_latest, verify_committed
 from pipeline.config.identity import read_run_record
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import read_json
 from pipeline.storage.integrity import hash_file
-from pipeline.storage.layout import RunLayout, parse_step
+from pipeline.storage.layout import parse_step
 from tests.conftest import ROOT
 from tests.s3.server import SERVICE_PIDS
 

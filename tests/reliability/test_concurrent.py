@@ -31,8 +31,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import read_json
-from pipeline.storage.layout import RunLayout
 from tests.reliability.conftest import record, sized
 from tests.reliability.harness import (
     BASE_ID,

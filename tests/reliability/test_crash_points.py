@@ -47,17 +47,18 @@ from pipeline.checkpoint.manifest import read_latest, verify_committed
 from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER, verified_output
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
+from pipeline.driver.task import execute_task
 from pipeline.errors import PipelineError
 from pipeline.formats.dcp import METADATA_FILE, read_metadata_safe
-from pipeline.orchestration.contract import TaskContext
-from pipeline.orchestration.records import read_record, sweep_record_litter
-from pipeline.orchestration.task import execute_task
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import TaskContext
+from pipeline.stagekit.records import read_record, sweep_record_litter
 from pipeline.stages import get_stage, shard_save
 from pipeline.stages.export import MARKER as EXPORT_MARKER
 from pipeline.storage import faults
 from pipeline.storage.atomic import is_temp_name, read_json, remove_tree
 from pipeline.storage.integrity import hash_file
-from pipeline.storage.layout import RunLayout, parse_step
+from pipeline.storage.layout import parse_step
 from tests.reliability.conftest import record, sized
 from tests.reliability.test_protocol_mutants import no_in_place_writes, renames_reach_disk
 
@@ -568,7 +569,7 @@ _SUBPROCESS = textwrap.dedent(
     """
     import sys
     from pipeline.config.compose import load_config
-    from pipeline.orchestration.task import execute_task
+    from pipeline.driver.task import execute_task
     cfg = load_config(["+experiment=tiny", "run.root=" + sys.argv[2], "run.id=r1", "strategy.world_size=1",
                        "checkpoint.marker_deadline_s=1"])
     try:

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.checkpoint.manifest import read_latest
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from tests.reliability.conftest import record, sized
 from tests.reliability.harness import (
     BASE_ID,

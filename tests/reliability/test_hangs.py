@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from tests.conftest import ROOT
 from tests.reliability.conftest import record
 

@@ -94,14 +94,14 @@ from pipeline.checkpoint.manifest import (
 )
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
+from pipeline.driver.task import execute_task
 from pipeline.errors import CheckpointFormatError, PipelineError, VerificationError
 from pipeline.formats import dcp_metadata
 from pipeline.formats.dcp import METADATA_FILE, load_into, read_metadata_safe
-from pipeline.orchestration.task import execute_task
+from pipeline.rundir.layout import RunLayout
 from pipeline.stages import export, train
 from pipeline.stages.consolidate import consolidate_dcp
 from pipeline.storage.integrity import FileEntry, hash_file, lstat_kind, verify_entries
-from pipeline.storage.layout import RunLayout
 from tests.reliability import harness
 from tests.reliability.conftest import record, sized
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from tests.reliability.conftest import record, sized
 from tests.reliability.harness import (
     BASE_ID,

@@ -41,12 +41,13 @@ import pytest
 from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.config.compose import load_config
 from pipeline.config.schema import PipelineConfig
+from pipeline.driver.task import execute_task
 from pipeline.errors import DeadlineError, PipelineError
-from pipeline.orchestration.records import write_record
-from pipeline.orchestration.task import execute_task
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.records import write_record
 from pipeline.storage import atomic, faults, integrity, waiting
 from pipeline.storage.atomic import is_temp_name
-from pipeline.storage.layout import RunLayout, parse_step
+from pipeline.storage.layout import parse_step
 from tests import seed_helpers as sh
 from tests.reliability.conftest import record
 

@@ -13,9 +13,9 @@ import boto3
 from pipeline.checkpoint.manifest import read_manifest
 from pipeline.checkpoint.remote import Remote
 from pipeline.config.compose import load_config
+from pipeline.rundir.layout import RunLayout
 from pipeline.stages.import_checkpoint import probe
 from pipeline.storage.integrity import hash_file
-from pipeline.storage.layout import RunLayout
 from pipeline.storage.s3 import S3Url
 from tests.conftest import run_cli
 

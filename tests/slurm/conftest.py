@@ -25,8 +25,8 @@ from typing import Any, NoReturn
 
 import pytest
 
-from pipeline.orchestration.jobs import ACTIVE_STATES, slurm_states
-from pipeline.orchestration.records import pid_alive
+from pipeline.stagekit.jobs import ACTIVE_STATES, slurm_states
+from pipeline.stagekit.records import pid_alive
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -13,7 +13,7 @@ import submitit
 import torch
 import torch.distributed as dist
 
-from pipeline.orchestration.jobs import job_alive
+from pipeline.stagekit.jobs import job_alive
 from tests.slurm.conftest import SlurmCluster, sacct_states, settled_states, wait_for_jobs
 
 pytestmark = pytest.mark.xdist_group("slurm")  # one xdist worker: the session's one cluster

@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.checkpoint.manifest import read_latest, read_manifest
 from pipeline.checkpoint.remote import Remote
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.s3 import S3Url
 from tests.conftest import run_cli
 from tests.slurm.conftest import SlurmCluster, settled_states, wait_for_jobs

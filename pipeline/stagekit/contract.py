@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pipeline.config.schema import PipelineConfig
-    from pipeline.storage.layout import RunLayout
+    from pipeline.rundir.layout import RunLayout
 
 ORDER: tuple[str, ...] = ("prepare_dirs", "import_checkpoint", "train", "verify_manifest", "consolidate", "export")
 """Stages the DAG launches as jobs (:mod:`pipeline.stages` maps each name to its module); shard-save runs inside

@@ -17,10 +17,11 @@ from pathlib import Path
 
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import one_line
-from pipeline.orchestration.contract import JobRef, TaskContext
-from pipeline.orchestration.records import now_iso, write_record
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import JobRef, TaskContext
+from pipeline.stagekit.records import now_iso, write_record
 from pipeline.stages import get_stage
-from pipeline.storage.layout import RunLayout, restrict_umask
+from pipeline.storage.layout import restrict_umask
 
 INPROCESS = "inprocess"
 """``job_id`` of a stage run in the launching process (its stderr is the user's terminal, not a log)."""

@@ -18,7 +18,8 @@ import subprocess
 import threading
 from types import FrameType
 
-from pipeline.config.schema import PipelineConfig, SlurmLauncherConfig
+from pipeline.config.launcher import SlurmLauncherConfig
+from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ Status = dict[str, Any]
 
 
 def remote_checkpoints(remote: Remote) -> Status:
-    """The bucket's checkpoints as :func:`pipeline.orchestration.run_status.collect` shows a run dir's."""
+    """The bucket's checkpoints as :func:`pipeline.driver.run_status.collect` shows a run dir's."""
     out: Status = {"store": str(remote.root), "latest": None, "latest_error": None, "committed": [], "staged": []}
     try:
         listing = remote.store.listing(remote.root.prefix + "/")

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from pipeline.errors import ConfigError, RunNotFoundError
-from pipeline.storage.layout import RUN_YAML
+from pipeline.rundir.layout import RUN_YAML
 
 LAST = "last"
 """The run id that names the newest run."""

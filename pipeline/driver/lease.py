@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError, RunBusyError
-from pipeline.orchestration.records import now_iso, pid_alive
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.records import now_iso, pid_alive
 from pipeline.storage.atomic import clear_file, create_exclusive, json_bytes, move_aside, write_json_atomic
-from pipeline.storage.layout import RunLayout
 
 JobState = Callable[[str, str], bool | None]
 """(cluster, job_id) -> True if the job is alive, False if it has finished, None if the scheduler cannot say."""

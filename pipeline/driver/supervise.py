@@ -20,15 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint.manifest import read_latest
 from pipeline.config.schema import PipelineConfig
+from pipeline.driver.lease import RunLease
+from pipeline.driver.plan import Plan, PlannedStage
+from pipeline.driver.progress import StageProgress, commit_lines
 from pipeline.errors import PipelineError
-from pipeline.orchestration.contract import JobRef, Resources, StageContract
-from pipeline.orchestration.lease import RunLease
-from pipeline.orchestration.plan import Plan, PlannedStage
-from pipeline.orchestration.progress import StageProgress, commit_lines
-from pipeline.orchestration.records import now_iso, read_record, resume_command, write_record
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import JobRef, Resources, StageContract
+from pipeline.stagekit.records import now_iso, read_record, resume_command, write_record
 
 Say = Callable[[str], None]
 
@@ -120,8 +121,6 @@ class Interrupted(BaseException):  # noqa: N818 - like KeyboardInterrupt, not an
 def latest_text(layout: RunLayout, cfg: PipelineConfig | None = None) -> str:
     """``step N``, ``none`` or ``unreadable (...)``: ``latest`` as the console says it (with ``cfg``: the
     bucket's, for ``checkpoint.storage``)."""
-    import pipeline.orchestration.checkpoint_store as storage  # noqa: PLC0415 (stages import orchestration's contracts)
-
     try:
         if cfg is not None and cfg.checkpoint.storage:
             latest = storage.committed_latest(cfg, layout)

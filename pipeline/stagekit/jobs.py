@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from collections.abc import Iterable
 
-from pipeline.orchestration.records import pid_alive
+from pipeline.stagekit.records import pid_alive
 
 LOCAL_CLUSTERS = ("local", "inprocess")
 """A local job id is the pid of the job's controller process."""

@@ -13,13 +13,14 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
-import pipeline.orchestration.checkpoint_store as storage
-from pipeline.config.schema import STAGE_ALL, PipelineConfig, SlurmLauncherConfig, rank_batch_size
+import pipeline.stagekit.checkpoint_store as storage
+from pipeline.config.launcher import SlurmLauncherConfig
+from pipeline.config.schema import STAGE_ALL, PipelineConfig, rank_batch_size
 from pipeline.errors import ConfigError, PipelineError, RunNotFoundError, plural
-from pipeline.orchestration.contract import Resources, StageContract
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.contract import Resources, StageContract
 from pipeline.stages import INSIDE, ORDER, get_stage
 from pipeline.storage.integrity import mtimes_ns
-from pipeline.storage.layout import RunLayout
 from pipeline.strategies.devices import check_backend
 from pipeline.workload.size import check_freeze
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from pipeline.checkpoint.manifest import read_manifest
 from pipeline.errors import PipelineError, plural
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.metrics import MetricsTail
 
 WINDOW = 20

@@ -21,15 +21,16 @@ from pipeline.checkpoint.ownership import committer_alive, live_holder
 from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
 from pipeline.checkpoint.retention import output_areas, record_path
+from pipeline.driver.lease import read_lease
+from pipeline.driver.remote_status import add_sharing, remote_checkpoints
 from pipeline.errors import PipelineError
-from pipeline.orchestration import jobs
-from pipeline.orchestration.contract import OPTIONAL, ORDER
-from pipeline.orchestration.lease import read_lease
-from pipeline.orchestration.records import pid_alive, resume_command, stage_alive
-from pipeline.orchestration.remote_status import add_sharing, remote_checkpoints
+from pipeline.rundir.layout import RunLayout
+from pipeline.rundir.runs import read_run_yaml
+from pipeline.stagekit import jobs
+from pipeline.stagekit.contract import OPTIONAL, ORDER
+from pipeline.stagekit.records import pid_alive, resume_command, stage_alive
 from pipeline.storage.integrity import lstat_kind, read_record_json
-from pipeline.storage.layout import CheckpointLayout, RunLayout, parse_step
-from pipeline.storage.runs import read_run_yaml
+from pipeline.storage.layout import CheckpointLayout, parse_step
 from pipeline.storage.s3 import S3Url
 
 Status = dict[str, Any]
@@ -291,7 +292,7 @@ def _owner_state(owner: Status) -> str:
     launch ran elsewhere: no pid to check), ``stale`` (a launch that died, without jobs that outlive it).
 
     A SLURM launch without ``launcher.wait`` exits once it has submitted the chain and leaves its lease to the jobs
-    (see :mod:`pipeline.orchestration.lease`): after a normal finish the lease is still there, its pid gone."""
+    (see :mod:`pipeline.driver.lease`): after a normal finish the lease is still there, its pid gone."""
     if owner["alive"] is True:
         return "alive"
     states = [str(j.get("state")) for j in owner["jobs"]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pipeline.checkpoint.manifest import Latest, read_latest
 from pipeline.checkpoint.remote import Remote, digest
 from pipeline.config.schema import PipelineConfig
-from pipeline.storage.layout import RunLayout
+from pipeline.rundir.layout import RunLayout
 from pipeline.storage.s3 import S3Url
 
 

@@ -5,7 +5,7 @@ Order of a launch: decide the run dir and id → take the run's lease → check 
 time → print a summary. Ctrl-C, SIGTERM and SIGHUP cancel the running job, wait (bounded) until its processes
 are gone, still run the committer so complete staged steps are committed, record the stage as ``interrupted``
 and end with the command that resumes the run. How the jobs are driven (and the committer restarted) is
-:mod:`pipeline.orchestration.supervise`.
+:mod:`pipeline.driver.supervise`.
 """
 
 from __future__ import annotations
@@ -18,18 +18,16 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-import pipeline.orchestration.checkpoint_store as storage
+import pipeline.stagekit.checkpoint_store as storage
 from pipeline.config.identity import RunRecord, differences, read_run_record, recorded_changes, write_run_record
+from pipeline.config.launcher import SlurmLauncherConfig
 from pipeline.config.overrides import carried
-from pipeline.config.schema import STAGE_ALL, PipelineConfig, SlurmLauncherConfig
-from pipeline.errors import ConfigError, PipelineError, RunNotFoundError
-from pipeline.orchestration.jobs import ACTIVE_STATES, job_alive, slurm_states
-from pipeline.orchestration.lease import RunLease
-from pipeline.orchestration.plan import Plan, make_plan
-from pipeline.orchestration.records import resume_command, sweep_record_litter
-from pipeline.orchestration.run_status import collect
-from pipeline.orchestration.status_view import render
-from pipeline.orchestration.supervise import (
+from pipeline.config.schema import STAGE_ALL, PipelineConfig
+from pipeline.driver.lease import RunLease
+from pipeline.driver.plan import Plan, make_plan
+from pipeline.driver.run_status import collect
+from pipeline.driver.status_view import render
+from pipeline.driver.supervise import (
     Execution,
     Interrupted,
     JobLauncher,
@@ -38,9 +36,12 @@ from pipeline.orchestration.supervise import (
     StageJob,
     latest_text,
 )
+from pipeline.errors import ConfigError, PipelineError, RunNotFoundError
+from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit.jobs import ACTIVE_STATES, job_alive, slurm_states
+from pipeline.stagekit.records import resume_command, sweep_record_litter
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import write_bytes_atomic
-from pipeline.storage.layout import RunLayout
 
 __all__ = [  # StageJob, JobWatch and Interrupted live in supervise; launchers, the CLI and tests find them here too
     "Interrupted",

@@ -1,11 +1,11 @@
-"""The terminal view of a run's status: :func:`render` turns :func:`~pipeline.orchestration.run_status.collect`'s
+"""The terminal view of a run's status: :func:`render` turns :func:`~pipeline.driver.run_status.collect`'s
 (or ``collect_checkpoints``') JSON-able dict into aligned lines (``python -m pipeline.status``, ``status=true``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.orchestration.progress import format_bytes, format_duration
+from pipeline.driver.progress import format_bytes, format_duration
 
 Status = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """Stage records: ``stages/<stage>.json`` says what ran, when, where, and how it ended.
 
-Owner: task 0 of the stage's job (the only task that writes it), through :mod:`pipeline.orchestration.runner`.
+Owner: task 0 of the stage's job (the only task that writes it), through :mod:`pipeline.driver.runner`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.rundir.layout import RunLayout
+from pipeline.rundir.runs import DEFAULT_ROOT
 from pipeline.storage.atomic import clear_file, is_temp_name, read_json, write_json_atomic
 from pipeline.storage.integrity import lstat_kind
-from pipeline.storage.layout import RunLayout
-from pipeline.storage.runs import DEFAULT_ROOT
 
 
 def resume_command(layout: RunLayout) -> str:
