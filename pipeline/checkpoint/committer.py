@@ -282,8 +282,8 @@ class Committer:
         else:
             now = f"latest moved back to step {fallback}" if step_damaged else f"latest rebuilt as step {fallback}"
             now += ", the newest step that verifies"
-        moved = f"step {named} moved to {where}" if step_damaged else f"moved to {where}"
-        return [f"{now}: {problem} ({moved}); rerun to train again from there", *shared]
+        went = f"step {named} moved to {where}" if step_damaged else f"moved to {where}"
+        return [f"{now}: {problem} ({went}); rerun to train again from there", *shared]
 
     def _fall_back(self, repairs: list[str]) -> int | None:
         """``latest`` -> the newest committed step that verifies (removed if none does); returns that step. A
