@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.outputs import consolidate_latest
-from pipeline.checkpoint.remote import remote_at
+from pipeline.checkpoint.stores import library_store
 from pipeline.errors import PipelineError
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import CheckpointLayout
@@ -56,9 +56,7 @@ def build_output(
         print(f"error: {layout.checkpoints} is not a directory: not a checkpoint dir", file=sys.stderr)
         return 2
     try:
-        remote = remote_at(storage, layout.run_dir, "--storage")
-        if remote is not None:
-            remote.pull()
+        library_store(layout, storage, "--storage").local()  # a bucket's latest step: pulled, verified
         out = build(layout)
     except (PipelineError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

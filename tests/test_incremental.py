@@ -25,13 +25,13 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 
 from pipeline.checkpoint import Checkpointer, pieces, rank_save
+from pipeline.checkpoint.bucket_status import remote_checkpoints
 from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.manifest import read_latest, verify_committed
 from pipeline.checkpoint.ownership import LEASE
 from pipeline.checkpoint.rank_save import RankTarget
 from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.retention import retire
-from pipeline.driver.remote_status import remote_checkpoints
 from pipeline.driver.run_status import collect_checkpoints
 from pipeline.formats.dcp_names import is_piece
 from pipeline.rundir.layout import RunLayout
@@ -210,7 +210,7 @@ def _stage(layout: CheckpointLayout, remote: Remote | None, step: int, rank: int
     with the same bytes (a hard link; in a bucket, not uploaded)."""
     t = RankTarget(layout=layout, rank=rank, world_size=2, attempt="a1", remote=remote)
     staged = rank_save.prepare(t, step)
-    share = pieces.for_rank(layout, remote, rank, staged, {"x": "frozen"})
+    share = pieces.bucket_source(remote, rank, {"x": "frozen"})
     reused = set()
     entries = []
     for name, data in _files(step, rank).items():

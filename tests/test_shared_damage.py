@@ -21,6 +21,7 @@ import torch
 from pipeline.checkpoint import Checkpointer, pieces
 from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.manifest import read_latest, verify_committed
+from pipeline.checkpoint.posix_store import PosixCheckpoints
 from pipeline.checkpoint.remote import Remote
 from pipeline.driver.run_status import collect_checkpoints
 from pipeline.status import main as status_main
@@ -184,12 +185,12 @@ def test_a_piece_is_linked_only_from_the_very_file_listed(tmp_path: Path) -> Non
     (src / PIECE).write_bytes(b"x" * 100)
     assert not pieces.link_piece(src, staged, PIECE, size=99)
     pieces.remember(layout, 0, 4, (FileEntry(PIECE, 100, "0" * 32),))
-    share = pieces.for_rank(layout, None, 0, staged, {"x": "frozen"})
+    share = PosixCheckpoints(layout).piece_source(0, staged, {"x": "frozen"})
     assert share.reuse(PIECE) and (staged / PIECE).stat().st_ino == (src / PIECE).stat().st_ino
     (src / "other").write_bytes(b"x" * 100)  # the same name and size, another file (the old one still linked)
     os.replace(src / "other", src / PIECE)
     (staged / PIECE).unlink()
-    assert not pieces.for_rank(layout, None, 0, staged, {"x": "frozen"}).reuse(PIECE)
+    assert not PosixCheckpoints(layout).piece_source(0, staged, {"x": "frozen"}).reuse(PIECE)
     assert not (staged / PIECE).exists()
 
 

@@ -18,21 +18,24 @@ import contextlib
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
-from pipeline.checkpoint import remote_pieces
+from pipeline.checkpoint import pieces, remote_pieces
+from pipeline.checkpoint.bucket_status import remote_checkpoints
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker
 from pipeline.checkpoint.ownership import CommitterBusy, LeaseStore
 from pipeline.checkpoint.remote import LATEST, QUARANTINE, Remote, digest, is_marker_name
 from pipeline.checkpoint.step_checks import check_agreement, check_stored, foreign_files
 from pipeline.checkpoint.store import Quarantined, Taken
 from pipeline.errors import VerificationError
+from pipeline.formats.dcp_pieces import Pieces
 from pipeline.storage.atomic import remove_tree
 from pipeline.storage.backend import POSIX
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry
-from pipeline.storage.layout import CheckpointLayout, parse_step
+from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 from pipeline.storage.s3 import Conflict
 
 log = logging.getLogger(__name__)
@@ -312,6 +315,46 @@ class BucketCheckpoints:
         for up in remote.store.abort_uploads(root, dead):
             log.warning("aborted an incomplete upload of a dead writer: %s", remote.url(up))
         return deleted
+
+    # -- a rank ---------------------------------------------------------------------------------------------
+
+    def rank_dir(self, step: int, rank: int) -> Path:
+        """Rank-private: ``staging/.upload-rank_K/step_N``, emptied (only this rank ever writes there)."""
+        scratch = self.layout.staging / f".upload-rank_{rank}" / step_name(step)
+        if scratch.exists():
+            remove_tree(scratch)
+        scratch.mkdir(parents=True)
+        return scratch
+
+    def piece_source(self, rank: int, staged: Path, groups: Mapping[str, str]) -> Pieces:
+        return pieces.bucket_source(self.remote, rank, groups)
+
+    def deliver(self, staged: Path, marker: Marker, reused: frozenset[str] = frozenset()) -> None:
+        self.remote.upload_rank(staged, marker, reused)  # the files, then the marker object last
+
+    def release(self, staged: Path) -> None:
+        remove_tree(staged)
+
+    @property
+    def poll_s(self) -> float:
+        return 0.5
+
+    # -- readers ------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        self.remote.store.check_conditional_writes(self.remote.root.prefix)
+
+    def local(self) -> CheckpointLayout:
+        return self.remote.pull()
+
+    def latest_where(self) -> str:
+        return self.remote.url(self.remote.key(LATEST))
+
+    def manifest_where(self, step: int) -> str:
+        return self.remote.url(self.remote.manifest_key(step))
+
+    def describe(self, world_size: int | None) -> dict[str, Any]:
+        return remote_checkpoints(self.remote)
 
     def latest_step(self) -> int:
         latest = self.newest()

@@ -77,25 +77,31 @@ def remember(layout: CheckpointLayout, rank: int, step: int, files: tuple[FileEn
     _RECENT[(layout.checkpoints, rank)] = (step, own, inodes)
 
 
-def for_rank(
-    layout: CheckpointLayout, remote: Remote | None, rank: int, staged: Path, groups: Mapping[str, str]
-) -> Pieces:
-    """How ``rank``'s save into ``staged`` may share pieces: its pieces in the latest committed step, or (POSIX)
-    in the step this process saved last, still staged or committed since; and how one is reused. With none
-    readable the save writes everything."""
+def _mine(rank: int, files: tuple[FileEntry, ...]) -> dict[str, FileEntry]:
     own = f"__{rank}_"
+    return {e.path: e for e in files if e.path.startswith(own) and is_piece(e.path)}
+
+
+def bucket_source(remote: Remote, rank: int, groups: Mapping[str, str]) -> Pieces:
+    """How ``rank``'s save may share pieces in a bucket: its pieces the latest committed manifest lists stay
+    where they are (``pieces/<hash>``): the marker lists them, nothing is uploaded. With none readable the save
+    writes everything."""
+    try:
+        found = remote.verified_latest()
+    except (PipelineError, OSError):  # a damaged latest, an unreachable bucket: every piece is written
+        return Pieces(groups)
+    listed = _mine(rank, found[0].files) if found else {}
+    return Pieces(groups, listed, lambda name: _still_stored(remote, listed[name]))
+
+
+def posix_source(layout: CheckpointLayout, rank: int, staged: Path, groups: Mapping[str, str]) -> Pieces:
+    """How ``rank``'s save into ``staged`` may share pieces: its pieces in the latest committed step, or in the
+    step this process saved last, still staged or committed since (hard-linked). With none readable the save
+    writes everything."""
 
     def mine(files: tuple[FileEntry, ...]) -> dict[str, FileEntry]:
-        return {e.path: e for e in files if e.path.startswith(own) and is_piece(e.path)}
+        return _mine(rank, files)
 
-    if remote is not None:
-        try:
-            found = remote.verified_latest()
-        except (PipelineError, OSError):  # a damaged latest, an unreachable bucket: every piece is written
-            return Pieces(groups)
-        listed = mine(found[0].files) if found else {}
-        # In a bucket the piece stays where it is (``pieces/<hash>``): the marker lists it, nothing is uploaded.
-        return Pieces(groups, listed, lambda name: _still_stored(remote, listed[name]))
     previous: dict[str, FileEntry] = {}
     sources: list[Path] = []
     latest = None

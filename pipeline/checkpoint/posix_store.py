@@ -24,16 +24,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
-from pipeline.checkpoint import repair, retention
+from pipeline.checkpoint import pieces, posix_status, repair, retention
 from pipeline.checkpoint.manifest import (
     MANIFEST,
     Latest,
     Manifest,
     Marker,
     complete_markers,
+    marker_path,
     read_latest,
     read_newest,
     staged_world,
@@ -41,12 +43,15 @@ from pipeline.checkpoint.manifest import (
     verify_committed,
     write_latest,
     write_manifest,
+    write_marker,
 )
 from pipeline.checkpoint.ownership import LEASE, CommitterBusy, FileLease, LeaseStore
 from pipeline.checkpoint.repair import step_entries
 from pipeline.checkpoint.step_checks import verified_manifest
 from pipeline.checkpoint.store import RACES, Quarantined
 from pipeline.errors import PipelineError, VerificationError
+from pipeline.formats.dcp_pieces import Pieces
+from pipeline.storage.atomic import clear_file
 from pipeline.storage.backend import POSIX, Storage
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import hash_file, is_real_dir
@@ -269,6 +274,45 @@ class PosixCheckpoints:
         if steps:
             log.info("retention: removing %s from %s", steps, area)
             retention.retire(area, steps)
+
+    # -- a rank ---------------------------------------------------------------------------------------------
+
+    def rank_dir(self, step: int, rank: int) -> Path:
+        staged = self.layout.staged_step(step)
+        staged.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
+        clear_file(marker_path(staged, rank))  # our own stale marker from an older attempt, if any
+        return staged
+
+    def piece_source(self, rank: int, staged: Path, groups: Mapping[str, str]) -> Pieces:
+        return pieces.posix_source(self.layout, rank, staged, groups)
+
+    def deliver(self, staged: Path, marker: Marker, reused: frozenset[str] = frozenset()) -> None:
+        write_marker(staged, marker)
+        pieces.remember(self.layout, marker.rank, marker.step, marker.files)
+
+    def release(self, staged: Path) -> None:
+        """Nothing: the staged step is the checkpoint's own."""
+
+    @property
+    def poll_s(self) -> float:
+        return 0.2
+
+    # -- readers ----------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Nothing to ask a directory before a launch: ``prepare_dirs`` makes it."""
+
+    def local(self) -> CheckpointLayout:
+        return self.layout
+
+    def latest_where(self) -> str:
+        return str(self.layout.latest)
+
+    def manifest_where(self, step: int) -> str:
+        return str(self.layout.committed_step(step) / MANIFEST)
+
+    def describe(self, world_size: int | None) -> dict[str, Any]:
+        return posix_status.describe(self.layout, world_size)
 
     def sweep(self, latest: int, world_size: int) -> None:
         """Nothing: a staged step left below ``latest`` is a hole a raced publish left, or a record of an attempt

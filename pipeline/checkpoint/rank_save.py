@@ -24,13 +24,13 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from pipeline.checkpoint import pieces
 from pipeline.checkpoint.async_save import Persist, Progress, Settled
-from pipeline.checkpoint.manifest import Marker, marker_path, write_marker
+from pipeline.checkpoint.manifest import Marker
 from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.store import CheckpointStore
+from pipeline.checkpoint.stores import store_for
 from pipeline.errors import VerificationError, exception_line
 from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
-from pipeline.storage.atomic import clear_file, remove_tree
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry, describe
 from pipeline.storage.layout import CheckpointLayout, step_name
@@ -61,6 +61,11 @@ class RankTarget:
     """Share unchanged pieces (frozen parameters, buffers) with the latest committed step instead of writing them
     again (:mod:`pipeline.checkpoint.pieces`)."""
 
+    @property
+    def store(self) -> CheckpointStore:
+        """Where the rank's files go: the checkpoints dir, or the bucket ``remote``."""
+        return store_for(self.layout, self.remote)
+
 
 @dataclass(frozen=True)
 class SaveResult:
@@ -87,18 +92,9 @@ def scratch_dir(t: RankTarget, step: int) -> Path:
 
 
 def prepare(t: RankTarget, step: int) -> Path:
-    """The step's staging dir, created if needed, without this rank's marker from an older attempt (with a
-    bucket: this rank's own scratch dir, emptied)."""
-    if t.remote is not None:
-        scratch = scratch_dir(t, step)
-        if scratch.exists():
-            remove_tree(scratch)  # rank-private: only this rank ever writes here
-        scratch.mkdir(parents=True)
-        return scratch
-    staged = t.layout.staged_step(step)
-    staged.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
-    clear_file(marker_path(staged, t.rank))  # our own stale marker from an older attempt, if any
-    return staged
+    """Where this rank writes ``step``: the step's staging dir without this rank's marker from an older attempt
+    (with a bucket: this rank's own scratch dir, emptied)."""
+    return t.store.rank_dir(step, t.rank)
 
 
 def finish(
@@ -114,19 +110,15 @@ def finish(
     marker is written. ``before_marker`` may still refuse (raise), e.g. for a writer that was given up on.
     ``reused``: pieces shared with the latest committed step (in a bucket: not in ``staged``, not uploaded)."""
     for entry in entries:
-        if t.remote is not None and entry.path in reused:
-            continue
+        if entry.path in reused and not (staged / entry.path).exists():
+            continue  # a bucket's piece stays where it is
         if (staged / entry.path).stat().st_size != entry.size:
             raise VerificationError(f"{staged / entry.path}: {entry.size} bytes hashed while writing, size differs")
     inject("shard_save.before_marker", rank=t.rank, step=step)
     before_marker()
     marker = Marker(step=step, rank=t.rank, world_size=t.world_size, format=fmt, attempt=t.attempt, files=entries)
-    if t.remote is None:
-        write_marker(staged, marker)
-        pieces.remember(t.layout, t.rank, step, entries)
-        return
-    t.remote.upload_rank(staged, marker, reused)  # the files, then the marker object last
-    remove_tree(staged)
+    t.store.deliver(staged, marker, reused)
+    t.store.release(staged)
 
 
 @dataclass(frozen=True)
@@ -158,7 +150,7 @@ def write_dcp(
     shares while unchanged. ``writer`` replaces the default :class:`RecordingWriter` (the async writer passes
     one that reports each file it opens)."""
     writer = writer or RecordingWriter(staged, threads=t.writer_threads)
-    writer.pieces = pieces.for_rank(t.layout, t.remote, t.rank, staged, groups) if t.dedup and groups else None
+    writer.pieces = t.store.piece_source(t.rank, staged, groups) if t.dedup and groups else None
     dcp.save(state, storage_writer=writer, process_group=process_group)
     # Data files were hashed while written; rank 0 (DCP's coordinator) also owns the small .metadata.
     entries = tuple(writer.written) + ((describe(staged, METADATA_FILE),) if t.rank == 0 else ())

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker
 from pipeline.checkpoint.ownership import LeaseStore
 from pipeline.errors import PipelineError
+from pipeline.formats.dcp_pieces import Pieces
 from pipeline.storage.layout import CheckpointLayout
 
 RACES = (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST)
@@ -167,4 +168,47 @@ class CheckpointStore(Protocol):
 
     def scratch(self) -> Path:
         """A local dir for the committer's temporary files."""
+        ...
+
+    # -- a rank ---------------------------------------------------------------------------------------------
+    def rank_dir(self, step: int, rank: int) -> Path:
+        """Where rank ``rank`` writes its files of ``step`` (the staged step, or its private scratch dir to
+        upload from), without its own marker of an older attempt."""
+        ...
+
+    def piece_source(self, rank: int, staged: Path, groups: Mapping[str, str]) -> Pieces:
+        """Which of ``rank``'s shared pieces need not be written again (and how one is reused)."""
+        ...
+
+    def deliver(self, staged: Path, marker: Marker, reused: frozenset[str] = frozenset()) -> None:
+        """Rank ``marker.rank``'s files in ``staged`` are written: make them and then its marker part of the
+        staged step (a bucket uploads them, each hash checked against the marker's). ``reused``: pieces the
+        latest committed step holds (a bucket: listed, not uploaded)."""
+        ...
+
+    def release(self, staged: Path) -> None:
+        """Drop the local files of ``staged`` once delivered, where they were only a scratch copy."""
+        ...
+
+    @property
+    def poll_s(self) -> float:
+        """How often a waiting reader looks again (a bucket's listing costs requests)."""
+        ...
+
+    # -- readers --------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Before a launch: the store answers and does what the protocol relies on (one line if not)."""
+        ...
+
+    def local(self) -> CheckpointLayout:
+        """A local checkpoints dir whose ``latest`` names the newest committed step, for the readers (resume,
+        consolidate, export): the directory itself, or a verified copy pulled from the bucket."""
+        ...
+
+    def latest_where(self) -> str: ...
+
+    def manifest_where(self, step: int) -> str: ...
+
+    def describe(self, world_size: int | None) -> dict[str, Any]:
+        """What ``status`` shows: latest, committed, staged and quarantined steps, retention."""
         ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pipeline.checkpoint.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.posix_store import PosixCheckpoints
-from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.storage.layout import CheckpointLayout
 
@@ -15,3 +15,9 @@ def store_for(layout: CheckpointLayout, remote: Remote | None) -> CheckpointStor
     if remote is not None:
         return BucketCheckpoints(layout, remote)
     return PosixCheckpoints(layout)
+
+
+def library_store(layout: CheckpointLayout, url: str | None = None, what: str = "storage") -> CheckpointStore:
+    """A library checkpoint dir's store: the bucket ``url`` (None: the one the dir records, if any), else the dir
+    itself (``what``: the option that gave ``url``, named in an error)."""
+    return store_for(layout, remote_at(url, layout.run_dir, what))

@@ -224,10 +224,9 @@ def check_machine(plan: Plan) -> None:
         rank_batch_size(cfg.train, cfg.strategy.world_size)
     if cfg.model.freeze and any(s.name == "train" for s in to_run):
         check_freeze(cfg)
-    remote = storage.remote(cfg, plan.layout)
-    if remote is not None and to_run:
-        try:  # the bucket answers and enforces the conditional writes every commit relies on
-            remote.store.check_conditional_writes(remote.root.prefix)
+    if to_run:
+        try:  # a bucket answers and enforces the conditional writes every commit relies on
+            storage.store(cfg, plan.layout).check()
         except PipelineError as e:
             raise ConfigError(f"checkpoint.storage: {e}") from None
     for s in to_run:

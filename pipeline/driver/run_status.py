@@ -15,23 +15,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint import pieces
-from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest, verify_committed
 from pipeline.checkpoint.ownership import committer_alive, live_holder
-from pipeline.checkpoint.remote import Remote, remote_at
-from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
-from pipeline.checkpoint.retention import output_areas, record_path
+from pipeline.checkpoint.retention import output_areas
+from pipeline.checkpoint.store import CheckpointStore
+from pipeline.checkpoint.stores import library_store
 from pipeline.driver.lease import read_lease
-from pipeline.driver.remote_status import add_sharing, remote_checkpoints
 from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout
 from pipeline.rundir.runs import read_run_yaml
-from pipeline.stagekit import jobs
+from pipeline.stagekit import checkpoint_store, jobs
 from pipeline.stagekit.contract import OPTIONAL, ORDER
 from pipeline.stagekit.records import pid_alive, resume_command, stage_alive
 from pipeline.storage.integrity import lstat_kind, read_record_json
 from pipeline.storage.layout import CheckpointLayout, parse_step
-from pipeline.storage.s3 import S3Url
 
 Status = dict[str, Any]
 
@@ -134,73 +130,12 @@ def _judge_running(layout: RunLayout, st: Status, slurm: dict[str, str]) -> None
         st["state"] = "died"
 
 
-def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status]:
-    out = []
-    for name, step in _step_entries(layout.checkpoints):
-        entry: Status = {"step": step, "latest": step == latest_step}
-        try:
-            manifest = read_manifest(layout.checkpoints / name)
-        except (PipelineError, OSError) as e:
-            entry["error"] = _why(e)
-        else:
-            entry["files"] = len(manifest.files)
-            entry["bytes"] = sum(f.size for f in manifest.files)
-            entry["format"] = manifest.format
-            entry["world_size"] = manifest.world_size
-            entry["pieces"] = pieces.local_pieces(layout.checkpoints / name, manifest.files)
-        out.append(entry)
-    return out
-
-
 def _step_entries(area: Path) -> list[tuple[str, int]]:
     try:
         names = [p.name for p in area.iterdir()] if lstat_kind(area) == "dir" else []
     except OSError:
         names = []
     return sorted(((n, s) for n in names if (s := parse_step(n)) is not None), key=lambda e: e[1])
-
-
-def _staged(layout: CheckpointLayout, world_size: int | None) -> list[Status]:
-    out = []
-    for name, step in _step_entries(layout.staging):
-        path = layout.staging / name
-        entry: Status = {"step": step, "world_size": world_size}
-        try:
-            if lstat_kind(path) != "dir":
-                raise OSError(f"{path} is a {lstat_kind(path)}, not a directory")
-            entry["markers"] = sum(1 for p in path.iterdir() if MARKER_RE.match(p.name))
-        except OSError as e:
-            entry["error"] = _why(e)
-        out.append(entry)
-    return out
-
-
-def _quarantined(layout: CheckpointLayout) -> list[Status]:
-    try:
-        names = sorted(p.name for p in layout.quarantine.iterdir()) if lstat_kind(layout.quarantine) == "dir" else []
-    except OSError:
-        names = []
-    out = []
-    for name in (n for n in names if not n.endswith(f".{QUARANTINE_NOTE}")):
-        path = layout.quarantine / name
-        note = quarantine_note(path, lstat_kind(path) == "dir")
-        rec, problem = _read_json(note, "quarantine note")
-        entry: Status = {"name": name, "path": str(path)}
-        stamp = name.rsplit(".", 1)[-1]
-        if stamp.isdigit():
-            entry["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(stamp)))
-        if isinstance(rec, dict):
-            entry.update(step=rec.get("step"), reason=str(rec.get("reason")), source=rec.get("path"))
-            shared = rec.get("shared")
-            if isinstance(shared, dict) and isinstance(shared.get("files"), list):
-                entry["reason"] += (
-                    f" [{len(shared['files'])} shared piece(s), {shared.get('bytes')} bytes: hard links whose "
-                    "bytes committed steps keep]"
-                )
-        else:
-            entry["error"] = problem or ("no quarantine note" if rec is None else "quarantine note is not an object")
-        out.append(entry)
-    return out
 
 
 def _outputs(area: Path, marker: str) -> list[Status]:
@@ -211,40 +146,22 @@ def _outputs(area: Path, marker: str) -> list[Status]:
     ]
 
 
+def _store(layout: CheckpointLayout) -> CheckpointStore:
+    """Where the checkpoints are: a run's (``checkpoint.storage`` in ``run.yaml``: its bucket, else the run dir),
+    or a library dir's (the bucket its ``checkpoints/storage.json`` names, else the dir)."""
+    if isinstance(layout, RunLayout):
+        ck = _config(layout)[0].get("checkpoint")
+        url = ck.get("storage") if isinstance(ck, dict) else None
+        return checkpoint_store.store_at(url if isinstance(url, str) else None, layout)
+    return library_store(layout)
+
+
 def _checkpoints(layout: CheckpointLayout, world_size: int | None) -> Status:
-    latest: Status | None = None
-    latest_error = None
-    if lstat_kind(layout.latest) is not None:
-        try:
-            found = read_latest(layout)
-            latest = {"step": found.step, "manifest_hash": found.manifest_hash} if found else None
-        except (PipelineError, OSError) as e:
-            latest_error = _why(e)
-    retention, retention_error = _read_json(record_path(layout), "retention record")
-    committed = _committed(layout, latest["step"] if latest else None)
-    return {
-        "latest": latest,
-        "latest_error": latest_error,
-        "committed": committed,
-        "shared_saved": add_sharing(committed),
-        "staged": _staged(layout, world_size),
-        "quarantined": _quarantined(layout),
-        "retention": retention,
-        "retention_error": retention_error,
-    }
-
-
-def _run_checkpoints(layout: RunLayout, config: dict[str, Any], world_size: int | None) -> Status:
-    """The run dir's checkpoints, or its bucket's (``checkpoint.storage`` in ``run.yaml``)."""
-    ck = config.get("checkpoint")
-    url = ck.get("storage") if isinstance(ck, dict) else None
-    if not isinstance(url, str) or not url:
-        return _checkpoints(layout, world_size)
     try:
-        root = S3Url.parse(url).join(layout.run_dir.parent.name, layout.run_id)
+        store = _store(layout)
     except PipelineError as e:
         return {"latest": None, "latest_error": str(e), "committed": [], "staged": [], "quarantined": []}
-    return remote_checkpoints(Remote(root=root, cache_dir=layout.run_dir))
+    return store.describe(world_size)
 
 
 def collect(layout: RunLayout) -> Status:
@@ -279,7 +196,7 @@ def collect(layout: RunLayout) -> Status:
         "owner": owner,
         "owner_error": owner_error,
         "stages": stages,
-        "checkpoints": _run_checkpoints(layout, config, world_size if type(world_size) is int else None),
+        "checkpoints": _checkpoints(layout, world_size if type(world_size) is int else None),
         "consolidated": _outputs(*output_areas(layout)["consolidated"]),
         "exported": _outputs(*output_areas(layout)["export"]),
         "resume": resume_command(layout),
@@ -316,15 +233,6 @@ def _job_state(job: dict[str, str], slurm: dict[str, str]) -> str:
 # --- text view ---------------------------------------------------------------------------------------------------
 
 
-def _library_checkpoints(layout: CheckpointLayout) -> Status:
-    """A library dir's checkpoints: local, or in the bucket its ``checkpoints/storage.json`` names."""
-    try:
-        remote = remote_at(None, layout.run_dir)
-    except PipelineError as e:
-        return {"latest": None, "latest_error": str(e), "committed": [], "staged": [], "quarantined": []}
-    return _checkpoints(layout, None) if remote is None else remote_checkpoints(remote)
-
-
 def _committer_line(layout: CheckpointLayout) -> str | None:
     """Who commits these checkpoints now, as its lease record says (any node), or None."""
     held = live_holder(layout.checkpoints)
@@ -334,21 +242,11 @@ def _committer_line(layout: CheckpointLayout) -> str | None:
 def verify_steps(layout: CheckpointLayout) -> list[Status]:
     """``--verify``: every committed step's files re-hashed against its manifest, read in place (in a bucket
     nothing is cached), nothing changed: ``{"step", "ok", "error"}`` per step, the error naming the damaged file."""
-    if isinstance(layout, RunLayout):
-        ck = _config(layout)[0].get("checkpoint")
-        url = ck.get("storage") if isinstance(ck, dict) else None
-        at = S3Url.parse(url).join(layout.run_dir.parent.name, layout.run_id) if isinstance(url, str) and url else None
-        remote = Remote(root=at, cache_dir=layout.run_dir) if at is not None else None
-    else:
-        remote = remote_at(None, layout.run_dir)
+    store = _store(layout)
     out: list[Status] = []
-    steps = remote.committed() if remote is not None else [s for _, s in _step_entries(layout.checkpoints)]
-    for step in steps:
+    for step in store.committed():
         try:
-            if remote is None:
-                verify_committed(layout.committed_step(step), step)
-            elif (found := remote.read_manifest(step)) is not None:
-                remote.fetch_verified(found[0], None)
+            store.verify_committed(step)
             out.append({"step": step, "ok": True, "error": None})
         except (PipelineError, OSError) as e:
             out.append({"step": step, "ok": False, "error": _why(e)})
@@ -364,7 +262,7 @@ def collect_checkpoints(layout: CheckpointLayout) -> Status:
         "library": True,
         "committer_running": committer_alive(layout.checkpoints, layout.committer_lock),
         "committer": _committer_line(layout),
-        "checkpoints": _library_checkpoints(layout),
+        "checkpoints": _checkpoints(layout, None),
         "consolidated": _outputs(*output_areas(layout)["consolidated"]),
         "exported": _outputs(*output_areas(layout)["export"]),
         "resume": "run the training script again (Checkpointer.load_latest resumes from latest)",

@@ -222,17 +222,14 @@ def _summarize(plan: Plan, times: dict[str, float], t0: float, say: Say, *, fail
     if times:
         say("times: " + ", ".join(f"{n} {s:.1f}s" for n, s in times.items()) + f"; total {time.monotonic() - t0:.1f}s")
     latest = None
-    remote = storage.remote(cfg, layout)
+    store = storage.store(cfg, layout)
     with contextlib.suppress(PipelineError, OSError, ValueError):
-        latest = storage.committed_latest(cfg, layout) if remote or layout.latest.exists() else None
+        latest = store.read_latest()
     if latest is None:
         say("no committed step yet")
-    elif remote is not None:
-        say(f"manifest: {remote.url(remote.manifest_key(latest.step))}")
-        say(f"latest:   {remote.url(remote.key('latest'))} -> step {latest.step}")
     else:
-        say(f"manifest: {layout.committed_step(latest.step) / 'manifest.json'}")
-        say(f"latest:   {layout.latest} -> step {latest.step}")
+        say(f"manifest: {store.manifest_where(latest.step)}")
+        say(f"latest:   {store.latest_where()} -> step {latest.step}")
         if layout.export_step(latest.step).exists():
             say(f"export:   {layout.export_step(latest.step)}")
     if failed:

@@ -9,33 +9,42 @@ which their local readers then use unchanged; ``is_done`` checks read the bucket
 
 from __future__ import annotations
 
-from pipeline.checkpoint.manifest import Latest, read_latest
-from pipeline.checkpoint.remote import Remote, digest
+from pipeline.checkpoint.manifest import Latest
+from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.store import CheckpointStore
+from pipeline.checkpoint.stores import store_for
 from pipeline.config.schema import PipelineConfig
 from pipeline.rundir.layout import RunLayout
 from pipeline.storage.s3 import S3Url
 
 
-def remote(cfg: PipelineConfig, layout: RunLayout) -> Remote | None:
-    """The run's checkpoints root in its bucket (decided by the config and the run id: never per rank)."""
-    url = cfg.checkpoint.storage
+def remote_at(url: str | None, layout: RunLayout) -> Remote | None:
+    """The run's checkpoints root in the bucket ``url`` (the run's ``checkpoint.storage``; decided by the config
+    and the run id: never per rank), None for none."""
     if not url:
         return None
     root = S3Url.parse(url).join(layout.run_dir.parent.name, layout.run_id)
     return Remote(root=root, cache_dir=layout.run_dir)
 
 
+def remote(cfg: PipelineConfig, layout: RunLayout) -> Remote | None:
+    return remote_at(cfg.checkpoint.storage, layout)
+
+
+def store_at(url: str | None, layout: RunLayout) -> CheckpointStore:
+    """The run's checkpoints: in the bucket ``url``, else in the run dir."""
+    return store_for(layout, remote_at(url, layout))
+
+
+def store(cfg: PipelineConfig, layout: RunLayout) -> CheckpointStore:
+    return store_at(cfg.checkpoint.storage, layout)
+
+
 def committed_latest(cfg: PipelineConfig, layout: RunLayout) -> Latest | None:
     """``latest`` with its manifest checked (not its files): the bucket's, or the run dir's."""
-    r = remote(cfg, layout)
-    if r is None:
-        return read_latest(layout)
-    found = r.verified_latest()
-    return None if found is None else Latest(step=found[0].step, manifest_hash=digest(found[1]))
+    return store(cfg, layout).read_latest()
 
 
 def pull(cfg: PipelineConfig, layout: RunLayout) -> None:
     """With a bucket: a verified local copy of the step ``latest`` names in ``checkpoints/`` (nothing otherwise)."""
-    r = remote(cfg, layout)
-    if r is not None:
-        r.pull()
+    store(cfg, layout).local()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pipeline.stagekit.checkpoint_store as storage
-from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, step_markers, write_marker
+from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, step_markers
 from pipeline.checkpoint.remote import TRANSFER_THREADS, digest, safe_key_path
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError, plural
@@ -217,9 +217,9 @@ def run(ctx: TaskContext) -> dict[str, object]:
     source = probe(cfg)
     step = import_step(cfg, source)
     fmt = get_format(source.format)
-    staged = layout.staged_step(step)
-    staged.mkdir(parents=True, exist_ok=True)
-    for rank in range(source.world_size):
+    store = storage.store(cfg, layout)
+    staged = store.rank_dir(step, 0)  # one dir for every rank's files: this job writes them all
+    for rank in range(1, source.world_size):
         clear_file(marker_path(staged, rank))  # an earlier attempt's markers: this attempt writes its own
     by_rank: dict[int, list[FileEntry]] = {r: [] for r in range(source.world_size)}
     total = 0
@@ -238,7 +238,6 @@ def run(ctx: TaskContext) -> dict[str, object]:
         total += size
         log.info("imported %s (%d bytes)", name, size)
     inject("import.before_markers", step=step)
-    remote = storage.remote(cfg, layout)
     for rank, entries in by_rank.items():
         if not entries:
             raise PipelineError(f"rank {rank} of {source.root} wrote no file the checkpoint names")
@@ -250,12 +249,8 @@ def run(ctx: TaskContext) -> dict[str, object]:
             attempt=ctx.attempt,
             files=tuple(entries),
         )
-        if remote is None:
-            write_marker(staged, marker)
-        else:  # checkpoints in a bucket: each rank's files, then its marker object, as a rank uploads them
-            remote.upload_rank(staged, marker)
-    if remote is not None:
-        remove_tree(staged)
+        store.deliver(staged, marker)  # in a bucket: each rank's files, then its marker object, as a rank's
+    store.release(staged)
     return {
         "source": cfg.import_.source if str(cfg.import_.source).startswith("s3://") else str(_source_path(cfg)),
         "format": source.format,
