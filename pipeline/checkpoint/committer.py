@@ -12,13 +12,9 @@ commits a checkpoints root at a time: :meth:`Committer.hold` takes the committer
 epoch and a heartbeat, :mod:`pipeline.checkpoint.ownership`; ``flock`` only as a fast path on one node), and
 checks it before every act that changes the checkpoints.
 
-Since no shared filesystem gives exclusion across nodes, a second committer (an operator's, or a ghost that
-comes back after a partition) can still act once between its last check and its act. Every such act is
-harmless: the manifest is a function of the staged attempt alone, so whoever writes it writes the same bytes and
-whoever publishes publishes the same step (a publish that finds the step already published by the other accepts
-it); a staged step that vanishes while it is verified is the other's publish, never damage to quarantine;
-``latest`` is never moved to an older step than the newest published one; retention and quarantine tolerate
-entries another committer already moved.
+No shared filesystem gives exclusion across nodes, so a second committer (an operator's, or a ghost back from a
+partition) can still act once between its last check and its act; every such act is harmless (the stores say
+how: :mod:`pipeline.checkpoint.posix_store`, :mod:`pipeline.checkpoint.bucket_store`).
 
 Every :meth:`Committer.recover` first re-verifies the step ``latest`` names: damage there (a changed or missing
 file, a manifest that is not the one ``latest`` recorded, garbage in ``latest`` itself) is quarantined and

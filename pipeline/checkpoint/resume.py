@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline.checkpoint.committer import staged_uncommitted
-from pipeline.checkpoint.manifest import read_latest, read_newest, verify_committed
+from pipeline.checkpoint.manifest import read_newest, verify_committed
 from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.remote import staged_uncommitted as remote_staged
+from pipeline.checkpoint.stores import store_for, uncommitted
 from pipeline.errors import DeadlineError, PipelineError
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
@@ -37,32 +36,29 @@ def decide(
     ``latest`` names is pulled into ``remote``'s local cache (every file checked against its manifest while
     read), from which every rank loads."""
 
-    def pending() -> list[int]:
-        if remote is not None:
-            return remote_staged(remote, world_size, upto)
-        return staged_uncommitted(layout, world_size, upto)
+    store = store_for(layout, remote)
 
-    where = remote.root if remote is not None else layout.staging
+    def pending() -> list[int]:
+        return uncommitted(store, world_size, upto)
+
     try:
         wait_until(
             lambda: None if pending() else True,
             deadline_s=deadline_s,
             what=lambda: (
-                f"step(s) {pending()} in {where} have every rank's marker but are not committed{committer_hint}"
+                f"step(s) {pending()} in {store.where} have every rank's marker but are not committed{committer_hint}"
             ),
             alive=committer_alive,
-            interval_s=0.2 if remote is None else 0.5,
+            interval_s=store.poll_s,
         )
     except DeadlineError as e:
         return f"cannot resume: {e}"
     try:
-        if remote is not None:  # pull verifies every file while reading it
-            latest = read_latest(remote.pull())
-            return latest.step if latest else 0
-        latest = read_newest(layout)
+        local = store.local()  # a bucket's latest step: pulled, every file checked while read
+        latest = read_newest(local)
         if latest is None:
             return 0
-        verify_committed(layout.committed_step(latest.step), latest.step)
+        verify_committed(local.committed_step(latest.step), latest.step)
     except PipelineError as e:  # a damaged step, or the bucket refusing (a StoreError): every rank hears why
         return f"cannot resume: {e}{repair_hint}"
     return latest.step

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from pipeline.checkpoint.bucket_store import BucketCheckpoints
+from pipeline.checkpoint.manifest import complete_markers
 from pipeline.checkpoint.posix_store import PosixCheckpoints
 from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.store import CheckpointStore
+from pipeline.errors import VerificationError
 from pipeline.storage.layout import CheckpointLayout
 
 
@@ -21,3 +23,26 @@ def library_store(layout: CheckpointLayout, url: str | None = None, what: str = 
     """A library checkpoint dir's store: the bucket ``url`` (None: the one the dir records, if any), else the dir
     itself (``what``: the option that gave ``url``, named in an error)."""
     return store_for(layout, remote_at(url, layout.run_dir, what))
+
+
+def uncommitted(store: CheckpointStore, world_size: int, upto: int | None = None) -> list[int]:
+    """Steps newer than the newest committed one staged with every rank's marker (one attempt) but not committed
+    yet: what a resuming trainer waits for, so a step staged before a kill is never lost nor trained again; and
+    what a library job's close names when no committer committed them. ``upto``: none above it."""
+    try:
+        newest = store.newest()
+    except (VerificationError, OSError, ValueError):
+        return []  # the committer repairs latest first; resuming then reports what it found
+    done = newest.step if newest is not None else 0
+    pending = []
+    for step in store.staged():
+        if step <= done or (upto is not None and step > upto) or store.is_published(step):
+            continue
+        for attempt in store.attempts(step):
+            try:
+                if complete_markers(store.markers(step, attempt, world_size), None):
+                    pending.append(step)
+                    break
+            except VerificationError:
+                continue
+    return pending

@@ -23,7 +23,8 @@ from pipeline.driver.lease import read_lease
 from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout
 from pipeline.rundir.runs import read_run_yaml
-from pipeline.stagekit import checkpoint_store, jobs
+from pipeline.rundir.store import run_store
+from pipeline.stagekit import jobs
 from pipeline.stagekit.contract import OPTIONAL, ORDER
 from pipeline.stagekit.records import pid_alive, resume_command, stage_alive
 from pipeline.storage.integrity import lstat_kind, read_record_json
@@ -152,7 +153,7 @@ def _store(layout: CheckpointLayout) -> CheckpointStore:
     if isinstance(layout, RunLayout):
         ck = _config(layout)[0].get("checkpoint")
         url = ck.get("storage") if isinstance(ck, dict) else None
-        return checkpoint_store.store_at(url if isinstance(url, str) else None, layout)
+        return run_store(url if isinstance(url, str) else None, layout)
     return library_store(layout)
 
 

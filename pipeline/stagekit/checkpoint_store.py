@@ -12,32 +12,19 @@ from __future__ import annotations
 from pipeline.checkpoint.manifest import Latest
 from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.stores import store_for
 from pipeline.config.schema import PipelineConfig
 from pipeline.rundir.layout import RunLayout
-from pipeline.storage.s3 import S3Url
-
-
-def remote_at(url: str | None, layout: RunLayout) -> Remote | None:
-    """The run's checkpoints root in the bucket ``url`` (the run's ``checkpoint.storage``; decided by the config
-    and the run id: never per rank), None for none."""
-    if not url:
-        return None
-    root = S3Url.parse(url).join(layout.run_dir.parent.name, layout.run_id)
-    return Remote(root=root, cache_dir=layout.run_dir)
+from pipeline.rundir.store import run_remote, run_store
 
 
 def remote(cfg: PipelineConfig, layout: RunLayout) -> Remote | None:
-    return remote_at(cfg.checkpoint.storage, layout)
-
-
-def store_at(url: str | None, layout: RunLayout) -> CheckpointStore:
-    """The run's checkpoints: in the bucket ``url``, else in the run dir."""
-    return store_for(layout, remote_at(url, layout))
+    """The run's checkpoints root in its bucket (decided by the config and the run id: never per rank)."""
+    return run_remote(cfg.checkpoint.storage, layout)
 
 
 def store(cfg: PipelineConfig, layout: RunLayout) -> CheckpointStore:
-    return store_at(cfg.checkpoint.storage, layout)
+    """The run's checkpoints: in its bucket, else in its run dir."""
+    return run_store(cfg.checkpoint.storage, layout)
 
 
 def committed_latest(cfg: PipelineConfig, layout: RunLayout) -> Latest | None:

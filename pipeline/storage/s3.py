@@ -37,6 +37,7 @@ import xxhash
 
 from pipeline.errors import PipelineError
 from pipeline.storage.faults import inject
+from pipeline.storage.s3_probe import Conflict, StoreError, probe
 
 PART_SIZE = 16 << 20
 """Multipart part size (S3 needs >= 5 MiB for every part but the last); a file up to this size is one PUT."""
@@ -52,14 +53,6 @@ PROBE_STALE_S = 3600.0
 seconds. Younger ones may be another process's probe in flight and are left alone."""
 
 _URL_RE = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(.*))?$")
-
-
-class StoreError(PipelineError):
-    """An object-store request failed (after the client's retries), or the server cannot be committed to."""
-
-
-class Conflict(StoreError):
-    """A conditional write lost: the key exists (``If-None-Match``) or changed (``If-Match``)."""
 
 
 @dataclass(frozen=True)
@@ -366,7 +359,7 @@ class S3Store:
         if asked in _CONDITIONAL_OK:
             return
         key = probe_prefix(prefix) + uuid.uuid4().hex
-        why = _probe(self, key)
+        why = probe(self, key)
         self.delete([key])
         if why:
             raise StoreError(
@@ -401,41 +394,3 @@ class S3Store:
 def probe_prefix(prefix: str) -> str:
     """Where the probe objects of the root ``prefix`` are: every key starting with this is one."""
     return f"{prefix.rstrip('/')}/{PROBE_NAME}"
-
-
-def _probe(store: S3Store, key: str) -> str:
-    try:
-        first = store.put(key, b"0", if_none_match=True)
-    except Conflict:
-        return "a create of a new key was refused"
-    try:
-        store.put(key, b"1", if_none_match=True)
-        return "a second If-None-Match: * create of one key succeeded"
-    except Conflict:
-        pass
-    second = store.put(key, b"2", if_match=first)
-    try:
-        store.put(key, b"3", if_match=first)
-        return "an If-Match write with a stale ETag succeeded"
-    except Conflict:
-        pass
-    with cf.ThreadPoolExecutor(8) as pool:
-        swaps = sum(pool.map(lambda i: _try(store, key, i, second), range(8)))
-        creates = sum(pool.map(lambda i: _try(store, key + ".new", i, None), range(8)))
-    store.delete([key + ".new"])
-    if swaps != 1:
-        return f"{swaps} of 8 concurrent If-Match writes with one ETag succeeded"
-    if creates != 1:
-        return f"{creates} of 8 concurrent If-None-Match: * creates of one key succeeded"
-    return ""
-
-
-def _try(store: S3Store, key: str, i: int, etag: str | None) -> bool:
-    try:
-        if etag is None:
-            store.put(key, f"r{i}".encode(), if_none_match=True)
-        else:
-            store.put(key, f"r{i}".encode(), if_match=etag)
-        return True
-    except Conflict:
-        return False

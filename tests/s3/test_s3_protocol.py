@@ -59,7 +59,8 @@ def test_commit_then_pull_round_trip(tmp_path: Path, bucket: str, prefix: str) -
         "verify.before_publish",  # before the manifest PUT
         "s3.put@key={P}/step_8/manifest.json",  # the manifest PUT itself
         "verify.before_latest",  # the manifest exists, latest not moved
-        "s3.put@key={P}/latest",  # the latest swap
+        "s3.put@key={P}/latest",  # the latest swap (it records the lease epoch)
+        "s3.put@key={P}/committer.json",  # the committer lease's compare-and-swap
         "s3.get@key={P}/step_8/a1/__1_0.distcp",  # the verifying re-read
         "s3.list",  # any listing
     ],
