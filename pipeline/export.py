@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipeline.checkpoint.options import EXPORT_DTYPES
 from pipeline.checkpoint.outputs import export_latest
 from pipeline.consolidate import build_output
 from pipeline.errors import PipelineError
@@ -26,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
         description=" ".join((__doc__ or "").split("\n\n", 1)[-1].split()).replace("``", ""),  # the docstring's text
     )
     p.add_argument("dir", help="a checkpoint dir (holding checkpoints/) or a run dir")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=EXPORT_DTYPES)
     p.add_argument("--max-shard-size", default="5GB", help="largest shard (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="redo it even if the output verifies")
     p.add_argument("--storage", default=None, help="s3://bucket/prefix: read the step from that bucket first")

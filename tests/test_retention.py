@@ -107,7 +107,7 @@ def test_decide_refuses_counts_below_one() -> None:
 
 @pytest.mark.parametrize("key", ["keep_last", "keep_every", "keep_outputs_last"])
 def test_config_refuses_counts_below_one_naming_the_key(key: str) -> None:
-    with pytest.raises(ConfigError, match=rf"checkpoint\.{key}=0 must be >= 1"):
+    with pytest.raises(ConfigError, match=rf"checkpoint\.{key}=0 must be an integer >= 1"):
         CheckpointConfig(**{key: 0})
     assert getattr(CheckpointConfig(**{key: 3}), key) == 3
 

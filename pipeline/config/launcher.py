@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from pipeline.checkpoint import options
 from pipeline.errors import ConfigError
 
 
@@ -92,9 +93,8 @@ class LauncherConfig:
 
     def __post_init__(self) -> None:
         keys = ("deadline_grace_s", "poll_interval_s", "progress_interval_s", "cancel_timeout_s", "peer_grace_s")
-        for key in keys:
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"launcher.{key}={getattr(self, key)} must be > 0")
+        for key in keys:  # poll_interval_s is also the committer's (CommitPolicy.poll_interval_s): one validator
+            options.check_seconds(getattr(self, key), f"launcher.{key}")
 
 
 @dataclass

@@ -5,7 +5,6 @@ Everything below the entry point sees these objects, never a ``DictConfig``.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,11 +13,11 @@ from typing import Final
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pipeline.checkpoint import options
 from pipeline.config.fields import MUTABLE, PER_LAUNCH
 from pipeline.config.launcher import LauncherConfig, LocalLauncherConfig, SlurmLauncherConfig
 from pipeline.config.workload import DataConfig, ModelConfig, TrainConfig
-from pipeline.errors import ConfigError, PipelineError
-from pipeline.storage.s3 import S3Url
+from pipeline.errors import ConfigError
 from pipeline.storage.sizes import parse_size
 from pipeline.storage.writers import auto_writer_threads
 
@@ -75,8 +74,7 @@ class StrategyConfig:
                 f"strategy.name={self.name!r} is not supported: "
                 "choose strategy=ddp, strategy=fsdp2 or strategy=deepspeed"
             )
-        if self.world_size < 1:
-            raise ConfigError(f"strategy.world_size={self.world_size} must be >= 1")
+        options.check_world_size(self.world_size, "strategy.world_size")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"strategy.backend={self.backend!r}: use gloo (CPU) or nccl (GPU)")
         if not self.pg_timeout_s > 0:
@@ -176,24 +174,14 @@ class CheckpointConfig:
     to ``latest`` (null = keep all); latest's output is always kept, and an older one goes only once a newer
     complete output of the same kind exists."""
 
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ConfigError(f"checkpoint.every={self.every} must be >= 1")
-        if self.storage is not None:
-            try:
-                S3Url.parse(self.storage)
-            except PipelineError as e:
-                raise ConfigError(str(e)) from None
-        if not self.marker_deadline_s > 0:
-            raise ConfigError(f"checkpoint.marker_deadline_s={self.marker_deadline_s} must be > 0")
-        if self.writer_threads is not None and not 1 <= self.writer_threads <= 64:
-            raise ConfigError(f"checkpoint.writer_threads={self.writer_threads} must be between 1 and 64")
-        if not (self.async_deadline_s > 0 and math.isfinite(self.async_deadline_s)):
-            raise ConfigError(f"checkpoint.async_deadline_s={self.async_deadline_s} must be a finite number > 0")
+    def __post_init__(self) -> None:  # the knobs the library shares are checked by its validators, named as here
+        options.check_every_steps(self.every, "checkpoint.every")
+        options.check_storage(self.storage, "checkpoint.storage")
+        options.check_deadline(self.marker_deadline_s, "checkpoint.marker_deadline_s")
+        options.check_writer_threads(self.writer_threads, "checkpoint.writer_threads")
+        options.check_deadline(self.async_deadline_s, "checkpoint.async_deadline_s")
         for key in ("keep_last", "keep_every", "keep_outputs_last"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"checkpoint.{key}={value} must be >= 1 (or null to keep every step)")
+            options.check_keep(getattr(self, key), f"checkpoint.{key}")
 
 
 @dataclass
@@ -215,8 +203,7 @@ class ExportConfig:
         parse_size(self.max_shard_size)
         if self.format not in ("hf", "none"):
             raise ConfigError(f"export.format={self.format!r}: choose export=hf or export=none")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"export.dtype={self.dtype!r}: choose float32, bfloat16 or float16")
+        options.check_export_dtype(self.dtype, "export.dtype")
 
 
 @dataclass
