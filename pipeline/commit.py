@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from pipeline.checkpoint import options
 from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
 from pipeline.checkpoint.ownership import DEFAULT_LEASE_S
 from pipeline.checkpoint.remote import remote_at
@@ -62,13 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     if lstat_kind(layout.checkpoints) != "dir":
         print(f"error: {layout.checkpoints} is not a directory: not a checkpoint dir", file=sys.stderr)
         return 2
-    policy = CommitPolicy(
-        world_size=args.world_size,
-        poll_interval_s=args.interval,
-        keep_last=args.keep_last,
-        keep_every=args.keep_every,
-        lease_s=args.lease,
-    )
+    try:
+        options.check_world_size(args.world_size, "--world-size")
+        options.check_seconds(args.interval, "--interval")
+        options.check_keep(args.keep_last, "--keep-last")
+        options.check_keep(args.keep_every, "--keep-every")
+        options.check_seconds(args.lease, "--lease")
+        policy = CommitPolicy(
+            world_size=args.world_size,
+            poll_interval_s=args.interval,
+            keep_last=args.keep_last,
+            keep_every=args.keep_every,
+            lease_s=args.lease,
+        )
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from pipeline.checkpoint import retention
+from pipeline.checkpoint import options, retention
 from pipeline.checkpoint.manifest import Marker, complete_markers, describe_incomplete
 from pipeline.checkpoint.ownership import DEFAULT_LEASE_S, CommitterBusy, CommitterLease, CommitterLost
 from pipeline.checkpoint.posix_store import PosixCheckpoints, latest_step, staged_uncommitted
@@ -60,6 +60,15 @@ class CommitPolicy:
     keep_outputs_last: int | None = None
     lease_s: float = DEFAULT_LEASE_S
     """The committer lease: a holder whose heartbeat is older than this is gone, and another may take over."""
+
+    def __post_init__(self) -> None:
+        """The same checks as the app's config and the command lines make (:mod:`pipeline.checkpoint.options`)."""
+        options.check_world_size(self.world_size)
+        options.check_deadline(self.marker_deadline_s, "marker_deadline_s")
+        options.check_seconds(self.poll_interval_s, "poll_interval_s")
+        options.check_seconds(self.lease_s, "lease_s")
+        for name in ("keep_last", "keep_every", "keep_outputs_last"):
+            options.check_keep(getattr(self, name), name)
 
 
 @dataclass
