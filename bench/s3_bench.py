@@ -42,6 +42,7 @@ from pipeline.checkpoint.bucket_store import BucketCheckpoints  # noqa: E402
 from pipeline.checkpoint.committer import CommitPolicy, Committer  # noqa: E402
 from pipeline.checkpoint.manifest import Marker  # noqa: E402
 from pipeline.checkpoint.remote import Remote  # noqa: E402
+from pipeline.checkpoint.remote_pull import pull  # noqa: E402
 from pipeline.formats.registry import FORMATS, Format, _dcp_owner  # noqa: E402
 from pipeline.storage import s3  # noqa: E402
 from pipeline.storage.integrity import describe  # noqa: E402
@@ -201,7 +202,7 @@ def consolidation(tmp: Path, bucket: str, mb: int, rounds: int) -> dict[str, obj
         shutil.rmtree(layout.checkpoints / "step_1", ignore_errors=True)
         out = Path(tempfile.mkdtemp(dir=tmp)) / "model.safetensors"
         t0 = time.monotonic()
-        cache = remote.pull()
+        cache = pull(remote)
         get_format(manifest[0].format).consolidate(cache.committed_step(1), out, None, False)  # type: ignore[misc]
         return time.monotonic() - t0
 

@@ -31,6 +31,7 @@ from pipeline.checkpoint.manifest import read_latest, verify_committed
 from pipeline.checkpoint.ownership import LEASE
 from pipeline.checkpoint.rank_save import RankTarget
 from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.remote_pull import pull
 from pipeline.checkpoint.retention import retire
 from pipeline.driver.run_status import collect_checkpoints
 from pipeline.formats.dcp_names import is_piece
@@ -147,7 +148,7 @@ def test_fine_tune_writes_only_what_trains_and_every_step_stays_complete(
         listed = {remote.pieces_prefix() + e.hash for s in (3, 4, 5) for e in _manifest(remote, s) if is_piece(e.path)}
         assert set(stored) == listed, "the bucket keeps exactly the pieces a committed manifest lists"
         for s in (3, 4, 5):  # the cache holds one step at a time
-            _check_loads(remote.pull(s).committed_step(s), run["saved"][s])
+            _check_loads(pull(remote, s).committed_step(s), run["saved"][s])
         view = remote_checkpoints(remote)
         assert [c.get("shared_files") for c in view["committed"]] == [3, 3, 3]  # the base (weight, bias) and the buffer
         assert view["shared_saved"] >= 2 * (32 << 20), "status counts the bytes stored once"

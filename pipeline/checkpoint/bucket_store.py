@@ -27,6 +27,7 @@ from pipeline.checkpoint.bucket_status import remote_checkpoints
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker
 from pipeline.checkpoint.ownership import CommitterBusy, LeaseStore
 from pipeline.checkpoint.remote import LATEST, QUARANTINE, Remote, digest, is_marker_name
+from pipeline.checkpoint.remote_pull import pull
 from pipeline.checkpoint.step_checks import check_agreement, check_stored, foreign_files
 from pipeline.checkpoint.store import Quarantined, Taken
 from pipeline.errors import VerificationError
@@ -345,7 +346,7 @@ class BucketCheckpoints:
         self.remote.store.check_conditional_writes(self.remote.root.prefix)
 
     def local(self) -> CheckpointLayout:
-        return self.remote.pull()
+        return pull(self.remote)
 
     def latest_where(self) -> str:
         return self.remote.url(self.remote.key(LATEST))

@@ -26,19 +26,18 @@ import concurrent.futures as cf
 import json
 import logging
 import re
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, complete_markers, write_latest
+from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, complete_markers
 from pipeline.checkpoint.ownership import LEASE, ObjectLease
 from pipeline.errors import VerificationError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.storage import atomic
-from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, lstat_kind, read_record_json, safe_join
+from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, read_record_json, safe_join
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 from pipeline.storage.s3 import Conflict, S3Store, S3Url
 
@@ -362,48 +361,6 @@ class Remote:
                 f"{self.url(self.manifest_key(latest.step))} is missing or differs"
             )
         return found
-
-    def pull(self, step: int | None = None) -> CheckpointLayout:
-        """A local, verified copy of ``step`` (default: the one ``latest`` names) in the cache, which gets a
-        ``latest`` naming it; returns the cache's layout. A copy already there with the same manifest is reused."""
-        cache = self.cache
-        found = self.verified_latest() if step is None else self.read_manifest(step)
-        if found is None and step is None:
-            return cache
-        if found is None:
-            raise VerificationError(
-                f"{self.url(self.manifest_key(step or 0))} is missing: step {step} is not committed"
-            )
-        manifest, raw = found
-        mhash = digest(raw)
-        final = cache.committed_step(manifest.step)
-        have = final / MANIFEST
-        # lstat, never followed: a link planted where the copy goes is replaced, not read or reused
-        reuse = lstat_kind(final) == "dir" and lstat_kind(have) == "file" and digest(have.read_bytes()) == mhash
-        if not reuse:
-            cache.checkpoints.mkdir(parents=True, exist_ok=True)
-            tmp = cache.checkpoints / f".pull-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            try:
-                markers = self.markers(manifest.step, manifest.attempt, manifest.world_size)
-                self.fetch_verified(manifest, tmp)
-                for m in markers:
-                    if m is not None:
-                        atomic.write_json_atomic(tmp / f"rank_{m.rank}.done.json", m.to_json())
-                atomic.write_bytes_atomic(tmp / MANIFEST, raw)
-                if lstat_kind(final) is not None:
-                    atomic.remove_tree(final)  # renames the entry itself (a link is moved, not followed)
-                atomic.publish_dir(tmp, final)
-            finally:
-                if tmp.exists():
-                    atomic.remove_tree(tmp)
-            log.info("pulled step %d from %s into %s", manifest.step, self.root, final)
-        write_latest(cache, manifest.step, mhash)
-        for old in cache.checkpoints.iterdir():
-            s = parse_step(old.name)
-            if s is not None and s != manifest.step:
-                atomic.remove_tree(old)  # the cache holds one step: the bucket is the store
-        return cache
 
     def committed(self) -> list[int]:
         """Steps whose manifest object exists (listing nominates, each manifest is read by its user)."""

@@ -21,6 +21,7 @@ from pipeline.checkpoint import rank_save
 from pipeline.checkpoint.manifest import verify_committed
 from pipeline.checkpoint.rank_save import RankTarget
 from pipeline.checkpoint.remote import digest, record_bytes, staged_uncommitted
+from pipeline.checkpoint.remote_pull import pull
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import s3
 from pipeline.storage.faults import InjectedFault
@@ -44,7 +45,7 @@ def test_commit_then_pull_round_trip(tmp_path: Path, bucket: str, prefix: str) -
     assert staged_uncommitted(remote, 2) == []
     # ranks' scratch dirs are gone once uploaded; nothing was staged in the run dir
     assert not any(layout.staging.rglob("*.distcp"))
-    cache = remote.pull()
+    cache = pull(remote)
     assert (cache.committed_step(4) / "__1_0.distcp").read_bytes().startswith(b"step=4 rank=1")
     from pipeline.checkpoint.manifest import read_latest, verify_committed
 
@@ -438,7 +439,7 @@ def test_pull_replaces_a_link_planted_where_the_copy_goes(tmp_path: Path, bucket
     assert got is not None
     (elsewhere / "manifest.json").write_bytes(got[1])
     (layout.checkpoints / "step_4").symlink_to(elsewhere)
-    cache = remote.pull()
+    cache = pull(remote)
     assert not cache.committed_step(4).is_symlink() and cache.committed_step(4).is_dir()
     verify_committed(cache.committed_step(4), 4)
     assert sorted(p.name for p in elsewhere.iterdir()) == ["manifest.json"]  # nothing written through the link
