@@ -7,9 +7,9 @@ marker objects each has), and quarantine entries come with their ``reason.txt``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from pipeline.checkpoint import pieces
 from pipeline.checkpoint.remote import QUARANTINE, Remote, digest, is_marker_name
 from pipeline.errors import PipelineError
 from pipeline.formats.dcp_names import is_piece
@@ -84,8 +84,23 @@ def _quarantined(remote: Remote, listing: dict[str, Any]) -> list[Status]:
 def add_sharing(committed: list[Status]) -> int:
     """Give each committed step its ``shared_files``/``shared_bytes`` (pieces another committed step holds too)
     from its ``pieces`` (identities, dropped here); returns the bytes stored once instead of once per step."""
-    per_step, saved = pieces.sharing({c["step"]: own for c in committed if (own := c.pop("pieces", None))})
+    per_step, saved = sharing({c["step"]: own for c in committed if (own := c.pop("pieces", None))})
     for c in committed:
         if c["step"] in per_step:
             c["shared_files"], c["shared_bytes"] = per_step[c["step"]]
     return saved
+
+
+def sharing(pieces_of: Mapping[int, Mapping[Any, int]]) -> tuple[dict[int, tuple[int, int]], int]:
+    """From each step's pieces (an identity: an inode, a content key -> size): per step, how many of its pieces
+    another listed step shares and their bytes; and the bytes stored once instead of once per step."""
+    holders: dict[Any, int] = {}
+    for own in pieces_of.values():
+        for key in own:
+            holders[key] = holders.get(key, 0) + 1
+    per_step = {
+        step: (sum(1 for k in own if holders[k] > 1), sum(n for k, n in own.items() if holders[k] > 1))
+        for step, own in pieces_of.items()
+    }
+    sizes = {k: n for own in pieces_of.values() for k, n in own.items()}
+    return per_step, sum(sizes[k] * (count - 1) for k, count in holders.items())

@@ -20,9 +20,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.checkpoint import pieces, remote_pieces
+from pipeline.checkpoint import remote_pieces
 from pipeline.checkpoint.bucket_status import remote_checkpoints
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker
 from pipeline.checkpoint.ownership import CommitterBusy, LeaseStore
@@ -31,13 +31,15 @@ from pipeline.checkpoint.remote_pull import pull
 from pipeline.checkpoint.step_checks import check_agreement, check_stored, foreign_files
 from pipeline.checkpoint.store import Quarantined, Taken
 from pipeline.errors import VerificationError
-from pipeline.formats.dcp_pieces import Pieces
 from pipeline.storage.atomic import remove_tree
 from pipeline.storage.backend import POSIX
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 from pipeline.storage.s3 import Conflict
+
+if TYPE_CHECKING:
+    from pipeline.formats.dcp_pieces import Pieces
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +330,8 @@ class BucketCheckpoints:
         return scratch
 
     def piece_source(self, rank: int, staged: Path, groups: Mapping[str, str]) -> Pieces:
+        from pipeline.checkpoint import pieces  # noqa: PLC0415 - a rank's (torch); a committer never loads it
+
         return pieces.bucket_source(self.remote, rank, groups)
 
     def deliver(self, staged: Path, marker: Marker, reused: frozenset[str] = frozenset()) -> None:

@@ -25,7 +25,6 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -155,31 +154,3 @@ def link_piece(
     except (OSError, VerificationError):
         return False
     return True
-
-
-def sharing(pieces_of: Mapping[int, Mapping[Any, int]]) -> tuple[dict[int, tuple[int, int]], int]:
-    """From each step's pieces (an identity: an inode, a content key -> size): per step, how many of its pieces
-    another listed step shares and their bytes; and the bytes stored once instead of once per step."""
-    holders: dict[Any, int] = {}
-    for own in pieces_of.values():
-        for key in own:
-            holders[key] = holders.get(key, 0) + 1
-    per_step = {
-        step: (sum(1 for k in own if holders[k] > 1), sum(n for k, n in own.items() if holders[k] > 1))
-        for step, own in pieces_of.items()
-    }
-    sizes = {k: n for own in pieces_of.values() for k, n in own.items()}
-    return per_step, sum(sizes[k] * (count - 1) for k, count in holders.items())
-
-
-def local_pieces(step_dir: Path, files: tuple[FileEntry, ...]) -> dict[Any, int]:
-    """A committed step's pieces on POSIX by inode (linked files are one), never following a link."""
-    out: dict[Any, int] = {}
-    for e in files:
-        if is_piece(e.path):
-            try:
-                st = os.lstat(step_dir / e.path)
-            except OSError:
-                continue
-            out[(st.st_dev, st.st_ino)] = e.size
-    return out

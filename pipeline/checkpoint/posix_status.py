@@ -4,17 +4,18 @@ quarantine entries with their notes, and the retention record."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint import pieces
 from pipeline.checkpoint.bucket_status import add_sharing
 from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest
 from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
 from pipeline.checkpoint.retention import record_path
 from pipeline.errors import PipelineError
-from pipeline.storage.integrity import lstat_kind, read_record_json
+from pipeline.formats.dcp_names import is_piece
+from pipeline.storage.integrity import FileEntry, lstat_kind, read_record_json
 from pipeline.storage.layout import CheckpointLayout, parse_step
 
 Status = dict[str, Any]
@@ -47,7 +48,7 @@ def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status
             entry["bytes"] = sum(f.size for f in manifest.files)
             entry["format"] = manifest.format
             entry["world_size"] = manifest.world_size
-            entry["pieces"] = pieces.local_pieces(layout.checkpoints / name, manifest.files)
+            entry["pieces"] = local_pieces(layout.checkpoints / name, manifest.files)
         out.append(entry)
     return out
 
@@ -125,3 +126,16 @@ def describe(layout: CheckpointLayout, world_size: int | None) -> Status:
         "retention": retention,
         "retention_error": retention_error,
     }
+
+
+def local_pieces(step_dir: Path, files: tuple[FileEntry, ...]) -> dict[Any, int]:
+    """A committed step's pieces on POSIX by inode (linked files are one), never following a link."""
+    out: dict[Any, int] = {}
+    for e in files:
+        if is_piece(e.path):
+            try:
+                st = os.lstat(step_dir / e.path)
+            except OSError:
+                continue
+            out[(st.st_dev, st.st_ino)] = e.size
+    return out

@@ -26,9 +26,9 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.checkpoint import pieces, posix_status, repair, retention
+from pipeline.checkpoint import posix_status, repair, retention
 from pipeline.checkpoint.manifest import (
     MANIFEST,
     Latest,
@@ -50,12 +50,14 @@ from pipeline.checkpoint.repair import step_entries
 from pipeline.checkpoint.step_checks import verified_manifest
 from pipeline.checkpoint.store import RACES, Quarantined
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.formats.dcp_pieces import Pieces
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.backend import POSIX, Storage
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import hash_file, is_real_dir
 from pipeline.storage.layout import CheckpointLayout
+
+if TYPE_CHECKING:
+    from pipeline.formats.dcp_pieces import Pieces
 
 log = logging.getLogger(__name__)
 
@@ -284,9 +286,13 @@ class PosixCheckpoints:
         return staged
 
     def piece_source(self, rank: int, staged: Path, groups: Mapping[str, str]) -> Pieces:
+        from pipeline.checkpoint import pieces  # noqa: PLC0415 - a rank's (torch); a committer never loads it
+
         return pieces.posix_source(self.layout, rank, staged, groups)
 
     def deliver(self, staged: Path, marker: Marker, reused: frozenset[str] = frozenset()) -> None:
+        from pipeline.checkpoint import pieces  # noqa: PLC0415 - a rank's (torch); a committer never loads it
+
         write_marker(staged, marker)
         pieces.remember(self.layout, marker.rank, marker.step, marker.files)
 

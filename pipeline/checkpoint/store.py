@@ -24,13 +24,15 @@ import errno
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker
 from pipeline.checkpoint.ownership import LeaseStore
 from pipeline.errors import PipelineError
-from pipeline.formats.dcp_pieces import Pieces
 from pipeline.storage.layout import CheckpointLayout
+
+if TYPE_CHECKING:  # a committer never loads torch
+    from pipeline.formats.dcp_pieces import Pieces
 
 RACES = (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST)
 """What a publish or a read meets when another committer moves the same step at the same moment."""
