@@ -70,6 +70,7 @@ def _load(root: Path) -> tuple[int, dict[str, torch.Tensor]]:
     return step, _weights(model)
 
 
+@pytest.mark.usefixtures("no_lease_settle")  # one committer at a time: a lease per crash point and relaunch
 def test_crash_at_every_io_op_of_a_library_save_and_commit(one_rank: object, tmp_path: Path) -> None:
     base = _base(tmp_path / "base")
     layout_of = CheckpointLayout
