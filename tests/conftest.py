@@ -148,6 +148,17 @@ def one_rank(tmp_path: Path) -> Iterator[Any]:
             dist.destroy_process_group()
 
 
+@pytest.fixture
+def no_lease_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The committer lease's settle pause off: each acquire waits ``ownership.SETTLE_S`` (0.2 s) for its rename to
+    reach other nodes before it reads the record back, which decides between committers that start at the same
+    moment. For tests in which one committer at a time takes the lease, hundreds of times (a hypothesis example
+    or a crash point each), it is only a sleep; the racing-committer tests keep it."""
+    from pipeline.checkpoint import ownership  # noqa: PLC0415
+
+    monkeypatch.setattr(ownership, "SETTLE_S", 0.0)
+
+
 _RELIABILITY_ROWS: list[tuple[str, str, bool, list[str]]] = []
 
 

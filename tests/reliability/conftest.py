@@ -12,9 +12,19 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.reliability import harness
+
 SCALE = os.environ.get("RELIABILITY_SCALE", "ci")
 if SCALE not in ("ci", "large"):
     raise pytest.UsageError(f"RELIABILITY_SCALE={SCALE!r}: use ci (default) or large")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_base_run_per_session(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The base run (``harness.base_run``: a full launch) made once per session: under pytest-xdist, in the
+    directory above the workers' own temp dirs, which they all see; alone, in the session's temp dir."""
+    basetemp = tmp_path_factory.getbasetemp()
+    harness.share_base_run_in(basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp)
 
 
 def sized(ci: int, large: int) -> int:

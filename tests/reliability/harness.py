@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import random
 import shutil
@@ -133,25 +134,55 @@ def run(root: Path, run_id: str, *overrides: str, logs: Path, timeout: float = 3
 
 # --- the shared base run ---------------------------------------------------------------------------------
 
-_base: dict[str, Path] = {}  # "root": where the session's base run was made
+_base: dict[str, Path] = {}  # "root": where the session's base run was made; "shared": see share_base_run_in
+
+
+def share_base_run_in(directory: Path) -> None:
+    """Make the base run under ``directory`` (once, by whichever process comes first, under a lock): every process
+    given the same directory, as the pytest-xdist workers of one session are, copies that one run instead of
+    making its own."""
+    _base["shared"] = directory
+
+
+def _make_base(logs: Path) -> Path:
+    """Launch the base run into a new root: the session's shared one (made once, see :func:`share_base_run_in`),
+    else a temp dir removed at exit."""
+    if "shared" not in _base:
+        made = Path(tempfile.mkdtemp(prefix="reliability-base-"))
+        atexit.register(shutil.rmtree, made, ignore_errors=True)
+        _launch_base(made, logs)
+        return made
+    shared = _base["shared"] / "reliability-base"
+    shared.mkdir(parents=True, exist_ok=True)
+    made, done = shared / "root", shared / "made"
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process making it: wait for it (a launch ends within 300 s)
+        if not done.exists():
+            shutil.rmtree(made, ignore_errors=True)  # what a failed attempt left
+            made.mkdir()
+            _launch_base(made, logs)
+            done.write_text(f"pid {os.getpid()}\n")
+    return made
+
+
+def _launch_base(root: Path, logs: Path) -> None:
+    # A frozen layer: every save after the first links its piece (pipeline/checkpoint/pieces.py), so the kills
+    # land on incremental saves too.
+    done = run(root, BASE_ID, "model.freeze=[model.layers.0.*]", logs=logs, create=True, umask=0)
+    if done.proc.returncode != 0:
+        raise AssertionError(f"the base run failed:\n{done.output}")
 
 
 def base_run(dest_root: Path, logs: Path) -> RunLayout:
     """A copy, under ``dest_root``, of a finished tiny run (``base``: steps 4 and 8, consolidated, exported; its
     first layer frozen, so its saves share that layer's piece).
 
-    The run is made once per test session, under ``umask 000`` (so the permissions scenario can inspect it as
-    it is), then copied whole with its root layout (``<root>/tiny/base``) for every scenario that needs one.
+    The run is made once per test session (by one xdist worker, shared with the others: ``tests/reliability/
+    conftest.py``), under ``umask 000`` (so the permissions scenario can inspect it as it is), then copied whole
+    with its root layout (``<root>/tiny/base``) for every scenario that needs one.
     """
     if "root" not in _base:
-        made = Path(tempfile.mkdtemp(prefix="reliability-base-"))
-        atexit.register(shutil.rmtree, made, ignore_errors=True)
-        # A frozen layer: every save after the first links its piece (pipeline/checkpoint/pieces.py), so the kills
-        # land on incremental saves too.
-        done = run(made, BASE_ID, "model.freeze=[model.layers.0.*]", logs=logs, create=True, umask=0)
-        if done.proc.returncode != 0:
-            raise AssertionError(f"the base run failed:\n{done.output}")
-        _base["root"] = made
+        _base["root"] = _make_base(logs)
     src = RunLayout.for_run(_base["root"], "tiny", BASE_ID).run_dir
     dest = RunLayout.for_run(dest_root, "tiny", BASE_ID)
     dest.run_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,8 @@ from pipeline.storage.layout import parse_step
 from tests.reliability.conftest import record, sized
 from tests.reliability.test_protocol_mutants import no_in_place_writes, renames_reach_disk
 
-pytestmark = [pytest.mark.reliability]
+# one committer at a time, a lease acquired per crash point: the settle pause for racing committers would be a sleep
+pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("no_lease_settle")]
 
 RUN_ID = "r1"  # manifests record the run id (the run dir's name): every copy keeps it
 ROOT = Path(__file__).resolve().parents[2]

@@ -105,7 +105,8 @@ from pipeline.storage.integrity import FileEntry, hash_file, lstat_kind, verify_
 from tests.reliability import harness
 from tests.reliability.conftest import record, sized
 
-pytestmark = [pytest.mark.reliability]
+# one committer at a time, a lease acquired per case: the settle pause for racing committers would be a sleep
+pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("no_lease_settle")]
 
 STEP, PREV, WORLD = 8, 4, 2
 DATA_FILES = (METADATA_FILE, "__0_0.distcp", "__1_0.distcp")

@@ -29,6 +29,9 @@ from tests.reliability.test_protocol_mutants import no_in_place_writes, renames_
 
 pytestmark = [pytest.mark.reliability]
 ROOT = Path(__file__).resolve().parents[2]
+POLL_S = 0.05
+"""The committer thread's poll: ``close`` joins it, so each Checkpointer's close waits out up to one poll (the
+default 0.5 s, paid at every crash point's relaunch)."""
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -54,7 +57,7 @@ def _base(root: Path) -> Path:
     """A library dir with step 4 committed."""
     model, opt = _model()
     _train(model, opt, 4)
-    with Checkpointer(root, committer="thread", deadline_s=10) as ck:
+    with Checkpointer(root, committer="thread", deadline_s=10, poll_interval_s=POLL_S) as ck:
         assert ck.save(4, {"model": model, "optim": opt}).ok
     return root
 
@@ -62,11 +65,12 @@ def _base(root: Path) -> Path:
 def _load(root: Path) -> tuple[int, dict[str, torch.Tensor]]:
     """What a relaunched script does: a fresh Checkpointer (its committer recovers first), load_latest."""
     model, opt = _model()
-    with Checkpointer(root, deadline_s=10) as ck:
+    with Checkpointer(root, deadline_s=10, poll_interval_s=POLL_S) as ck:
         step = ck.load_latest(into={"model": model, "optim": opt})
     return step, _weights(model)
 
 
+@pytest.mark.usefixtures("no_lease_settle")  # one committer at a time: a lease per crash point and relaunch
 def test_crash_at_every_io_op_of_a_library_save_and_commit(one_rank: object, tmp_path: Path) -> None:
     base = _base(tmp_path / "base")
     layout_of = CheckpointLayout
@@ -76,8 +80,10 @@ def test_crash_at_every_io_op_of_a_library_save_and_commit(one_rank: object, tmp
 
     def save_and_commit(root: Path) -> None:
         # committer="external" keeps the trace deterministic: the commit runs here, not in a thread (and close
-        # does not wait for another committer)
-        ck = Checkpointer(root, committer="external", deadline_s=5, external_commit_wait_s=0)
+        # does not wait for another committer). After a simulated crash the lease record the crashed commit left
+        # looks alive, and close waits for it to commit until deadline_s: a real crashed process never gets
+        # there, so the deadline is short (every wait of a one-rank save has nobody else to wait for).
+        ck = Checkpointer(root, committer="external", deadline_s=1, external_commit_wait_s=0)
         try:
             if not ck.save(8, state).ok:
                 raise PipelineError("the save failed")

@@ -19,11 +19,17 @@ from tests.slurm.conftest import SlurmCluster, sacct_states, settled_states, wai
 pytestmark = pytest.mark.xdist_group("slurm")  # one xdist worker: the session's one cluster
 
 JOB_TIMEOUT_S = 60
+TIME_LIMIT_MIN = 5
+"""The jobs' time limit. submitit asks for ``--signal=USR2@90`` (its ``slurm_signal_delay_s``), and SLURM may send
+that signal up to 60 s early (sbatch(1); slurmctld checks on a periodic pass), so under a 2-minute limit it can
+come at once, before the tasks have imported anything to handle it with: a fresh-clone run's gloo job was killed
+by USR2 1.3 s after it was allocated (slurmctld.log: WEXITSTATUS 140). Under 5 minutes it cannot come in the
+first 150 s, well after ``JOB_TIMEOUT_S``."""
 
 
 def _executor(cluster: SlurmCluster, folder: Path, **params: int) -> submitit.AutoExecutor:
     executor = submitit.AutoExecutor(folder=folder / "%j", cluster="slurm")
-    executor.update_parameters(slurm_partition=cluster.partition, timeout_min=2, **params)
+    executor.update_parameters(slurm_partition=cluster.partition, timeout_min=TIME_LIMIT_MIN, **params)
     return executor
 
 
