@@ -13,13 +13,15 @@
 ``state`` maps names to ``nn.Module`` / ``Optimizer`` (under ``model`` / ``optim``: saved with torch's
 ``get_state_dict``, so DDP and FSDP2 checkpoints reshard on load and consolidate like the app's), DCP
 ``Stateful`` objects (an LR scheduler, a ``torchdata`` ``StatefulDataLoader``, :class:`RankRNG`), or plain state
-dicts. Every save is the app's shard-save (rank-private DCP files hashed while written, then a done-marker);
-exactly one committer verifies and publishes each step and only then moves ``latest``: by default a background
-thread of rank 0 that never blocks training (``committer="thread"``), or ``python -m pipeline.commit <dir>
---follow`` beside the job (``committer="external"``: :meth:`Checkpointer.close` then waits, bounded, for it to
-commit the job's steps, and names in a WARNING those nobody committed). The layout is the app's
-(``<dir>/checkpoints/...``), so ``python -m pipeline.status <dir>``, ``python -m pipeline.consolidate <dir>`` and
-the app's import read it.
+dicts; or a DeepSpeed engine under any key (saved in DeepSpeed's layout, the rest as DCP beside it; loaded at any
+world size without DeepSpeed's ``load_checkpoint``). Every save goes through the session the app's train stage
+drives (:class:`~pipeline.checkpoint.session.CheckpointSession`: rank-private files hashed while written, then a
+done-marker, every rank agreeing on the outcome); exactly one committer verifies and publishes each step and only
+then moves ``latest``: by default a background thread of rank 0 that never blocks training (``committer="thread"``),
+or ``python -m pipeline.commit <dir> --follow`` beside the job (``committer="external"``: :meth:`Checkpointer.close`
+then waits, bounded, for it to commit the job's steps, and names in a WARNING those nobody committed). The
+layout is the app's (``<dir>/checkpoints/...``), so ``python -m pipeline.status <dir>``, ``python -m
+pipeline.consolidate <dir>`` and the app's import read it.
 
 Collectives: the constructor, :meth:`save`, :meth:`save_async`, :meth:`wait`, :meth:`load_latest`,
 :meth:`should_save` (with ``every_minutes``), :meth:`reached_preemption` and :meth:`close` are called by every rank
@@ -28,7 +30,6 @@ at the same point, on a gloo group of the checkpointer's own (timeout ``deadline
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import signal
@@ -39,22 +40,21 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint import rank_save, resume
-from pipeline.checkpoint.async_save import AsyncSaver, stuck_writers
+from pipeline.checkpoint import deepspeed_engine, rank_save, resume
+from pipeline.checkpoint.async_save import stuck_writers
 from pipeline.checkpoint.background import BackgroundCommitter
-from pipeline.checkpoint.committer import CommitPolicy, staged_uncommitted
-from pipeline.checkpoint.manifest import read_manifest
+from pipeline.checkpoint.committer import CommitPolicy
+from pipeline.checkpoint.external_wait import await_external_commit
+from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.ownership import committer_alive
-from pipeline.checkpoint.rank_save import RankTarget, SaveResult
+from pipeline.checkpoint.rank_save import RankTarget, SaveResult, Written
 from pipeline.checkpoint.remote import record_store, recorded_store, remote_at
-from pipeline.checkpoint.remote import staged_uncommitted as remote_staged
-from pipeline.checkpoint.state import STEP_KEY, load_state, piece_groups, save_state
-from pipeline.errors import DeadlineError, PipelineError, VerificationError
+from pipeline.checkpoint.session import CheckpointSession
+from pipeline.checkpoint.state import load_state, piece_groups, save_state
+from pipeline.errors import PipelineError
 from pipeline.storage.layout import CheckpointLayout
-from pipeline.storage.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,6 @@ class Checkpointer:
         self._committer: BackgroundCommitter | None = None
         self._external = committer == "external"
         self._external_wait_s = external_commit_wait_s
-        self._saved: list[int] = []  # the steps this job saved on every rank (what close waits to see committed)
         opened = self._open(keep_last, keep_every, poll_interval_s) if self.rank == 0 else None
         decided = self._broadcast(opened)
         if not isinstance(decided, tuple):
@@ -149,7 +148,8 @@ class Checkpointer:
         self.target = RankTarget(
             self.layout, self.rank, self.world_size, self.attempt, threads, fail_on_save_error, self.remote, dedup
         )
-        self._saver: AsyncSaver | None = None
+        self.session = CheckpointSession(self.target, self.group, async_deadline_s=deadline_s)
+        """The save path (save, async, wait, agreement, resume decision), shared with the app's train stage."""
         self._last_save = time.monotonic()
         self._closed = False
 
@@ -203,7 +203,7 @@ class Checkpointer:
         due = self.every_steps is not None and step % self.every_steps == 0
         if self.every_minutes is not None:
             late = time.monotonic() - self._last_save >= self.every_minutes * 60
-            due = self._any_rank(late) or due
+            due = self.session.any_rank(late) or due
         return due
 
     def request_preemption(self) -> None:
@@ -213,65 +213,48 @@ class Checkpointer:
     def reached_preemption(self, step: int) -> bool:
         """True on every rank, at the same step, once any rank received a preemption signal: save ``step`` and
         stop (a requeued job resumes from it)."""
-        return self._any_rank(self._preempted.is_set())
-
-    def _any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        return self.session.any_rank(self._preempted.is_set())
 
     # -- save --------------------------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any]) -> SaveResult:
         """Save ``state`` as ``step`` (blocking); returns how this rank's save went, with every rank agreeing on
         ``ok``. A step a rank could not save is never committed; training may go on (or, with
-        ``fail_on_save_error``, this raises)."""
+        ``fail_on_save_error``, this raises). A DeepSpeed engine in ``state`` (under any key) is saved in
+        DeepSpeed's layout, the rest of ``state`` as DCP beside it."""
         self._check_open()
-        self.wait()
-        sd = save_state(state, step, self.rank)
-        result = rank_save.save_dcp(self.target, step, sd, self.group, piece_groups(state))
+        started = time.monotonic()
+        engine_key = deepspeed_engine.find_engine(state)
+        if engine_key is None:
+            sd = save_state(state, step, self.rank)
+            result = self.session.save(step, sd, piece_groups(state), started)
+        else:
+            engine = state[engine_key]
+            rest = save_state({k: v for k, v in state.items() if k != engine_key}, step, self.rank)
+
+            def write(staged: Path) -> Written:
+                return deepspeed_engine.write_step(self.target, staged, engine, rest, self.group)
+
+            result = self.session.save_files(step, deepspeed_engine.format_of(engine), write, started)
         self._last_save = time.monotonic()
-        return self._agree(step, result)
+        return result
 
     def save_async(self, step: int, state: dict[str, Any]) -> float:
         """Copy ``state`` into a reused staging buffer and persist it in the background (same files and marker
-        as :meth:`save`); returns the seconds training was blocked. The previous async save is settled first."""
+        as :meth:`save`); returns the seconds training was blocked. The previous async save is settled first.
+        A state with a DeepSpeed engine is saved synchronously (its files are DeepSpeed's to write)."""
         self._check_open()
         t0 = time.monotonic()
-        self.wait()
-        if self._saver is None:
-            self._saver = AsyncSaver(self.rank, self.group, self.deadline_s, self.target.writer_threads)
+        if deepspeed_engine.find_engine(state) is not None:
+            self.save(step, state)
+            return time.monotonic() - t0
         sd = save_state(state, step, self.rank)
         self._last_save = time.monotonic()
-        persist = rank_save.dcp_persist(self.target, step, piece_groups(state))
-        return self._saver.start(step, sd, persist, time.monotonic() - t0)
+        return self.session.save_async(step, sd, piece_groups(state), t0)
 
     def wait(self) -> SaveResult | None:
         """Settle the pending async save (at most ``deadline_s``, polling the writer's liveness); None if none."""
-        if self._saver is None or self._saver.pending_step is None:
-            return None
-        done = self._saver.wait()
-        if done is None:
-            return None
-        result = self._agree(done.step, SaveResult.of(done))
-        if not result.ok:
-            self._saver.discard()
-            if self.target.fail_on_error:
-                raise PipelineError(f"async save of step {done.step} failed: {result.error}")
-        return result
-
-    def _agree(self, step: int, result: SaveResult) -> SaveResult:
-        """Every rank's outcome of ``step`` (one all_gather): ok only if every rank saved."""
-        outcomes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(outcomes, result, group=self.group)
-        bad = {r: o.error for r, o in enumerate(outcomes) if not o.ok}
-        if not bad:
-            self._saved.append(step)
-            return result
-        why = "; ".join(f"rank {r}: {e}" for r, e in bad.items())
-        if self.rank == 0:
-            log.error("step %d was not saved by rank(s) %s; it will not be committed: %s", step, sorted(bad), why)
-        return dataclasses.replace(result, ok=False, error=why)
+        return self.session.wait()
 
     # -- resume ------------------------------------------------------------------------------------------------
 
@@ -280,18 +263,16 @@ class Checkpointer:
         none. Rank 0 first lets every completely staged step be committed (a step saved before a kill is never
         lost nor trained again), verifies the step against its manifest, and hands its choice to every rank."""
         self._check_open()
-        decided = self._broadcast(self._resume_step() if self.rank == 0 else None)
-        if isinstance(decided, str):
-            raise VerificationError(decided)
-        step = int(decided)
-        if step == 0:
-            return 0
-        step_dir = self.layout.committed_step(step)
-        manifest = read_manifest(step_dir)  # rank 0 verified the files against it
-        recorded = load_state(into, step_dir, self.group, self.rank, same_world=manifest.world_size == self.world_size)
-        if recorded != step:
-            raise VerificationError(f"{step_dir} records step {recorded} under {STEP_KEY!r}, not {step}")
-        log.info("rank %d resumed from step %d (%s)", self.rank, step, step_dir)
+        engine_key = deepspeed_engine.find_engine(into)
+        rest = {k: v for k, v in into.items() if k != engine_key}
+
+        def load(step_dir: Path, manifest: Manifest) -> int:
+            if engine_key is not None:
+                deepspeed_engine.load_engine(into[engine_key], step_dir, manifest)
+            same_world = manifest.world_size == self.world_size
+            return load_state(rest, step_dir, self.group, self.rank, same_world=same_world)
+
+        step = self.session.load_latest(self._resume_step, load)
         self._last_save = time.monotonic()
         return step
 
@@ -330,81 +311,19 @@ class Checkpointer:
             self.wait()
             dist.barrier(group=self.group)  # every rank's last marker is written before the last pass
             if self.rank == 0 and self._external:
-                self._await_external_commit()
+                await_external_commit(
+                    self.layout,
+                    self.remote,
+                    self.world_size,
+                    self.session.saved,
+                    self.deadline_s,
+                    self._external_wait_s,
+                )
         finally:
             self._closed = True
             self._stop_committer()
             if not stuck_writers():
                 dist.destroy_process_group(self.group)
-
-    def _uncommitted(self) -> list[int]:
-        """The steps this job saved that are staged with every marker but not committed (newer than ``latest``)."""
-        if self.remote is not None:
-            pending = remote_staged(self.remote, self.world_size)
-        else:
-            pending = staged_uncommitted(self.layout, self.world_size)
-        return sorted(set(pending) & set(self._saved))
-
-    def _await_external_commit(self) -> None:
-        """Rank 0 with ``committer="external"``: wait until an external committer has committed the steps this job
-        saved, for ``external_commit_wait_s`` while none holds the dir (a running one: up to ``deadline_s``).
-        Steps still uncommitted are named in a WARNING; they stay staged for the next committer. Never raises
-        for them."""
-        lock = self.layout.committer_lock
-        where = self.remote.root if self.remote is not None else self.layout.staging
-        last_seen: float | None = None  # monotonic time a committer was last seen running
-        start = time.monotonic()
-
-        def running() -> bool:
-            nonlocal last_seen
-            if committer_alive(self.layout.checkpoints, lock):
-                last_seen = time.monotonic()
-                return True
-            return time.monotonic() - (last_seen if last_seen is not None else start) < self._external_wait_s
-
-        errors: list[str] = []
-
-        def left() -> list[int] | None:
-            try:
-                return self._uncommitted()
-            except (PipelineError, OSError) as e:  # a step moved while read, a bucket that did not answer
-                errors.append(str(e))
-                return None
-
-        try:
-            wait_until(
-                lambda: True if left() == [] else None,
-                deadline_s=self.deadline_s,
-                what=str,
-                alive=running,
-                interval_s=0.2 if self.remote is None else 0.5,
-            )
-            return
-        except DeadlineError:
-            pass
-        uncommitted = left()
-        if uncommitted is None:
-            log.warning("cannot tell whether the steps this job saved in %s were committed: %s", where, errors[-1])
-            return
-        if not uncommitted:
-            return
-        many = len(uncommitted) > 1
-        steps = f"step{'s' if many else ''} {', '.join(map(str, uncommitted))}"
-        start_one = f"python -m pipeline.commit {self.layout.run_dir}"
-        if last_seen is None:
-            why = f"no committer ran (start `{start_one}`)"
-        elif committer_alive(self.layout.checkpoints, lock):
-            why = f"the committer holding {lock} did not commit them within deadline_s={self.deadline_s:g}s"
-        else:
-            why = f"the committer that ran stopped before committing them (start `{start_one}`)"
-        log.warning(
-            "%s staged in %s %s not committed: %s; %s kept in staging",
-            steps,
-            where,
-            "were" if many else "was",
-            why,
-            "they are" if many else "it is",
-        )
 
     def _stop_committer(self) -> None:
         if self._committer is not None:
@@ -422,6 +341,5 @@ class Checkpointer:
             self.close()
         else:  # a failing training: no collective (other ranks may be gone); the committer still finishes
             self._closed = True
-            if self._saver is not None:
-                self._saver.abandon(f"training failed: {getattr(exc[0], '__name__', exc[0])}")
+            self.session.abandon(f"training failed: {getattr(exc[0], '__name__', exc[0])}")
             self._stop_committer()

@@ -17,18 +17,17 @@ the library's (:mod:`pipeline.checkpoint.rank_save`); this module maps the stage
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pipeline.stagekit.checkpoint_store as storage
-from pipeline.checkpoint import rank_save
+from pipeline.checkpoint import deepspeed_engine, rank_save
 from pipeline.checkpoint.async_save import AsyncSaver
 from pipeline.checkpoint.portable import TrainState, write_train_state
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult
 from pipeline.stagekit.contract import StageContract, TaskContext
 from pipeline.storage.integrity import FileEntry
-from pipeline.strategies import zero
 
 CONTRACT = StageContract(
     name="shard_save",
@@ -40,7 +39,7 @@ CONTRACT = StageContract(
     launched=False,
 )
 
-__all__ = ["CONTRACT", "SaveResult", "save", "save_async", "save_deepspeed", "target"]
+__all__ = ["CONTRACT", "SaveResult", "deepspeed_files", "save", "save_async", "save_deepspeed", "target"]
 
 
 def target(ctx: TaskContext) -> RankTarget:
@@ -79,11 +78,18 @@ def save_async(
     return saver.start(step, state, rank_save.dcp_persist(target(ctx), step, groups), waited_s)
 
 
-def save_deepspeed(ctx: TaskContext, step: int, engine: Any, train: TrainState, fmt: str) -> SaveResult:
-    """Save ``step`` through DeepSpeed (every rank calls it: DeepSpeed's save has its own barriers)."""
+def deepspeed_files(rank: int, engine: Any, train: TrainState) -> Callable[[Path], tuple[FileEntry, ...]]:
+    """What a rank writes of a DeepSpeed step (the library's DeepSpeed adapter, then this rank's training state
+    as JSON beside it), for :meth:`~pipeline.checkpoint.session.CheckpointSession.save_files`."""
 
     def write(staged: Path) -> tuple[FileEntry, ...]:
-        written = zero.save(engine, staged.parent, staged.name)  # staging/, or the rank's upload scratch
-        return (*written, write_train_state(staged, ctx.rank, train))
+        written = deepspeed_engine.save(engine, staged.parent, staged.name)  # staging/, or the upload scratch
+        return (*written, write_train_state(staged, rank, train))
 
-    return rank_save.save_files(target(ctx), step, fmt, write)
+    return write
+
+
+def save_deepspeed(ctx: TaskContext, step: int, engine: Any, train: TrainState, fmt: str) -> SaveResult:
+    """Save ``step`` through DeepSpeed (every rank calls it: DeepSpeed's save has its own barriers); train saves
+    through its session, with :func:`deepspeed_files`."""
+    return rank_save.save_files(target(ctx), step, fmt, deepspeed_files(ctx.rank, engine, train))

@@ -21,7 +21,6 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +28,10 @@ import torch.distributed as dist
 import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint import pieces
 from pipeline.checkpoint import resume as resume_rule
-from pipeline.checkpoint.async_save import AsyncSaver, Settled, stuck_writers
-from pipeline.checkpoint.manifest import MANIFEST, complete_markers, read_manifest, step_markers
+from pipeline.checkpoint.async_save import stuck_writers
+from pipeline.checkpoint.manifest import MANIFEST, Manifest, complete_markers, step_markers
+from pipeline.checkpoint.portable import TrainState
+from pipeline.checkpoint.session import Agreed, CheckpointSession
 from pipeline.checkpoint.state import MODEL
 from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.errors import PipelineError, VerificationError
@@ -43,7 +44,7 @@ from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.metrics import MetricsWriter
 from pipeline.strategies import trainer as strategy
-from pipeline.strategies.process_group import broadcast_from_rank0, init_distributed
+from pipeline.strategies.process_group import init_distributed
 from pipeline.strategies.trainer import Trainer
 from pipeline.strategies.user_loop import LoopContext, eval_loss, run_user_loop
 from pipeline.workload.corpus import check_unchanged
@@ -140,8 +141,8 @@ def _resume_step(cfg: PipelineConfig, layout: RunLayout) -> int | str:
 
 
 class _Run:
-    """One attempt of train on this rank: the trainer, its schedule and data, the checkpoint group and saver,
-    and what happened to each save (for the stage record)."""
+    """One attempt of train on this rank: the trainer, its schedule and data, and its checkpoint session (the
+    library's save path), with the app's events around it."""
 
     def __init__(self, ctx: TaskContext, device: torch.device) -> None:
         cfg = ctx.cfg
@@ -164,13 +165,16 @@ class _Run:
         self.pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.strategy.pg_timeout_s))
         self.metrics = MetricsWriter(ctx.layout.metrics) if self.rank == 0 else None
         self.tensorboard = TensorBoardSink(ctx.layout.run_dir / "tensorboard") if self.rank == 0 else None
-        self.saver: AsyncSaver | None = None
-        if cfg.checkpoint.async_save and self.trainer.engine is None:
-            threads = cfg.checkpoint.writer_threads_for(ctx.world_size)
-            self.saver = AsyncSaver(self.rank, self.pg, cfg.checkpoint.async_deadline_s, threads)
-        self.saved: list[int] = []
-        self.failed: list[int] = []
-        self.save_errors: dict[int, str] = {}
+        self.async_save = cfg.checkpoint.async_save and self.trainer.engine is None
+        self.session = CheckpointSession(
+            shard_save.target(ctx),
+            self.pg,
+            async_deadline_s=cfg.checkpoint.async_deadline_s,
+            on_agreed=self.recorded,
+            stop_hint="; training stopped (checkpoint.fail_on_save_error=true): rerun to resume from the last "
+            "committed step, or raise checkpoint.async_deadline_s if it only stalled",
+            continue_hint=" (checkpoint.fail_on_save_error=false)",
+        )
 
     def event(self, event: str, **fields: object) -> None:
         """One line of ``metrics.jsonl``; only rank 0 writes the file."""
@@ -183,21 +187,23 @@ class _Run:
 
     def resume(self) -> int:
         """Load the committed step rank 0 chose (0: start fresh); every rank restores its RNG and data position."""
-        cfg, layout, rank = self.cfg, self.layout, self.rank
-        decided = broadcast_from_rank0(_resume_step(cfg, layout) if rank == 0 else None)
-        if isinstance(decided, str):
-            raise VerificationError(decided)
-        resume = int(decided)
+        cfg, rank = self.cfg, self.rank
+        loaded: list[tuple[TrainState, Manifest]] = []
+
+        def load(step_dir: Path, manifest: Manifest) -> int:
+            train = strategy.load_step(
+                self.trainer, self.sched, self.stream, step_dir, manifest, rank, self.world, self.pg
+            )
+            loaded.append((train, manifest))
+            return train.step
+
+        resume = self.session.load_latest(lambda: _resume_step(cfg, self.layout), load)
         if not resume:
             return 0
-        step_dir = layout.committed_step(resume)
-        manifest = read_manifest(step_dir)  # rank 0 verified the step's files against it
-        train = strategy.load_step(self.trainer, self.sched, self.stream, step_dir, manifest, rank, self.world, self.pg)
+        train, manifest = loaded[0]
         self.sched.load_state_dict(train.sched)
         for group, lr in zip(self.trainer.opt.param_groups, self.sched.get_last_lr(), strict=True):
             group["lr"] = lr  # the rate of the next step (a world-size-free load carries no param groups)
-        if train.step != resume:
-            raise VerificationError(f"checkpoint step_{resume} records step {train.step}")
         self.stream.pos = DataPosition(train.data_epoch, train.data_offset)
         if not strategy.restore_rng(train.rng, rank, self.device):
             torch.manual_seed(cfg.train.seed + rank + 1_000_003 * resume)  # a rank the step did not have
@@ -221,92 +227,52 @@ class _Run:
                     fmt,
                     self.world,
                 )
-        log.info("rank %d resumed from step %d", rank, resume)
         return resume
 
     # -- saves -------------------------------------------------------------------------------------------------
 
-    def save_sync(self, step: int) -> None:
-        t0 = time.monotonic()
-        trainer, ctx = self.trainer, self.ctx
+    def save(self, step: int) -> None:
+        """Save ``step`` through the session: async (DDP/FSDP2 with ``checkpoint.async_save``) or blocking."""
+        started = time.monotonic()  # blocked: settling the previous save, building the state, writing or staging
+        trainer = self.trainer
         if trainer.engine is not None:
-            state = strategy.train_state(self.sched, self.stream, step, self.rank, self.device)
-            result = shard_save.save_deepspeed(ctx, step, trainer.engine, state, trainer.format)
+            train = strategy.train_state(self.sched, self.stream, step, self.rank, self.device)
+            write = shard_save.deepspeed_files(self.rank, trainer.engine, train)
+            self.session.save_files(step, trainer.format, write, started)
+            return
+        state = strategy.dcp_state(trainer, self.sched, self.stream, step, self.rank)
+        if self.async_save:
+            self.session.save_async(step, state, self.groups, started)
         else:
-            state_dict = strategy.dcp_state(trainer, self.sched, self.stream, step, self.rank)
-            result = shard_save.save(ctx, step, state_dict, self.pg, self.groups)
-        why = self.gather(step, result, time.monotonic() - t0, mode="sync")
-        (self.failed if why else self.saved).append(step)
+            self.session.save(step, state, self.groups, started)
 
-    def save_async(self, step: int, saver: AsyncSaver) -> None:
-        t0 = time.monotonic()  # blocked: settling the previous save, building the state, staging it
-        self.settle(saver)
-        state = strategy.dcp_state(self.trainer, self.sched, self.stream, step, self.rank)
-        shard_save.save_async(self.ctx, saver, step, state, time.monotonic() - t0, self.groups)
-
-    def gather(self, step: int, result: shard_save.SaveResult, blocked_s: float, **extra: object) -> str:
-        """Every rank's save of ``step`` (one all_gather), so that task 0's record tells of every rank's failure;
-        rank 0 logs the ranks that failed and writes the checkpoint event (``blocked_s``: training blocked by
-        it, the slowest rank's). Returns "" when every rank saved, else what failed (the same on every rank)."""
-        outcomes: list[Any] = [None] * dist.get_world_size(group=self.pg)
-        dist.all_gather_object(outcomes, (result, blocked_s), group=self.pg)
-        bad = [r for r, (o, _) in enumerate(outcomes) if not o.ok]
-        why = "; ".join(f"rank {r}: {outcomes[r][0].error}" for r in bad)
-        if bad and self.rank == 0:
-            log.error("step %d was not saved by rank(s) %s; it will not be committed", step, bad)
-            self.save_errors[step] = why
-        staged_bytes = sum(o.bytes for o, _ in outcomes)
-        shared_bytes = sum(o.shared for o, _ in outcomes)
-        seconds = max(o.seconds for o, _ in outcomes)  # the ranks save in parallel: the slowest sets the time
-        gbps = staged_bytes / seconds / 1e9 if seconds > 0 else 0.0
-        blocked = max(b for _, b in outcomes)
+    def recorded(self, agreed: Agreed) -> None:
+        """After every rank agreed on a save (the session's hook): the checkpoint event (``blocked_s``: training
+        blocked by it, the slowest rank's) and, on rank 0, the warning when no committer runs beside train."""
         started_long_ago = time.monotonic() - self.started > _COMMITTER_START_S  # its job starts beside ours
-        if self.rank == 0 and not bad and started_long_ago and not stage_alive(self.layout, COMMITTER):
-            self.event("no_committer", step=step)  # the launching process shows it on the console
+        if self.rank == 0 and agreed.ok and started_long_ago and not stage_alive(self.layout, COMMITTER):
+            self.event("no_committer", step=agreed.step)  # the launching process shows it on the console
             log.error(
                 "NO COMMITTER IS RUNNING beside train: step %d is staged but nothing commits it and latest stays "
                 "behind (the launcher starts %s again; else run stage=%s for run %s)",
-                step,
+                agreed.step,
                 COMMITTER,
                 COMMITTER,
                 self.layout.run_id,
             )
+        extra = {} if agreed.persist_s is None else {"persist_s": agreed.persist_s}
         self.event(
             "checkpoint",
-            step=step,
-            bytes=staged_bytes,
-            shared_bytes=shared_bytes,
-            seconds=seconds,
-            gbps=gbps,
-            ok=not bad,
-            blocked_s=blocked,
+            step=agreed.step,
+            bytes=agreed.bytes,
+            shared_bytes=agreed.shared,
+            seconds=agreed.seconds,
+            gbps=agreed.gbps,
+            ok=agreed.ok,
+            blocked_s=agreed.blocked_s,
             **extra,
+            mode=agreed.mode,
         )
-        return why
-
-    def settle(self, saver: AsyncSaver) -> None:
-        """Wait for the pending async save (deadline-bounded, every rank leaving the wait together), then record
-        it as a sync save is recorded; after a failure every rank drops its writer, buffer and group alike and
-        either trains on without that step or stops (``checkpoint.fail_on_save_error``)."""
-        done: Settled | None = saver.wait()
-        if done is None:
-            return
-        result = shard_save.SaveResult.of(done)
-        why = self.gather(done.step, result, done.blocked_s, persist_s=done.persist_s, mode="async")
-        (self.failed if why else self.saved).append(done.step)
-        if not why:
-            return
-        saver.discard()
-        if self.cfg.checkpoint.fail_on_save_error:
-            raise PipelineError(
-                f"async save of step {done.step} failed ({why}); training stopped "
-                "(checkpoint.fail_on_save_error=true): rerun to resume from the last committed step, or raise "
-                "checkpoint.async_deadline_s if it only stalled"
-            )
-        if self.rank == 0:
-            log.error(
-                "step %d is not saved (%s); training continues (checkpoint.fail_on_save_error=false)", done.step, why
-            )
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
@@ -362,12 +328,9 @@ class _Run:
         every = cfg.train.eval_every
         if every is not None and cfg.data.eval_samples and (step % every == 0 or step == final_step(cfg)):
             self.evaluate(step)
-        stop = preemptible() and strategy.any_rank(preemption_requested(), self.pg)
+        stop = preemptible() and self.session.any_rank(preemption_requested())
         if is_save_step(cfg, step) or stop:
-            if self.saver is not None:
-                self.save_async(step, self.saver)
-            else:
-                self.save_sync(step)
+            self.save(step)
         self._step_start = time.monotonic()  # a save's time is not the next step's
         return stop
 
@@ -396,11 +359,9 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     r.event("start", resume_from=resume, total=final_step(cfg), world_size=r.world, format=r.trainer.format)
     try:
         last = r.loop(resume)
-        if r.saver is not None:  # the last save (the final step's, or the one before a requeue) is settled too
-            r.settle(r.saver)
+        r.session.wait()  # the last save (the final step's, or the one before a requeue) is settled too
     except BaseException as e:
-        if r.saver is not None:
-            r.saver.abandon(f"train failed: {type(e).__name__}")
+        r.session.abandon(f"train failed: {type(e).__name__}")
         raise
     if last == final_step(cfg) and os.environ.get(PROBE_ENV):
         _write_probe(r.trainer, r.stream, device, os.environ[PROBE_ENV], r.rank)
@@ -411,9 +372,9 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     summary: dict[str, object] = {
         "resumed_from": resume,
         "last_step": last,
-        "saved": r.saved,
-        "failed_saves": r.failed,
-        "save_errors": r.save_errors,
+        "saved": r.session.saved,
+        "failed_saves": r.session.failed,
+        "save_errors": r.session.errors if r.rank == 0 else {},
     }
     if last < final_step(cfg):  # stopped on SLURM's USR2: requeue, or stop for good past max_num_timeout
         why = no_requeue_reason(cfg)
