@@ -33,7 +33,7 @@ from pipeline.checkpoint import retention
 from pipeline.checkpoint.manifest import Marker, complete_markers, describe_incomplete
 from pipeline.checkpoint.ownership import CommitterBusy, CommitterLease, CommitterLost
 from pipeline.checkpoint.policy import CommitPolicy, CommitReport
-from pipeline.checkpoint.posix_store import PosixCheckpoints, latest_step, staged_uncommitted
+from pipeline.checkpoint.posix_store import PosixCheckpoints, latest_step
 from pipeline.checkpoint.store import RACES, CheckpointStore, Taken
 from pipeline.errors import DeadlineError, VerificationError
 from pipeline.storage.faults import inject
@@ -50,7 +50,6 @@ __all__ = [
     "CommitterBusy",
     "CommitterLost",
     "latest_step",
-    "staged_uncommitted",
 ]
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import logging
 import time
 
-from pipeline.checkpoint.committer import staged_uncommitted
-from pipeline.checkpoint.ownership import committer_alive
+from pipeline.checkpoint import stores
 from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.remote import staged_uncommitted as remote_staged
+from pipeline.checkpoint.store import CheckpointStore
 from pipeline.errors import DeadlineError, PipelineError
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
@@ -20,10 +19,9 @@ from pipeline.storage.waiting import wait_until
 log = logging.getLogger(__name__)
 
 
-def uncommitted(layout: CheckpointLayout, remote: Remote | None, world_size: int, saved: list[int]) -> list[int]:
+def uncommitted(store: CheckpointStore, world_size: int, saved: list[int]) -> list[int]:
     """The steps of ``saved`` that are staged with every marker but not committed (newer than ``latest``)."""
-    pending = staged_uncommitted(layout, world_size) if remote is None else remote_staged(remote, world_size)
-    return sorted(set(pending) & set(saved))
+    return sorted(set(stores.uncommitted(store, world_size)) & set(saved))
 
 
 def await_external_commit(
@@ -38,14 +36,14 @@ def await_external_commit(
     saved (``saved``), for ``wait_s`` while none holds the dir (a running one: up to ``deadline_s``).
     Steps still uncommitted are named in a WARNING; they stay staged for the next committer. Never raises
     for them."""
-    lock = layout.committer_lock
-    where = remote.root if remote is not None else layout.staging
+    store = stores.store_for(layout, remote)
+    where = store.where
     last_seen: float | None = None  # monotonic time a committer was last seen running
     start = time.monotonic()
 
     def running() -> bool:
         nonlocal last_seen
-        if committer_alive(layout.checkpoints, lock):
+        if stores.committer_running(store):
             last_seen = time.monotonic()
             return True
         return time.monotonic() - (last_seen if last_seen is not None else start) < wait_s
@@ -54,7 +52,7 @@ def await_external_commit(
 
     def left() -> list[int] | None:
         try:
-            return uncommitted(layout, remote, world_size, saved)
+            return uncommitted(store, world_size, saved)
         except (PipelineError, OSError) as e:  # a step moved while read, a bucket that did not answer
             errors.append(str(e))
             return None
@@ -65,7 +63,7 @@ def await_external_commit(
             deadline_s=deadline_s,
             what=str,
             alive=running,
-            interval_s=0.2 if remote is None else 0.5,
+            interval_s=store.poll_s,
         )
         return
     except DeadlineError:
@@ -81,8 +79,8 @@ def await_external_commit(
     start_one = f"python -m pipeline.commit {layout.run_dir}"
     if last_seen is None:
         why = f"no committer ran (start `{start_one}`)"
-    elif committer_alive(layout.checkpoints, lock):
-        why = f"the committer holding {lock} did not commit them within deadline_s={deadline_s:g}s"
+    elif stores.committer_running(store):
+        why = f"the committer of {where} did not commit them within deadline_s={deadline_s:g}s"
     else:
         why = f"the committer that ran stopped before committing them (start `{start_one}`)"
     log.warning(

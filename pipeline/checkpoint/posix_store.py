@@ -71,25 +71,6 @@ def latest_step(layout: CheckpointLayout) -> int:
     return latest.step if latest else 0
 
 
-def staged_uncommitted(layout: CheckpointLayout, world_size: int, upto: int | None = None) -> list[int]:
-    """Steps newer than ``latest`` staged with every rank's marker (one attempt) but not committed yet: what a
-    resuming trainer waits for, so a step staged before a kill is never lost nor trained again."""
-    try:
-        done = latest_step(layout)
-    except (VerificationError, OSError, ValueError):
-        return []  # the committer repairs latest first; resuming then reports what it found
-    pending = []
-    for step, staged in step_entries(POSIX, layout.staging):
-        if step <= done or (upto is not None and step > upto) or POSIX.kind(staged) != "dir":
-            continue
-        try:
-            if complete_markers(step_markers(staged, step, staged_world(staged, step, world_size)), None):
-                pending.append(step)
-        except VerificationError:
-            continue
-    return pending
-
-
 class PosixCheckpoints:
     """The checkpoints dir of ``layout``."""
 

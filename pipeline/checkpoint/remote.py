@@ -32,7 +32,7 @@ from typing import Any
 
 import xxhash
 
-from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, complete_markers
+from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker
 from pipeline.checkpoint.ownership import LEASE, ObjectLease
 from pipeline.errors import VerificationError
 from pipeline.formats.dcp_names import is_piece
@@ -377,26 +377,3 @@ class Remote:
 
 def is_marker_name(name: str) -> bool:
     return MARKER_RE.match(name) is not None
-
-
-def staged_uncommitted(remote: Remote, world_size: int, upto: int | None = None) -> list[int]:
-    """Steps newer than ``latest`` with every rank's marker (one attempt) but no manifest: what a resuming
-    trainer waits for (the bucket's :func:`pipeline.checkpoint.committer.staged_uncommitted`)."""
-    try:
-        latest, _ = remote.read_latest()
-    except VerificationError:
-        return []
-    done = latest.step if latest else 0
-    committed = set(remote.committed())
-    pending = []
-    for step in remote.steps():
-        if step <= done or step in committed or (upto is not None and step > upto):
-            continue
-        for attempt in remote.attempts(step):
-            try:
-                if complete_markers(remote.markers(step, attempt, world_size), None):
-                    pending.append(step)
-                    break
-            except VerificationError:
-                continue
-    return pending

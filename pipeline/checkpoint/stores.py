@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import time
+
 from pipeline.checkpoint.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.manifest import complete_markers
+from pipeline.checkpoint.ownership import Holder
 from pipeline.checkpoint.posix_store import PosixCheckpoints
 from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.errors import VerificationError
+from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.layout import CheckpointLayout
 
 
@@ -46,3 +50,14 @@ def uncommitted(store: CheckpointStore, world_size: int, upto: int | None = None
             except VerificationError:
                 continue
     return pending
+
+
+def live_holder(store: CheckpointStore) -> Holder | None:
+    """The committer of ``store`` whose lease heartbeat is fresh, on any node (None: no live one)."""
+    held = Holder.parse(store.lease_store().read()[0])
+    return held if held is not None and held.live(time.time()) else None
+
+
+def committer_running(store: CheckpointStore) -> bool:
+    """Whether a committer of ``store`` runs: the node-local lock held here, or a live lease anywhere."""
+    return held_elsewhere(store.layout.committer_lock) or live_holder(store) is not None

@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.ownership import committer_alive, live_holder
 from pipeline.checkpoint.retention import output_areas
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.stores import library_store
+from pipeline.checkpoint.stores import committer_running, library_store, live_holder
 from pipeline.driver.lease import read_lease
 from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout
@@ -235,9 +234,19 @@ def _job_state(job: dict[str, str], slurm: dict[str, str]) -> str:
 
 
 def _committer_line(layout: CheckpointLayout) -> str | None:
-    """Who commits these checkpoints now, as its lease record says (any node), or None."""
-    held = live_holder(layout.checkpoints)
+    """Who commits these checkpoints now, as its lease record says (any node, in the dir or the bucket), or None."""
+    try:
+        held = live_holder(_store(layout))
+    except (PipelineError, OSError):  # a bucket that does not answer: the checkpoints' own error says so
+        return None
     return held.describe(time.time()) if held is not None else None
+
+
+def _committer_running(layout: CheckpointLayout) -> bool:
+    try:
+        return committer_running(_store(layout))
+    except (PipelineError, OSError):
+        return False
 
 
 def verify_steps(layout: CheckpointLayout) -> list[Status]:
@@ -261,7 +270,7 @@ def collect_checkpoints(layout: CheckpointLayout) -> Status:
         "run_id": layout.run_id,
         "run_dir": str(layout.run_dir),
         "library": True,
-        "committer_running": committer_alive(layout.checkpoints, layout.committer_lock),
+        "committer_running": _committer_running(layout),
         "committer": _committer_line(layout),
         "checkpoints": _checkpoints(layout, None),
         "consolidated": _outputs(*output_areas(layout)["consolidated"]),

@@ -18,10 +18,12 @@ import boto3
 import pytest
 
 from pipeline.checkpoint import rank_save
+from pipeline.checkpoint.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.manifest import verify_committed
 from pipeline.checkpoint.rank_save import RankTarget
-from pipeline.checkpoint.remote import digest, record_bytes, staged_uncommitted
+from pipeline.checkpoint.remote import digest, record_bytes
 from pipeline.checkpoint.remote_pull import pull
+from pipeline.checkpoint.stores import uncommitted
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import s3
 from pipeline.storage.faults import InjectedFault
@@ -36,13 +38,13 @@ from tests.seed_helpers import TEST_FORMAT
 def test_commit_then_pull_round_trip(tmp_path: Path, bucket: str, prefix: str) -> None:
     layout, remote = make_remote(tmp_path, bucket, prefix)
     stage_step(layout, remote, 4)
-    assert staged_uncommitted(remote, 2) == [4]
+    assert uncommitted(BucketCheckpoints(layout, remote), 2) == [4]
     c = committer(layout, remote)
     with c.hold():
         c.recover()
         assert c.commit_ready() == [4]
     assert assert_invariants(layout, remote) == 4
-    assert staged_uncommitted(remote, 2) == []
+    assert uncommitted(BucketCheckpoints(layout, remote), 2) == []
     # ranks' scratch dirs are gone once uploaded; nothing was staged in the run dir
     assert not any(layout.staging.rglob("*.distcp"))
     cache = pull(remote)
