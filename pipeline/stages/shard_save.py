@@ -17,17 +17,15 @@ the library's (:mod:`pipeline.checkpoint.rank_save`); this module maps the stage
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-import pipeline.stagekit.checkpoint_store as storage
-from pipeline.checkpoint import deepspeed_engine, rank_save
+from pipeline.checkpoint import rank_save
 from pipeline.checkpoint.async_save import AsyncSaver
-from pipeline.checkpoint.portable import TrainState, write_train_state
-from pipeline.checkpoint.rank_save import RankTarget, SaveResult
+from pipeline.checkpoint.portable import TrainState
+from pipeline.checkpoint.rank_save import SaveResult
 from pipeline.stagekit.contract import StageContract, TaskContext
-from pipeline.storage.integrity import FileEntry
+from pipeline.stagekit.saving import deepspeed_files, target
 
 CONTRACT = StageContract(
     name="shard_save",
@@ -40,21 +38,6 @@ CONTRACT = StageContract(
 )
 
 __all__ = ["CONTRACT", "SaveResult", "deepspeed_files", "save", "save_async", "save_deepspeed", "target"]
-
-
-def target(ctx: TaskContext) -> RankTarget:
-    """This task as the library's save target."""
-    ck = ctx.cfg.checkpoint
-    return RankTarget(
-        layout=ctx.layout,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        attempt=ctx.attempt,
-        writer_threads=ck.writer_threads_for(ctx.world_size),
-        fail_on_error=ck.fail_on_save_error,
-        remote=storage.remote(ctx.cfg, ctx.layout),
-        dedup=ck.dedup,
-    )
 
 
 def save(
@@ -76,17 +59,6 @@ def save_async(
     """Stage ``state`` for ``step`` and persist it in the background, like :func:`save` (same files, same
     marker, written only once the files are fsync'd); returns how long training was blocked."""
     return saver.start(step, state, rank_save.dcp_persist(target(ctx), step, groups), waited_s)
-
-
-def deepspeed_files(rank: int, engine: Any, train: TrainState) -> Callable[[Path], tuple[FileEntry, ...]]:
-    """What a rank writes of a DeepSpeed step (the library's DeepSpeed adapter, then this rank's training state
-    as JSON beside it), for :meth:`~pipeline.checkpoint.session.CheckpointSession.save_files`."""
-
-    def write(staged: Path) -> tuple[FileEntry, ...]:
-        written = deepspeed_engine.save(engine, staged.parent, staged.name)  # staging/, or the upload scratch
-        return (*written, write_train_state(staged, rank, train))
-
-    return write
 
 
 def save_deepspeed(ctx: TaskContext, step: int, engine: Any, train: TrainState, fmt: str) -> SaveResult:

@@ -36,10 +36,10 @@ from pipeline.checkpoint.state import MODEL
 from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.rundir.layout import RunLayout
+from pipeline.stagekit import saving
 from pipeline.stagekit.contract import Resources, StageContract, TaskContext
 from pipeline.stagekit.preemption import no_requeue_reason, preemptible, preemption_requested
 from pipeline.stagekit.records import producer_attempt, stage_alive
-from pipeline.stages import shard_save
 from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.metrics import MetricsWriter
@@ -167,7 +167,7 @@ class _Run:
         self.tensorboard = TensorBoardSink(ctx.layout.run_dir / "tensorboard") if self.rank == 0 else None
         self.async_save = cfg.checkpoint.async_save and self.trainer.engine is None
         self.session = CheckpointSession(
-            shard_save.target(ctx),
+            saving.target(ctx),
             self.pg,
             async_deadline_s=cfg.checkpoint.async_deadline_s,
             on_agreed=self.recorded,
@@ -237,7 +237,7 @@ class _Run:
         trainer = self.trainer
         if trainer.engine is not None:
             train = strategy.train_state(self.sched, self.stream, step, self.rank, self.device)
-            write = shard_save.deepspeed_files(self.rank, trainer.engine, train)
+            write = saving.deepspeed_files(self.rank, trainer.engine, train)
             self.session.save_files(step, trainer.format, write, started)
             return
         state = strategy.dcp_state(trainer, self.sched, self.stream, step, self.rank)
