@@ -117,6 +117,20 @@ def test_stages_do_not_import_each_other() -> None:
                 raise AssertionError(f"{path.name} imports stage {other}: share it through pipeline/stagekit")
 
 
+MAX_MODULE_LINES = 400
+"""Modules a newcomer reads in one sitting (STYLE.md: modules under ~400 lines)."""
+
+
+def test_modules_stay_under_the_size_a_newcomer_reads() -> None:
+    long = {
+        str(p.relative_to(ROOT)): n
+        for top in ("pipeline", "launchers")
+        for p in (ROOT / top).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"over {MAX_MODULE_LINES} lines (split along a real seam): {long}"
+
+
 def test_stage_code_never_imports_submitit() -> None:
     for path in (ROOT / "pipeline").rglob("*.py"):
         assert not any(m.split(".")[0] == "submitit" for m in _imports(path)), path
