@@ -16,7 +16,8 @@ from pipeline.errors import DeadlineError, PipelineError
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pipeline.checkpoint.checkpointer")
+"""The Checkpointer's logger: these warnings are its ``close``'s."""
 
 
 def uncommitted(store: CheckpointStore, world_size: int, saved: list[int]) -> list[int]:
