@@ -6,6 +6,9 @@ sees the same global batch and the loss (logged as the global mean) is the same 
 continued run's losses therefore match the uninterrupted run's within float32 reduction-order noise (observed
 <= 1e-6; the tolerance is 1e-5 relative). DeepSpeed itself refuses both changes.
 
+Both tests compare with one uninterrupted reference, made once for the module (``reference``): DDP on 1 rank, the
+cheapest run, since neither the world size nor the strategy changes the losses beyond that noise.
+
 Every launch consolidates its step (any committed format, read back); none exports (``export=none``): the export
 reads only the consolidated file, whatever the strategy, and is tested end to end in test_pipeline_e2e.py,
 test_byo.py and test_deepspeed_pipeline.py.
@@ -23,7 +26,8 @@ from pipeline.checkpoint.manifest import read_manifest
 from pipeline.storage.layout import RunLayout
 from tests.conftest import run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+# the tests share the module's reference run: one xdist worker runs them both, so it is made once
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group("resume_anywhere_reference")]
 
 COMMON = ("+experiment=tiny", "train.steps=12", "train.global_batch_size=8", "checkpoint.every=4", "export=none")
 RTOL = 1e-5
@@ -55,18 +59,25 @@ def _resume_events(root: Path, run_id: str) -> list[dict[str, object]]:
     return [e for e in map(json.loads, lines) if e["event"] == "resume"]
 
 
-def test_world_size_2_to_4_to_1(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The losses of one uninterrupted run (DDP, 1 rank: the cheapest). At a fixed global batch they depend on
+    neither the world size nor the strategy beyond reduction noise, so every piece (2, 4 and 1 ranks; ZeRO-1/2/3
+    and FSDP2) is compared with them."""
+    root = tmp_path_factory.mktemp("reference")
+    _launch(root, *COMMON, "strategy=ddp", "strategy.world_size=1", "run.id=full", "run.create=true")
+    return _losses(root, "full")
+
+
+def test_world_size_2_to_4_to_1(tmp_path: Path, reference: dict[int, float]) -> None:
     zero2 = ("strategy=deepspeed", "strategy.zero_stage=2")
     _launch(tmp_path, *COMMON, *zero2, "run.id=piece", "run.create=true", "train.stop_after_step=4")
     out = _launch(tmp_path, "run.id=piece", "strategy.world_size=4", "train.stop_after_step=8")
     assert "continues with strategy.world_size 2 -> 4" in out
     _launch(tmp_path, "run.id=piece", "strategy.world_size=1")
-    # One uninterrupted reference (1 rank: the cheapest): at a fixed global batch the losses do not depend on
-    # the world size beyond reduction noise, so every piece (2, 4 and 1 ranks) is compared with it.
-    _launch(tmp_path, *COMMON, *zero2, "run.id=full1", "run.create=true", "strategy.world_size=1")
 
     piece = _losses(tmp_path, "piece")
-    _close(piece, _losses(tmp_path, "full1"), range(1, 13))
+    _close(piece, reference, range(1, 13))
 
     layout = RunLayout.for_run(tmp_path, "tiny", "piece")
     worlds = {s: read_manifest(layout.committed_step(s)).world_size for s in (4, 8, 12)}
@@ -76,7 +87,7 @@ def test_world_size_2_to_4_to_1(tmp_path: Path) -> None:
     assert [h["changes"]["strategy.world_size"] for h in history] == [[2, 4], [4, 1]]
 
 
-def test_zero3_to_fsdp2_to_zero1(tmp_path: Path) -> None:
+def test_zero3_to_fsdp2_to_zero1(tmp_path: Path, reference: dict[int, float]) -> None:
     _launch(
         tmp_path,
         *COMMON,
@@ -89,9 +100,8 @@ def test_zero3_to_fsdp2_to_zero1(tmp_path: Path) -> None:
     out = _launch(tmp_path, "run.id=piece", "strategy=fsdp2", "train.stop_after_step=8")
     assert "strategy.name deepspeed -> fsdp2" in out
     _launch(tmp_path, "run.id=piece", "strategy=deepspeed", "strategy.zero_stage=1")
-    _launch(tmp_path, *COMMON, "strategy=ddp", "run.id=ddp", "run.create=true")
 
-    _close(_losses(tmp_path, "piece"), _losses(tmp_path, "ddp"), range(1, 13))
+    _close(_losses(tmp_path, "piece"), reference, range(1, 13))
     layout = RunLayout.for_run(tmp_path, "tiny", "piece")
     formats = {s: read_manifest(layout.committed_step(s)).format for s in (4, 8, 12)}
     assert formats == {4: "deepspeed_zero3", 8: "torch_dcp", 12: "deepspeed_zero1"}
