@@ -222,6 +222,19 @@ class Latest:
     manifest_hash: str
 
 
+def parse_pointer(obj: object) -> Latest | None:
+    """A ``latest`` record as written (``{"step", "dir", "manifest_hash"[, "epoch"]}``; the epoch of the committer
+    that moved it is optional: older pointers lack it), or None when it is malformed. Both stores read it so."""
+    if not isinstance(obj, dict):
+        return None
+    step, digest, epoch = obj.get("step"), obj.get("manifest_hash"), obj.get("epoch", 0)
+    if type(step) is not int or step < 0 or not isinstance(digest, str) or obj.get("dir") != step_name(step):
+        return None
+    if type(epoch) is not int or epoch < 0:
+        return None
+    return Latest(step=step, manifest_hash=digest)
+
+
 def read_latest(layout: CheckpointLayout) -> Latest | None:
     """The newest committed step, checked: its directory exists and its manifest hash matches.
 
@@ -232,21 +245,13 @@ def read_latest(layout: CheckpointLayout) -> Latest | None:
         obj = read_record_json(layout.latest, "latest pointer")
     except FileNotFoundError:
         return None
-    step, digest = (obj.get("step"), obj.get("manifest_hash")) if isinstance(obj, dict) else (None, None)
-    epoch = obj.get("epoch", 0) if isinstance(obj, dict) else 0  # who moved it (optional: older pointers lack it)
-    bad_epoch = type(epoch) is not int or epoch < 0
-    if (
-        type(step) is not int
-        or step < 0
-        or not isinstance(digest, str)
-        or obj.get("dir") != step_name(step)
-        or bad_epoch
-    ):
-        shown = repr(obj)[:120]
+    pointer = parse_pointer(obj)
+    if pointer is None:
         raise VerificationError(
-            f"{layout.latest} is malformed ({shown}): it must name step, dir and manifest_hash; "
+            f"{layout.latest} is malformed ({repr(obj)[:120]}): it must name step, dir and manifest_hash; "
             "rerun verify_manifest to rebuild it from the newest step that verifies"
         )
+    step, digest = pointer.step, pointer.manifest_hash
     manifest_file = safe_join(layout.checkpoints, f"{step_name(step)}/{MANIFEST}")
     try:
         same = lstat_kind(manifest_file) == "file" and hash_file(manifest_file) == digest

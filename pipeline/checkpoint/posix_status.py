@@ -21,18 +21,19 @@ from pipeline.storage.layout import CheckpointLayout, parse_step
 Status = dict[str, Any]
 
 
-def _why(e: BaseException) -> str:
+def why(e: BaseException) -> str:
+    """An error as one line (its type when it has no message)."""
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _read_json(path: Path, what: str) -> tuple[Any, str | None]:
+def read_json(path: Path, what: str) -> tuple[Any, str | None]:
     """(content, None), (None, None) when absent, or (None, why it cannot be read)."""
     try:
         return read_record_json(path, what), None
     except FileNotFoundError:
         return None, None
     except (PipelineError, OSError) as e:
-        return None, _why(e)
+        return None, why(e)
 
 
 def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status]:
@@ -42,7 +43,7 @@ def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status
         try:
             manifest = read_manifest(layout.checkpoints / name)
         except (PipelineError, OSError) as e:
-            entry["error"] = _why(e)
+            entry["error"] = why(e)
         else:
             entry["files"] = len(manifest.files)
             entry["bytes"] = sum(f.size for f in manifest.files)
@@ -71,7 +72,7 @@ def _staged(layout: CheckpointLayout, world_size: int | None) -> list[Status]:
                 raise OSError(f"{path} is a {lstat_kind(path)}, not a directory")
             entry["markers"] = sum(1 for p in path.iterdir() if MARKER_RE.match(p.name))
         except OSError as e:
-            entry["error"] = _why(e)
+            entry["error"] = why(e)
         out.append(entry)
     return out
 
@@ -85,7 +86,7 @@ def _quarantined(layout: CheckpointLayout) -> list[Status]:
     for name in (n for n in names if not n.endswith(f".{QUARANTINE_NOTE}")):
         path = layout.quarantine / name
         note = quarantine_note(path, lstat_kind(path) == "dir")
-        rec, problem = _read_json(note, "quarantine note")
+        rec, problem = read_json(note, "quarantine note")
         entry: Status = {"name": name, "path": str(path)}
         stamp = name.rsplit(".", 1)[-1]
         if stamp.isdigit():
@@ -113,8 +114,8 @@ def describe(layout: CheckpointLayout, world_size: int | None) -> Status:
             found = read_latest(layout)
             latest = {"step": found.step, "manifest_hash": found.manifest_hash} if found else None
         except (PipelineError, OSError) as e:
-            latest_error = _why(e)
-    retention, retention_error = _read_json(record_path(layout), "retention record")
+            latest_error = why(e)
+    retention, retention_error = read_json(record_path(layout), "retention record")
     committed = _committed(layout, latest["step"] if latest else None)
     return {
         "latest": latest,

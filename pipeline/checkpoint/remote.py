@@ -32,7 +32,7 @@ from typing import Any
 
 import xxhash
 
-from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker
+from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, parse_pointer
 from pipeline.checkpoint.ownership import LEASE, ObjectLease
 from pipeline.errors import VerificationError
 from pipeline.formats.dcp_names import is_piece
@@ -266,20 +266,12 @@ class Remote:
         if got is None:
             return None, None
         obj = parse_record(got[0], "latest pointer", self.url(key))
-        step, h = (obj.get("step"), obj.get("manifest_hash")) if isinstance(obj, dict) else (None, None)
-        epoch = obj.get("epoch", 0) if isinstance(obj, dict) else 0  # optional: older pointers lack it
-        bad_epoch = type(epoch) is not int or epoch < 0
-        if (
-            type(step) is not int
-            or step < 0
-            or not isinstance(h, str)
-            or obj.get("dir") != step_name(step)
-            or bad_epoch
-        ):
+        pointer = parse_pointer(obj)
+        if pointer is None:
             raise VerificationError(
                 f"{self.url(key)} is malformed ({repr(obj)[:120]}): it must name step, dir and hash"
             )
-        return Latest(step=step, manifest_hash=h), got[1]
+        return pointer, got[1]
 
     def move_latest(self, step: int, manifest_hash: str, *, back: bool = False, epoch: int | None = None) -> None:
         """Compare-and-swap ``latest`` to ``step``: forward only (``back``: the repair of a damaged latest);

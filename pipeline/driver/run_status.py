@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.checkpoint.posix_status import read_json as _read_json
+from pipeline.checkpoint.posix_status import why as _why
 from pipeline.checkpoint.retention import output_areas
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.checkpoint.stores import committer_running, library_store, live_holder
@@ -26,24 +28,10 @@ from pipeline.rundir.store import run_store
 from pipeline.stagekit import jobs
 from pipeline.stagekit.contract import OPTIONAL, ORDER
 from pipeline.stagekit.records import pid_alive, resume_command, stage_alive
-from pipeline.storage.integrity import lstat_kind, read_record_json
+from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import CheckpointLayout, parse_step
 
 Status = dict[str, Any]
-
-
-def _why(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
-def _read_json(path: Path, what: str) -> tuple[Any, str | None]:
-    """(content, None), (None, None) when absent, or (None, why it cannot be read)."""
-    try:
-        return read_record_json(path, what), None
-    except FileNotFoundError:
-        return None, None
-    except (PipelineError, OSError) as e:
-        return None, _why(e)
 
 
 def _config(layout: RunLayout) -> tuple[dict[str, Any], str | None]:
