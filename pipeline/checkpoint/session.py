@@ -208,15 +208,24 @@ class CheckpointSession:
         return result
 
     def agree(self, step: int, result: SaveResult, blocked_s: float, persist_s: float | None = None) -> SaveResult:
-        """Every rank's outcome of ``step`` (one ``all_gather``): ``ok`` only if every rank saved, the same
-        verdict and error text on every rank; rank 0 logs the ranks that failed."""
-        outcomes: list[Any] = [None] * self.world_size
-        dist.all_gather_object(outcomes, (result, blocked_s), group=self.group)
+        """Every rank's outcome of ``step`` (one ``all_gather`` of a few numbers per rank; the error texts are
+        gathered only when a rank failed): ``ok`` only if every rank saved, the same verdict and error text on
+        every rank; rank 0 logs the ranks that failed."""
+        mine = torch.tensor([result.ok, result.bytes, result.shared, result.seconds, blocked_s], dtype=torch.float64)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=self.group)
+        numbers = [row.tolist() for row in rows]
+        errors: list[Any] = [""] * self.world_size
+        if not all(ok for ok, *_ in numbers):  # every rank sees the same numbers: all of them gather, or none
+            dist.all_gather_object(errors, result.error, group=self.group)
         agreed = Agreed(
             step=step,
             mode="sync" if persist_s is None else "async",
-            outcomes=tuple(o for o, _ in outcomes),
-            blocked=tuple(b for _, b in outcomes),
+            outcomes=tuple(
+                SaveResult(ok=bool(ok), bytes=int(size), seconds=seconds, error=str(error), shared=int(shared))
+                for (ok, size, shared, seconds, _), error in zip(numbers, errors, strict=True)
+            ),
+            blocked=tuple(row[4] for row in numbers),
             persist_s=persist_s,
         )
         if agreed.ok:
