@@ -46,7 +46,7 @@ def test_steps_nobody_committed_are_named_and_a_later_commit_publishes_them(
     assert time.monotonic() - t0 < 10, "close waits external_commit_wait_s with no committer, not deadline_s"
     warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
     assert warnings == [
-        f"steps 4, 8 staged in {layout.staging} were not committed: no committer ran "
+        f"steps 4, 8 staged in {layout.checkpoints} were not committed: no committer ran "
         f"(start `python -m pipeline.commit {tmp_path}`); they are kept in staging"
     ], warnings
     assert layout.staged_step(4).is_dir() and layout.staged_step(8).is_dir() and read_latest(layout) is None

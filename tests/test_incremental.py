@@ -211,7 +211,7 @@ def _stage(layout: CheckpointLayout, remote: Remote | None, step: int, rank: int
     with the same bytes (a hard link; in a bucket, not uploaded)."""
     t = RankTarget(layout=layout, rank=rank, world_size=2, attempt="a1", remote=remote)
     staged = rank_save.prepare(t, step)
-    share = pieces.bucket_source(remote, rank, {"x": "frozen"})
+    share = t.store.piece_source(rank, staged, {"x": "frozen"})
     reused = set()
     entries = []
     for name, data in _files(step, rank).items():

@@ -149,7 +149,7 @@ def test_a_rerun_composes_and_plans_once_and_hashes_the_committed_step_once(
     ddp_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from pipeline import cli
-    from pipeline.checkpoint import committer, manifest
+    from pipeline.checkpoint import manifest, posix_store
     from pipeline.config import compose
     from pipeline.driver import plan, runner
 
@@ -169,7 +169,7 @@ def test_a_rerun_composes_and_plans_once_and_hashes_the_committed_step_once(
         (compose, "compose_dict", "compose"),  # load_config's composition
         (cli, "to_typed", "compose"),  # Hydra's task typing its own composition again
         (manifest, "verify_committed", "verify_committed"),
-        (committer, "verify_committed", "verify_committed"),
+        (posix_store, "verify_committed", "verify_committed"),
     ):
         monkeypatch.setattr(mod, name, counted(key, getattr(mod, name)))
     root, _ = ddp_run
