@@ -91,9 +91,19 @@ class BucketCheckpoints:
         return latest.step if latest is not None else None
 
     def newest(self) -> Latest | None:
-        """``latest`` as written: it moves only forward (compare-and-swap), so no published step is newer for long."""
+        """``latest`` as written (it moves only forward, by compare-and-swap); with none (removed by a repair, or a
+        stale committer's), the newest committed manifest, so a pass puts ``latest`` back once that step verifies."""
         latest, _ = self.remote.read_latest()
-        return latest
+        if latest is not None:
+            return latest
+        for step in reversed(self.remote.committed()):
+            try:
+                found = self.remote.read_manifest(step)
+            except VerificationError:
+                continue  # a damaged manifest: recover decides, never a reader
+            if found is not None:
+                return Latest(step=step, manifest_hash=digest(found[1]))
+        return None
 
     def move_latest(self, step: int, manifest_hash: str, epoch: int | None, *, back: bool = False) -> None:
         self.remote.move_latest(step, manifest_hash, back=back, epoch=epoch)

@@ -30,7 +30,7 @@ import torch
 
 from pipeline.checkpoint import rank_save
 from pipeline.checkpoint.manifest import Manifest
-from pipeline.checkpoint.portable import EXP_AVG, EXP_AVG_SQ, PARAM
+from pipeline.checkpoint.portable import EXP_AVG, EXP_AVG_SQ, PARAM, ZeroWeights
 from pipeline.checkpoint.rank_save import RankTarget, Written
 from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError
 from pipeline.formats.dcp import _HashingStream
@@ -251,29 +251,9 @@ def load_portable(engine: Any, opt: torch.optim.Optimizer, portable: Any, stage:
             state["step"] = step.clone() if torch.is_tensor(state["step"]) else float(step)
 
 
-class EngineView:
-    """A committed ZeRO step as :func:`load_portable` reads it (every parameter's full fp32 value and Adam state,
-    Adam's step), without the app's training state: what a library step holds beside it is DCP."""
-
-    _KEYS = {PARAM: "fp32", EXP_AVG: "exp_avg", EXP_AVG_SQ: "exp_avg_sq"}
-
-    def __init__(self, step_dir: Path) -> None:
-        from pipeline.formats.deepspeed_zero import ZeroCheckpoint  # noqa: PLC0415 - reads no torch DCP
-
-        self.ckpt = ZeroCheckpoint(step_dir)
-        self.names = [s.name for s in self.ckpt.param_specs()]
-
-    def tensor(self, name: str, key: str) -> torch.Tensor:
-        return self.ckpt.full(name, self._KEYS[key]).float()
-
-    def optim_step(self) -> torch.Tensor:
-        step = self.ckpt.optimizer_step()
-        if step is None:
-            raise CheckpointFormatError(f"{self.ckpt.step_dir}: the optimizer state holds no Adam step")
-        return step.float().reshape(())
-
-    def close(self) -> None:
-        self.ckpt.close()
+EngineView = ZeroWeights
+"""A committed ZeRO step as :func:`load_portable` reads it, without the app's training state (what a library step
+holds beside it is DCP)."""
 
 
 def load_engine(engine: Any, step_dir: Path, manifest: Manifest) -> None:

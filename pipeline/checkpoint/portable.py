@@ -162,17 +162,17 @@ class _DcpPortable:
         """Nothing stays open between reads."""
 
 
-class _ZeroPortable:
-    """A DeepSpeed ZeRO step: fp32 master weights and Adam state sliced out of the flat partitions."""
+class ZeroWeights:
+    """A DeepSpeed ZeRO step: fp32 master weights and Adam state sliced out of the flat partitions (every
+    parameter's full value, Adam's step); the library's DeepSpeed adapter loads an engine from it too."""
 
     _KEYS = {PARAM: "fp32", EXP_AVG: "exp_avg", EXP_AVG_SQ: "exp_avg_sq"}
 
-    def __init__(self, step_dir: Path, world_size: int) -> None:
-        from pipeline.formats.deepspeed_zero import ZeroCheckpoint  # noqa: PLC0415
+    def __init__(self, step_dir: Path) -> None:
+        from pipeline.formats.deepspeed_zero import ZeroCheckpoint  # noqa: PLC0415 - reads no torch DCP
 
         self.ckpt = ZeroCheckpoint(step_dir)
         self.names = [s.name for s in self.ckpt.param_specs()]
-        self.train = read_train_state(step_dir, world_size)
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
         return self.ckpt.full(name, self._KEYS[key]).float()
@@ -185,6 +185,14 @@ class _ZeroPortable:
 
     def close(self) -> None:
         self.ckpt.close()
+
+
+class _ZeroPortable(ZeroWeights):
+    """A ZeRO step written by the app's train: its weights, with each rank's training state beside them."""
+
+    def __init__(self, step_dir: Path, world_size: int) -> None:
+        super().__init__(step_dir)
+        self.train = read_train_state(step_dir, world_size)
 
 
 def open_portable(step_dir: Path, manifest: Manifest) -> Portable:

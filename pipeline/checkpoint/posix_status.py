@@ -38,7 +38,7 @@ def read_json(path: Path, what: str) -> tuple[Any, str | None]:
 
 def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status]:
     out = []
-    for name, step in _step_entries(layout.checkpoints):
+    for name, step in step_entries(layout.checkpoints):
         entry: Status = {"step": step, "latest": step == latest_step}
         try:
             manifest = read_manifest(layout.checkpoints / name)
@@ -54,7 +54,8 @@ def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status
     return out
 
 
-def _step_entries(area: Path) -> list[tuple[str, int]]:
+def step_entries(area: Path) -> list[tuple[str, int]]:
+    """``step_N`` names of ``area`` with their steps, oldest first (none when it is not a real directory)."""
     try:
         names = [p.name for p in area.iterdir()] if lstat_kind(area) == "dir" else []
     except OSError:
@@ -64,7 +65,7 @@ def _step_entries(area: Path) -> list[tuple[str, int]]:
 
 def _staged(layout: CheckpointLayout, world_size: int | None) -> list[Status]:
     out = []
-    for name, step in _step_entries(layout.staging):
+    for name, step in step_entries(layout.staging):
         path = layout.staging / name
         entry: Status = {"step": step, "world_size": world_size}
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.posix_status import read_json as _read_json
+from pipeline.checkpoint.posix_status import step_entries as _step_entries
 from pipeline.checkpoint.posix_status import why as _why
 from pipeline.checkpoint.retention import output_areas
 from pipeline.checkpoint.store import CheckpointStore
@@ -29,7 +30,7 @@ from pipeline.stagekit import jobs
 from pipeline.stagekit.contract import OPTIONAL, ORDER
 from pipeline.stagekit.records import pid_alive, resume_command, stage_alive
 from pipeline.storage.integrity import lstat_kind
-from pipeline.storage.layout import CheckpointLayout, parse_step
+from pipeline.storage.layout import CheckpointLayout
 
 Status = dict[str, Any]
 
@@ -116,14 +117,6 @@ def _judge_running(layout: RunLayout, st: Status, slurm: dict[str, str]) -> None
         alive = False
     if not alive:
         st["state"] = "died"
-
-
-def _step_entries(area: Path) -> list[tuple[str, int]]:
-    try:
-        names = [p.name for p in area.iterdir()] if lstat_kind(area) == "dir" else []
-    except OSError:
-        names = []
-    return sorted(((n, s) for n in names if (s := parse_step(n)) is not None), key=lambda e: e[1])
 
 
 def _outputs(area: Path, marker: str) -> list[Status]:
