@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# scripts/cluster/node.sh - act on one node (nodeK or login) of the cluster start.sh made.
+#   node.sh exec  nodeK CMD...  run CMD inside nodeK (netns + hostname + mount ns: sees /shared, /local)
+#                               with SLURM_CONF set, e.g. node.sh exec node1 sbatch -N2 job.sh
+#   node.sh kill  nodeK         "power off": lazily unmount its /shared, SIGTERM then (after 5 s) SIGKILL
+#                               every process in its network namespace; /local (tmpfs) is lost
+#   node.sh kill9 nodeK         same, SIGKILL at once (no slurmd shutdown message to slurmctld)
+#   node.sh up    nodeK         bring it back (same as start.sh nodeK)
+#   node.sh cut   nodeK         network partition: host end of its veth down (processes keep running)
+#   node.sh heal  nodeK         veth up again
+#   node.sh pids  nodeK         pids in its network namespace
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+. "$HERE/common.sh"
+[ $# -ge 2 ] || { sed -n '2,12p' "$0"; exit 2; }
+cmd=$1 node=$2; shift 2
+k=$(node_idx "$node")
+case "$cmd" in
+  exec)  in_node "$k" env SLURM_CONF="$SLURM_CONF" "$@" ;;
+  kill)  node_down "$k" 5 ;;
+  kill9) node_down "$k" 0 ;;
+  up)    exec "$HERE/start.sh" "$node" ;;
+  cut)   ip link set "$(veth_of "$k")" down ;;
+  heal)  ip link set "$(veth_of "$k")" up ;;
+  pids)  for p in $(node_pids "$k"); do echo "$p $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-100)"; done ;;
+  *)     die "unknown command $cmd" ;;
+esac
