@@ -88,7 +88,7 @@ def _stage(layout: RunLayout, stage: str, clusters: dict[tuple[str, str], str], 
     job_id = str(rec["job_id"]) if rec.get("job_id") is not None else None
     cluster = "inprocess" if job_id == "inprocess" else clusters.get((stage, job_id or ""))
     out: Status = {"stage": stage, "state": str(rec.get("status") or "unknown")}
-    for key in ("attempt", "host", "pid", "started", "ended", "seconds", "signal"):
+    for key in ("attempt", "host", "nodes", "pid", "started", "ended", "seconds", "signal"):
         if rec.get(key) is not None:
             out[key] = rec[key]
     out["job_id"], out["cluster"] = job_id, cluster or rec.get("cluster") or default_cluster

@@ -31,7 +31,7 @@ def _state_text(st: Status) -> str:
 
 
 def _stage_lines(stages: list[Status]) -> list[str]:
-    rows = [["stage", "state", "attempt", "job", "started", "ended", "time"]]
+    rows = [["stage", "state", "attempt", "job", "nodes", "started", "ended", "time"]]
     for st in stages:
         secs, so_far = st.get("seconds"), st.get("running_for_s")
         rows.append(
@@ -40,6 +40,7 @@ def _stage_lines(stages: list[Status]) -> list[str]:
                 _state_text(st),
                 str(st.get("attempt", "")),
                 str(st.get("job_id") or ""),
+                str(st.get("nodes") or st.get("host") or ""),
                 str(st.get("started", "")),
                 str(st.get("ended", "")),
                 _duration(secs) if isinstance(secs, int | float) else f"{_duration(so_far)} so far" if so_far else "",

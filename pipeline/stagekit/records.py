@@ -56,9 +56,15 @@ def write_record(layout: RunLayout, stage: str, **fields: Any) -> dict[str, Any]
     rec.update(fields)
     rec.setdefault("stage", stage)
     rec.setdefault("host", socket.gethostname())
+    rec.setdefault("nodes", job_nodes())
     rec.setdefault("pid", os.getpid())
     write_json_atomic(layout.stage_record(stage), rec)
     return rec
+
+
+def job_nodes() -> str:
+    """The nodes this stage's job runs on: SLURM's node list of the job (``node[1-2]``), else this host's name."""
+    return os.environ.get("SLURM_JOB_NODELIST") or socket.gethostname()
 
 
 def pid_alive(pid: int) -> bool:

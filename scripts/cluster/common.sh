@@ -91,7 +91,7 @@ holder_pid() { local f=$MN_RUN/holder.$(node_name "$1").pid; pid_alive "$f" slee
 in_node() {
   local k=$1 p; shift
   p=$(holder_pid "$k") || die "$(node_name "$k") is not up (no holder process)"
-  nsenter -t "$p" -n -u -m -- "$@"
+  nsenter -t "$p" -n -u -m --wd="$PWD" -- "$@"   # in the caller's working directory
 }
 
 # pids whose network namespace is node K's (includes the holder, weed mount, slurmd, slurmstepd, job tasks)

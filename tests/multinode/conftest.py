@@ -1,0 +1,168 @@
+"""The project's multi-node cluster (``scripts/cluster/start.sh``) as a session fixture, and how tests act in it.
+
+Three SLURM nodes and a login node, each a network namespace with its own hostname, address, node-local tmpfs
+(``/local``) and its own FUSE client of one SeaweedFS filer at ``/shared``. Tests drive it as a user would: the
+pipeline's CLI on the login node (``Cluster.pipeline``), faults through ``scripts/cluster/node.sh`` (kill a node,
+cut its network, heal it). Every test here is marked ``multinode``.
+
+The first test session (xdist worker) to need the cluster starts it, the last one out stops it, so nothing is
+left behind (mounts, namespaces, bridge, daemons). Needs root; skipped with a one-line reason where the packages
+cannot be installed or the kernel refuses namespaces or FUSE.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.stagekit.records import pid_alive
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SCRIPTS = ROOT / "scripts" / "cluster"
+MN_ROOT = Path(os.environ.get("MN_ROOT") or "/tmp/pipeline-cluster")
+NODES = ("node1", "node2", "node3")
+LOGIN = "login"
+SHARED = Path("/shared")
+PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else "python3"
+SKIP_CODES = {3: "the cluster's packages (SLURM, MariaDB, munge, fuse3) cannot be installed here",
+              4: "this kernel refuses network namespaces or FUSE"}  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(HERE):
+            item.add_marker(pytest.mark.multinode)
+            item.add_marker(pytest.mark.xdist_group("multinode"))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The running cluster: run commands inside its nodes, break and mend them."""
+
+    root: Path
+
+    def run(self, node: str, *cmd: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``cmd`` inside ``node`` (its network, hostname and mounts), from the project root."""
+        proc = subprocess.run(
+            ["bash", str(SCRIPTS / "node.sh"), "exec", node, *cmd],
+            cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
+        )  # fmt: skip
+        if check and proc.returncode != 0:
+            raise AssertionError(f"on {node}: {shlex.join(cmd)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def popen(self, node: str, *cmd: str, log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as out:
+            return subprocess.Popen(
+                ["bash", str(SCRIPTS / "node.sh"), "exec", node, *cmd], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def python(self, node: str, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.run(node, PYTHON, *args, timeout=timeout, check=check)
+
+    def pipeline(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """``python -m pipeline ARGS`` on the login node, as a user there types it."""
+        return self.python(LOGIN, "-m", "pipeline", *args, timeout=timeout, check=check)
+
+    def node(self, action: str, node: str) -> None:
+        """``scripts/cluster/node.sh ACTION NODE``: kill, kill9, up, cut, heal."""
+        proc = subprocess.run(["bash", str(SCRIPTS / "node.sh"), action, node], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, check=False)  # fmt: skip
+        if proc.returncode != 0:
+            raise AssertionError(f"node.sh {action} {node} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+
+    def scratch(self) -> Path:
+        """A fresh directory on the shared filesystem (made from the login node); removed by the test's fixture."""
+        path = SHARED / "tests" / uuid.uuid4().hex[:10]
+        self.run(LOGIN, "mkdir", "-p", str(path))
+        return path
+
+    def job_state(self, job: str, want: str, timeout_s: float = 60) -> tuple[str, str]:
+        """``job``'s (state, node list) from accounting once it reads ``want`` (accounting lags the job's end by
+        a moment); after ``timeout_s`` whatever it reads last."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self.run(LOGIN, "sacct", "-X", "-n", "-P", "-j", job, "-o", "State,NodeList", check=False).stdout
+            rows = [line.split("|") for line in out.splitlines() if line.count("|") == 1]
+            state, nodes = (rows[-1][0].split()[0], rows[-1][1]) if rows else ("unknown", "")
+            if state == want or time.monotonic() >= deadline:
+                return state, nodes
+            time.sleep(0.5)
+
+    def squeue(self) -> str:
+        return self.run(LOGIN, "squeue", "-h", "-o", "%i %j %T %N").stdout
+
+
+def _script(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MN_ROOT": str(MN_ROOT)}
+    return subprocess.run(["bash", str(SCRIPTS / name)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout, check=False)  # fmt: skip
+
+
+@contextmanager
+def _users() -> Iterator[dict[str, Any]]:
+    """The test sessions using the cluster, under an exclusive lock: the first starts it, the last one stops it."""
+    MN_ROOT.mkdir(parents=True, exist_ok=True)
+    path = MN_ROOT / "test-sessions.json"
+    with open(MN_ROOT / "test-sessions.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = json.loads(path.read_text()) if path.exists() else {"pids": []}
+        state["pids"] = [p for p in state.get("pids", []) if pid_alive(p)]  # a crashed session is no user
+        yield state
+        path.write_text(json.dumps(state))
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: bash {SCRIPTS.relative_to(ROOT)}/start.sh makes namespaces and FUSE mounts")
+    with _users() as users:
+        if not users["pids"]:
+            started = time.monotonic()
+            result = _script("start.sh", 600)
+            if result.returncode in SKIP_CODES:
+                pytest.skip(f"{SKIP_CODES[result.returncode]}: {result.stdout.strip().splitlines()[-1]}")
+            if result.returncode != 0:
+                tail = "\n".join(result.stdout.splitlines()[-20:])
+                pytest.fail(f"scripts/cluster/start.sh failed ({result.returncode}):\n{tail}", pytrace=False)
+            print(f"\ncluster: started in {time.monotonic() - started:.1f}s")
+        users["pids"].append(os.getpid())
+    try:
+        yield Cluster(MN_ROOT)
+    finally:
+        with _users() as users:
+            users["pids"] = [p for p in users["pids"] if p != os.getpid()]
+            if not users["pids"]:
+                stopped = _script("stop.sh", 180)
+                assert stopped.returncode == 0, stopped.stdout
+
+
+@pytest.fixture(autouse=True)
+def _one_multinode_test_at_a_time() -> Iterator[None]:
+    """Each test assumes the cluster's nodes are its alone."""
+    with open(Path(os.environ.get("TMPDIR", "/tmp")) / "pipeline-multinode-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture
+def shared_dir(cluster: Cluster) -> Iterator[Path]:
+    """A fresh directory on the shared filesystem; checked empty of jobs and removed after the test."""
+    path = cluster.scratch()
+    yield path
+    cluster.run(LOGIN, "bash", "-c", "scancel --full $(squeue -h -o %i) 2>/dev/null; true", check=False)
+    cluster.run(LOGIN, "rm", "-rf", str(path), check=False)

@@ -1,0 +1,51 @@
+"""Poll a run's ``latest`` from one node while other nodes write, and verify every step it names.
+
+    python -m tests.multinode.poll_latest RUN_DIR OUT.json STOP_FILE
+
+Runs until ``STOP_FILE`` exists (or 30 minutes). Each poll reads ``latest`` (checked against its manifest's hash)
+and, for every step it names for the first time, re-reads the step's files against its manifest. The verdict is
+written to ``OUT.json``: the steps seen, and each violation (a ``latest`` that did not read, or a named step that
+did not verify) with its time. A reader that finds ``latest`` mid-replace sees old or new, never a mix, on this
+filesystem; any error is a violation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from pipeline.checkpoint.posix_store import PosixCheckpoints
+from pipeline.errors import PipelineError
+from pipeline.storage.layout import CheckpointLayout
+
+POLL_S = 0.2
+MAX_S = 1800.0
+
+
+def main(run_dir: str, out: str, stop: str) -> None:
+    store = PosixCheckpoints(CheckpointLayout(Path(run_dir)))
+    seen: list[int] = []
+    violations: list[str] = []
+    polls = 0
+    t0 = time.monotonic()
+    while not Path(stop).exists() and time.monotonic() - t0 < MAX_S:
+        polls += 1
+        try:
+            latest = store.read_latest()
+        except (PipelineError, OSError) as e:
+            violations.append(f"{time.time():.3f} latest unreadable: {e}")
+            latest = None
+        if latest is not None and latest.step not in seen:
+            try:
+                store.verify_committed(latest.step)
+                seen.append(latest.step)
+            except (PipelineError, OSError) as e:
+                violations.append(f"{time.time():.3f} latest names step {latest.step}, which does not verify: {e}")
+        time.sleep(POLL_S)
+    Path(out).write_text(json.dumps({"seen": seen, "violations": violations, "polls": polls}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,58 @@
+"""The pipeline across nodes, from the login node's CLI: train on two nodes, the committer on a third."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from tests.multinode.conftest import LOGIN, PYTHON, Cluster
+
+TINY = ("+experiment=tiny", "launcher=slurm", "launcher.wait=true", "run.create=true")
+STEPS = (4, 8)
+READ_FILES = """
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1]) / "checkpoints"
+out = {}
+for step in sys.argv[2:]:
+    m = json.loads((run / f"step_{step}" / "manifest.json").read_text())
+    out[step] = sorted(json.dumps(f, sort_keys=True) for f in m["files"])
+print(json.dumps(out))
+"""
+
+
+def _files(cluster: Cluster, node: str, run_dir: Path) -> dict[str, list[str]]:
+    """Each committed step's manifest entries (path, size, hash of every file), read on ``node``."""
+    out = cluster.python(node, "-c", READ_FILES, str(run_dir), *map(str, STEPS)).stdout
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+def test_train_on_two_nodes_and_the_committer_on_a_third_match_one_node(
+    cluster: Cluster, shared_dir: Path, tmp_path: Path
+) -> None:
+    root = shared_dir / "runs"
+    multi = root / "tiny" / "multi"
+    stop, verdict = shared_dir / "stop-poller", shared_dir / "poll.json"
+    # a reader on node3 (a writer's node would see its own client's cache): every latest it sees must verify
+    poller = cluster.popen("node3", PYTHON, "-m", "tests.multinode.poll_latest", str(multi), str(verdict), str(stop),
+                           log=tmp_path / "poll.log")  # fmt: skip
+    try:
+        cluster.pipeline(*TINY, f"run.root={root}", "run.id=multi", "launcher.stages.train.nodes=2",
+                         "+launcher.stages.verify_manifest.extra.nodelist=node3")  # fmt: skip
+    finally:
+        cluster.run(LOGIN, "touch", str(stop))
+        poller.wait(timeout=60)
+    cluster.pipeline(*TINY, f"run.root={root}", "run.id=one", "+launcher.stages.train.extra.nodelist=node1")
+
+    status = cluster.python(LOGIN, "-m", "pipeline.status", str(multi)).stdout
+    rows = {line.split()[0]: line.split() for line in status.splitlines() if line.startswith("  ") and len(line.split()) > 4}
+    assert "node[1-2]" in rows["train"], status
+    assert "node3" in rows["verify_manifest"], status
+
+    # the same seed on one node commits the same bytes: every file of every committed step hashes the same
+    assert _files(cluster, "node2", multi) == _files(cluster, "node2", root / "tiny" / "one")
+    seen = json.loads(cluster.run(LOGIN, "cat", str(verdict)).stdout)
+    assert seen["violations"] == [] and seen["seen"], seen
+    assert cluster.squeue() == ""
+    assert subprocess.run(["findmnt", "-n", "/shared"], capture_output=True, check=False).stdout == b""
