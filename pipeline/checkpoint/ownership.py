@@ -16,7 +16,8 @@ under which **epoch**:
   back after a partition or a SIGSTOP): the holder writes its own again. The highest ``(epoch, token)`` wins on
   every store, without any lock: two committers started together converge on one.
 * On an object store the record is written by compare-and-swap (``If-None-Match`` / ``If-Match``), its
-  strongest primitive; on POSIX by write-temp-fsync-rename, which readers on every node see whole.
+  strongest primitive; on POSIX by write-temp-fsync-rename (a reader on another node may see it torn for a
+  moment through a FUSE mount, and reads it again: :mod:`pipeline.storage.settle`).
 
 The lease narrows the window in which two committers act; it does not close it (a holder stopped between its
 fence and its act acts once more). What closes it is the protocol: every act a duplicate can perform is
@@ -44,6 +45,7 @@ from pipeline.storage.atomic import json_bytes, write_bytes_atomic
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.s3 import Conflict, S3Store
+from pipeline.storage.settle import parse_settled
 
 log = logging.getLogger(__name__)
 
@@ -278,18 +280,28 @@ class FileLease:
     def read(self) -> tuple[bytes | None, str | None]:
         if lstat_kind(self.path) != "file":  # absent, or planted (a link is never followed): no holder
             return None, None
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # a record another node is replacing can read torn through a shared mount: read it again first
+            data = parse_settled(self._read, _whole_json, (ValueError,))
+        except ValueError:
+            data = self._read()  # damaged for good: Holder.parse finds no holder in it
         except OSError:  # gone between the look and the open, or unreadable: no holder to obey
             return None, None
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(1 << 16)
         return data, xxhash.xxh3_64_hexdigest(data)
+
+    def _read(self) -> bytes:
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            return f.read(1 << 16)
 
     def write(self, data: bytes, expect: str | None) -> bool:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(self.path, data)
         return True
+
+
+def _whole_json(data: bytes) -> bytes:
+    json.loads(data)
+    return data
 
 
 def live_holder(checkpoints: Path) -> Holder | None:

@@ -47,6 +47,7 @@ from pipeline.errors import PipelineError, RunBusyError
 from pipeline.rundir.layout import RunLayout
 from pipeline.stagekit.records import now_iso, pid_alive
 from pipeline.storage.atomic import clear_file, create_exclusive, json_bytes, move_aside, write_json_atomic
+from pipeline.storage.settle import parse_settled
 
 JobState = Callable[[str, str], bool | None]
 """(cluster, job_id) -> True if the job is alive, False if it has finished, None if the scheduler cannot say."""
@@ -62,20 +63,24 @@ def _one_line(text: str) -> str:
 def _read(path: Path, layout: RunLayout) -> dict[str, Any]:
     """Parse the lease at ``path`` (never through a link); FileNotFoundError if there is none."""
     fix = f"if no launch of run {layout.run_id} is running, remove it by hand (rm {path}) and launch again"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise RunBusyError(f"lease {path} is a symlink, which is never followed; {fix}") from None
-        raise
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise RunBusyError(f"lease {path} is not a regular file; {fix}")
-        raw = f.read(_MAX_LEASE_BYTES + 1)
-    if len(raw) > _MAX_LEASE_BYTES:
-        raise RunBusyError(f"lease {path} is over {_MAX_LEASE_BYTES} bytes: its owner is unknown; {fix}")
-    try:
-        lease = json.loads(raw)
+
+    def read() -> bytes:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise RunBusyError(f"lease {path} is a symlink, which is never followed; {fix}") from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise RunBusyError(f"lease {path} is not a regular file; {fix}")
+            raw = f.read(_MAX_LEASE_BYTES + 1)
+        if len(raw) > _MAX_LEASE_BYTES:
+            raise RunBusyError(f"lease {path} is over {_MAX_LEASE_BYTES} bytes: its owner is unknown; {fix}")
+        return raw
+
+    try:  # read again while it does not parse: another node may be replacing it (pipeline.storage.settle)
+        lease = parse_settled(read, json.loads, (ValueError,))
     except ValueError as e:
         raise RunBusyError(_one_line(f"lease {path} is not valid JSON ({e}): its owner is unknown; {fix}")) from None
     fields = {"host": str, "pid": int, "started": str, "launch_id": str, "command": list, "jobs": list}

@@ -28,6 +28,7 @@ from typing import Any
 
 from pipeline.errors import PipelineError, UnsafePathError
 from pipeline.storage.faults import io_op
+from pipeline.storage.settle import parse_settled
 
 _TEMP_NAME = re.compile(r"\.tmp-\d+-[0-9a-f]{8}$")
 """Names :func:`write_bytes_atomic` writes before its rename: never content, whoever left them."""
@@ -130,8 +131,9 @@ def create_exclusive(path: Path, data: bytes, mode: int = 0o644) -> bool:
 
 
 def read_json(path: Path) -> Any:
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+    """A JSON file, read again briefly while it does not parse (another node's replace, seen through a shared
+    mount: see :mod:`pipeline.storage.settle`)."""
+    return parse_settled(path.read_bytes, json.loads, (ValueError,))
 
 
 def fsync_tree(root: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import xxhash
 
 from pipeline.errors import UnsafePathError, VerificationError
+from pipeline.storage.settle import parse_settled
 
 HASH_ALGO = "xxh3_128"
 _CHUNK = 8 << 20
@@ -72,8 +73,17 @@ def read_record_json(path: Path, what: str) -> Any:
 
     Never follows a symlink, never blocks on a FIFO, refuses anything but a regular file of at most
     :data:`MAX_RECORD_BYTES`; every failure is a :class:`VerificationError` naming ``path``.
-    FileNotFoundError passes through (callers decide what absence means).
+    FileNotFoundError passes through (callers decide what absence means). A record that does not parse is read
+    again briefly first: another node may be replacing it (see :mod:`pipeline.storage.settle`).
     """
+    return parse_settled(lambda: _read_record(path, what), lambda raw: _parse_record(raw, path, what), (_Torn,))
+
+
+class _Torn(VerificationError):
+    """Not JSON: damaged, or a replace seen half-way through a shared mount (read again before believing it)."""
+
+
+def _read_record(path: Path, what: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -89,11 +99,15 @@ def read_record_json(path: Path, what: str) -> Any:
         raw = f.read(MAX_RECORD_BYTES + 1)
     if len(raw) > MAX_RECORD_BYTES:
         raise VerificationError(f"{what} {path} is larger than {MAX_RECORD_BYTES} bytes: not one this pipeline wrote")
+    return raw
+
+
+def _parse_record(raw: bytes, path: Path, what: str) -> Any:
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         detail = str(e).replace("\n", " ")[:200]
-        raise VerificationError(f"{what} {path} is not valid JSON ({detail})") from None
+        raise _Torn(f"{what} {path} is not valid JSON ({detail})") from None
 
 
 def hash_file(path: Path) -> str:

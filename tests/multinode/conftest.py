@@ -71,7 +71,9 @@ class Cluster:
                 ["bash", str(SCRIPTS / "node.sh"), "exec", node, *cmd], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
             )
 
-    def python(self, node: str, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def python(
+        self, node: str, *args: str, timeout: float = 600, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         return self.run(node, PYTHON, *args, timeout=timeout, check=check)
 
     def pipeline(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -34,8 +34,8 @@ def test_train_on_two_nodes_and_the_committer_on_a_third_match_one_node(
     root = shared_dir / "runs"
     multi = root / "tiny" / "multi"
     stop, verdict = shared_dir / "stop-poller", shared_dir / "poll.json"
-    # a reader on node3 (a writer's node would see its own client's cache): every latest it sees must verify
-    poller = cluster.popen("node3", PYTHON, "-m", "tests.multinode.poll_latest", str(multi), str(verdict), str(stop),
+    # a reader on the login node, whose client writes nothing of the run: every latest it sees must verify
+    poller = cluster.popen(LOGIN, PYTHON, "-m", "tests.multinode.poll_latest", str(multi), str(verdict), str(stop),
                            log=tmp_path / "poll.log")  # fmt: skip
     try:
         cluster.pipeline(*TINY, f"run.root={root}", "run.id=multi", "launcher.stages.train.nodes=2",
@@ -46,7 +46,9 @@ def test_train_on_two_nodes_and_the_committer_on_a_third_match_one_node(
     cluster.pipeline(*TINY, f"run.root={root}", "run.id=one", "+launcher.stages.train.extra.nodelist=node1")
 
     status = cluster.python(LOGIN, "-m", "pipeline.status", str(multi)).stdout
-    rows = {line.split()[0]: line.split() for line in status.splitlines() if line.startswith("  ") and len(line.split()) > 4}
+    rows = {
+        line.split()[0]: line.split() for line in status.splitlines() if line.startswith("  ") and len(line.split()) > 4
+    }
     assert "node[1-2]" in rows["train"], status
     assert "node3" in rows["verify_manifest"], status
 
