@@ -26,6 +26,9 @@ class _Done:
         if self.error is not None:
             raise self.error
 
+    def requeued(self) -> None:
+        return None
+
     def cancel(self, wait: bool = True) -> None:
         pass
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import shlex
@@ -27,6 +28,7 @@ from pipeline.driver.task import execute_task
 from pipeline.errors import StageFailedError
 from pipeline.stagekit import preemption
 from pipeline.stagekit.contract import JobRef
+from pipeline.stagekit.jobs import Requeue, release_begin_time, requeued
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import clear_file
 
@@ -148,6 +150,7 @@ class SubmititHandle:
         self.tasks = LocalTasks(sjob, job.tasks) if local_multi else None
         # A local job starts at once; a queued SLURM job's clock starts when it does (it may wait for train).
         self.deadline: float | None = time.monotonic() + launcher.time_limit_s(job) if not launcher.chains else None
+        self._ran, self._restarts = False, 0
 
     def poll(self) -> bool:
         cfg, job, sjob = self.launcher.cfg, self.job, self.sjob
@@ -174,6 +177,26 @@ class SubmititHandle:
 
     def outcome(self) -> None:
         self.launcher.check_result(self.sjob, self.job)
+
+    def requeued(self) -> Requeue | None:
+        """On SLURM: the job ran and is pending again (SLURM requeued it after a node failure or a preemption).
+        SLURM holds a job it requeued for about two minutes; the launcher lifts that hold, since the failed node
+        is down by then and the job resumes from ``latest`` on the nodes it gets."""
+        if not self.launcher.chains:
+            return None
+        state = str(self.sjob.state)
+        if state in ("RUNNING", "COMPLETING"):
+            self._ran = True
+            return None
+        if not self._ran or state not in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "NODE_FAIL", "UNKNOWN"):
+            return None
+        again = requeued(self.job_id)
+        if again is None or again.restarts <= self._restarts:
+            return None
+        self._ran, self._restarts = False, again.restarts
+        if again.held_until and release_begin_time(self.job_id):
+            again = dataclasses.replace(again, held_until="", released=True)
+        return again
 
     def cancel(self, wait: bool = True) -> None:
         self.launcher.cancel(self.sjob, wait=wait)

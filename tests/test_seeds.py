@@ -255,6 +255,9 @@ class _Ran:
     def outcome(self) -> None:
         pass
 
+    def requeued(self) -> None:
+        return None
+
     def cancel(self, wait: bool = True) -> None:
         pass
 

@@ -50,6 +50,9 @@ class _Job:
         if self.error is not None:
             raise self.error
 
+    def requeued(self) -> None:
+        return None
+
     def cancel(self, wait: bool = True) -> None:
         self.cancelled = self.ended = True
         self.error = StageFailedError("cancelled")

@@ -29,6 +29,7 @@ from pipeline.driver.progress import StageProgress, commit_lines
 from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout
 from pipeline.stagekit.contract import JobRef, Resources, StageContract
+from pipeline.stagekit.jobs import Requeue
 from pipeline.stagekit.records import now_iso, read_record, resume_command, write_record
 
 Say = Callable[[str], None]
@@ -90,6 +91,11 @@ class JobHandle(Protocol):
 
     def outcome(self) -> None:
         """After ``poll`` said done: return if every task succeeded, else raise ``StageFailedError``."""
+        ...
+
+    def requeued(self) -> Requeue | None:
+        """Once per requeue: the scheduler queued the job again after a run ended (a node failure, a preemption);
+        the launcher has let it start as soon as it can. None otherwise (always, for a local job)."""
         ...
 
     def cancel(self, wait: bool = True) -> None:
@@ -264,6 +270,9 @@ class Execution:
                 self._end(act, e, by_itself=False)
                 continue
             act.watch.poll()
+            again = act.handle.requeued()
+            if again is not None:
+                self.say(f"     {again.line(act.planned.name, latest_text(self.plan.layout, self.plan.cfg))}")
             if done:
                 try:
                     act.handle.outcome()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pipeline.stagekit.records import pid_alive
 
@@ -79,3 +80,55 @@ def job_alive(cluster: str, job_id: str) -> bool | None:
     if state is None:
         return None
     return state in ACTIVE_STATES
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """A SLURM job that ran and is queued again: why its last run ended, and on which nodes."""
+
+    job_id: str
+    restarts: int
+    """How many times SLURM has started it again (``Restarts``)."""
+    ended: str
+    """How its last run ended (``NODE_FAIL``, ``PREEMPTED``, ``TIMEOUT``, ...; ``REQUEUED`` when unknown)."""
+    nodes: str
+    """The node list of its last run."""
+    lost: str
+    """Those of them SLURM now has down (the failed nodes), or empty."""
+    held_until: str
+    """When SLURM lets it start (its begin time), or empty."""
+    released: bool = False
+    """The launcher lifted that hold (:func:`release_begin_time`)."""
+
+    def line(self, stage: str, latest: str) -> str:
+        """One console line: what ended the job's run, that SLURM queued it again, and what it waits for."""
+        lost = f": node {self.lost} failed" if self.lost else f" on {self.nodes}" if self.nodes else ""
+        wait = f"SLURM holds it until {self.held_until}" if self.held_until else "waiting for SLURM to start it"
+        wait += "; its requeue hold was lifted" if self.released else ""
+        return (
+            f"{stage}: job {self.job_id}'s run ended {self.ended}{lost}; SLURM queued it again (restart "
+            f"{self.restarts}) and it resumes from latest = {latest}, the last verified step, on the nodes it gets "
+            f"({wait})"
+        )
+
+
+def requeued(job_id: str) -> Requeue | None:
+    """The job as requeued by SLURM (pending again after a run), or None when it is not (or SLURM cannot say)."""
+    show = _run(["scontrol", "-o", "show", "job", job_id]) or ""
+    fields = dict(f.split("=", 1) for f in show.split() if "=" in f)
+    restarts = int(fields.get("Restarts", "0") or 0) if fields.get("Restarts", "0").isdigit() else 0
+    if fields.get("JobState") not in ("PENDING", "REQUEUED", "REQUEUE_HOLD") or restarts < 1:
+        return None
+    runs = _run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State,NodeList"]) or ""
+    rows = [line.split("|") for line in runs.splitlines() if line.count("|") == 1]
+    done = [r for r in rows if r[0] and r[0].split()[0] not in ACTIVE_STATES]
+    ended, nodes = (done[-1][0].split()[0], done[-1][1]) if done else ("REQUEUED", "")
+    lost = (_run(["sinfo", "-h", "-N", "-t", "down,drain,fail", "-n", nodes, "-o", "%N"]) or "") if nodes else ""
+    begin = fields.get("StartTime", "") if fields.get("Reason") == "BeginTime" else ""
+    return Requeue(job_id, restarts, ended, nodes, ",".join(sorted(set(lost.split()))), begin)
+
+
+def release_begin_time(job_id: str) -> bool:
+    """Let a requeued job start now instead of at the begin time SLURM set when it requeued it (about two
+    minutes later, so that a node that failed is marked down first); True when SLURM took it."""
+    return _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"]) is not None

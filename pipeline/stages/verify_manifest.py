@@ -106,8 +106,13 @@ def _producer_alive(ctx: TaskContext) -> bool:
     if ref is None:
         return stage_alive(ctx.layout, PRODUCER)
     rec = read_record(ctx.layout, ref.stage) or {}
-    if rec.get("attempt") == ref.attempt and rec.get("status") in ("succeeded", "failed", "interrupted"):
+    if rec.get("attempt") == ref.attempt and rec.get("status") in ("succeeded", "interrupted"):
         return False
+    if rec.get("attempt") == ref.attempt and rec.get("status") == "failed":
+        # A rank failed: on one node the attempt is over. On a scheduler the job may be requeued instead (a node
+        # failure: NODE_FAIL, then the same job queued again, resuming from latest); follow it while the
+        # scheduler, asked afresh, still has it queued or running.
+        return ref.cluster not in LOCAL_CLUSTERS and _scheduler.alive(ref, max_age_s=_FAILED_POLL_S)
     # A local job's controller may be gone while its ranks still finish (a cancel): rank 0's record counts too.
     return _job_alive_cached(ref) or (rec.get("attempt") == ref.attempt and stage_alive(ctx.layout, ref.stage))
 
@@ -117,18 +122,23 @@ _SCHEDULER_POLL_S = 15.0
 train's record, read every poll, says at once when train has ended."""
 
 
+_FAILED_POLL_S = 2.0
+"""How often the committer asks the scheduler about a train job whose record says failed (it ends, or SLURM
+requeues it after a node failure, within seconds)."""
+
+
 class _SchedulerCache:
     """``job_alive`` (unknown counts as alive) per job; a scheduler is asked at most every ``_SCHEDULER_POLL_S``."""
 
     def __init__(self) -> None:
         self.answers: dict[str, tuple[float, bool]] = {}
 
-    def alive(self, ref: JobRef) -> bool:
+    def alive(self, ref: JobRef, max_age_s: float = _SCHEDULER_POLL_S) -> bool:
         if ref.cluster in LOCAL_CLUSTERS:  # a pid check: cheap
             return job_alive(ref.cluster, ref.job_id) is not False
         key = f"{ref.cluster}:{ref.job_id}"
         asked = self.answers.get(key)
-        if asked is None or time.monotonic() - asked[0] >= _SCHEDULER_POLL_S:
+        if asked is None or time.monotonic() - asked[0] >= max_age_s:
             asked = (time.monotonic(), job_alive(ref.cluster, ref.job_id) is not False)
             self.answers[key] = asked
         return asked[1]
