@@ -1,0 +1,64 @@
+"""Nodes failing under a run, as users meet them, driven from the login node's CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from tests.multinode.conftest import LOGIN, PYTHON, SCRIPTS, Cluster
+from tests.multinode.test_pipeline_across_nodes import TINY
+
+SLOW_STEP_8 = "PIPELINE_FAULTS=shard_save.before_marker@step=8@action=sleep@seconds=15"
+"""Every rank pauses 15 s before its done-marker of step 8: the window in which the test kills a node."""
+MANIFEST_HASH = """
+import sys
+from pathlib import Path
+from pipeline.storage.integrity import hash_file
+print(hash_file(Path(sys.argv[1]) / "checkpoints" / f"step_{sys.argv[2]}" / "manifest.json"))
+"""
+
+
+def _wait_for(cluster: Cluster, path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while cluster.run(LOGIN, "test", "-e", str(path), check=False).returncode != 0:
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s:g} s"
+        time.sleep(1)
+
+
+def test_a_node_killed_mid_train_costs_no_committed_step_and_the_run_resumes(
+    cluster: Cluster, shared_dir: Path, tmp_path: Path
+) -> None:
+    root = shared_dir / "runs"
+    run = root / "tiny" / "killed"
+    stop, verdict = shared_dir / "stop-poller", shared_dir / "poll.json"
+    poller = cluster.popen(LOGIN, PYTHON, "-m", "tests.multinode.poll_latest", str(run), str(verdict), str(stop),
+                           log=tmp_path / "poll.log")  # fmt: skip
+    launch = subprocess.Popen(
+        ["bash", str(SCRIPTS / "node.sh"), "exec", LOGIN, "env", SLOW_STEP_8, PYTHON, "-m", "pipeline", *TINY,
+         f"run.root={root}", "run.id=killed", "train.steps=12", "launcher.stages.train.nodes=2",
+         "+launcher.stages.verify_manifest.extra.nodelist=node3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for(cluster, run / "checkpoints" / "step_4" / "manifest.json", 180)
+        step4 = cluster.python(LOGIN, "-c", MANIFEST_HASH, str(run), "4").stdout
+        cluster.node("kill9", "node2")  # everything in node2 dies, its mount with it, mid-way through step 8
+        out, _ = launch.communicate(timeout=600)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+        cluster.run(LOGIN, "touch", str(stop))
+        poller.wait(timeout=60)
+        cluster.node("up", "node2")
+    assert launch.returncode == 0, out
+    requeue = [line for line in out.splitlines() if "SLURM queued it again" in line]
+    assert len(requeue) == 1 and "node node2 failed" in requeue[0] and "latest = step 4" in requeue[0], out
+    assert "resumed from step 4" in out and "committed step 12" in out, out
+    # the step committed before the kill is untouched, and every step since verifies (status --verify reads all)
+    assert cluster.python(LOGIN, "-c", MANIFEST_HASH, str(run), "4").stdout == step4
+    status = cluster.python(LOGIN, "-m", "pipeline.status", "--verify", str(run)).stdout
+    assert "latest: step 12" in status and "node[1,3]" in status, status
+    seen = json.loads(cluster.run(LOGIN, "cat", str(verdict)).stdout)
+    assert seen["violations"] == [] and seen["seen"][-1] == 12, seen
