@@ -7,12 +7,14 @@
 #   node.sh kill9 nodeK         same, SIGKILL at once (no slurmd shutdown message to slurmctld)
 #   node.sh up    nodeK         bring it back (same as start.sh nodeK)
 #   node.sh cut   nodeK         network partition: host end of its veth down (processes keep running)
-#   node.sh heal  nodeK         veth up again
+#   node.sh heal  nodeK         veth up again (SLURM keeps a node it set DOWN meanwhile down for ~2 min: a ghost
+#                               job step there runs on, as on a real cluster)
+#   node.sh resume nodeK        wait until SLURM can use it; resume it if SLURM set it DOWN (what an admin does)
 #   node.sh pids  nodeK         pids in its network namespace
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$HERE/common.sh"
-[ $# -ge 2 ] || { sed -n '2,12p' "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,15p' "$0"; exit 2; }
 cmd=$1 node=$2; shift 2
 k=$(node_idx "$node")
 case "$cmd" in
@@ -22,6 +24,15 @@ case "$cmd" in
   up)    exec "$HERE/start.sh" "$node" ;;
   cut)   ip link set "$(veth_of "$k")" down ;;
   heal)  ip link set "$(veth_of "$k")" up ;;
+  resume)  # until SLURM can use it again; a node it set DOWN (cut past SlurmdTimeout) is resumed, as an admin does
+         for _ in $(seq 240); do
+           case "$(sinfo -h -n "$node" -o %t 2>/dev/null)" in
+             idle|mix|alloc) exit 0 ;;
+             down*) scontrol update nodename="$node" state=resume 2>/dev/null || true ;;
+           esac
+           sleep 0.5
+         done
+         die "$node not usable: $(sinfo -h -n "$node" -o '%t %E')" ;;
   pids)  for p in $(node_pids "$k"); do echo "$p $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-100)"; done ;;
   *)     die "unknown command $cmd" ;;
 esac

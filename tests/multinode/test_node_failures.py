@@ -62,3 +62,77 @@ def test_a_node_killed_mid_train_costs_no_committed_step_and_the_run_resumes(
     assert "latest: step 12" in status and "node[1,3]" in status, status
     seen = json.loads(cluster.run(LOGIN, "cat", str(verdict)).stdout)
     assert seen["violations"] == [] and seen["seen"][-1] == 12, seen
+
+
+SLOW_STEPS_8_12 = (
+    "PIPELINE_FAULTS=shard_save.before_marker@step=8@action=sleep@seconds=20;"
+    "shard_save.before_marker@step=12@action=sleep@seconds=20"
+)
+SNAPSHOT = """
+import json, sys
+from pathlib import Path
+from pipeline.storage.integrity import hash_file
+ck = Path(sys.argv[1]) / "checkpoints"
+steps = sorted(int(p.name[5:]) for p in ck.glob("step_*"))
+print(json.dumps({"manifests": {s: hash_file(ck / f"step_{s}" / "manifest.json") for s in steps},
+                  "latest": json.loads((ck / "latest").read_text())}))
+"""
+GHOST_S = 20
+"""How long the cut-off committer runs on after its node's network is back, before SLURM hears of it."""
+
+
+def _ghost_pids(cluster: Cluster, node: str, run: Path) -> list[str]:
+    out = subprocess.run(["bash", str(SCRIPTS / "node.sh"), "pids", node], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in out.stdout.splitlines() if "submitit" in line and str(run) in line]
+
+
+def test_the_committers_node_cut_off_is_replaced_and_its_ghost_changes_nothing(
+    cluster: Cluster, shared_dir: Path, tmp_path: Path
+) -> None:
+    root = shared_dir / "runs"
+    run = root / "tiny" / "cut"
+    stop, verdict = shared_dir / "stop-poller", shared_dir / "poll.json"
+    poller = cluster.popen(LOGIN, PYTHON, "-m", "tests.multinode.poll_latest", str(run), str(verdict), str(stop),
+                           log=tmp_path / "poll.log")  # fmt: skip
+    # train fills node1 and node2 (2 CPUs each): the committer gets node3
+    launch = subprocess.Popen(
+        ["bash", str(SCRIPTS / "node.sh"), "exec", LOGIN, "env", SLOW_STEPS_8_12, PYTHON, "-m", "pipeline", *TINY,
+         f"run.root={root}", "run.id=cut", "train.steps=16", "launcher.stages.train.nodes=2",
+         "launcher.stages.train.cpus_per_task=2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    healed = False
+    try:
+        _wait_for(cluster, run / "checkpoints" / "step_4" / "manifest.json", 180)
+        assert "verify-manifest-cut RUNNING node3" in cluster.squeue(), cluster.squeue()
+        cluster.node("cut", "node3")  # past SlurmdTimeout: SLURM requeues the committer; the old one runs on, cut off
+        out, _ = launch.communicate(timeout=600)
+        assert launch.returncode == 0, out
+        before = json.loads(cluster.python(LOGIN, "-c", SNAPSHOT, str(run)).stdout)
+        cluster.node("heal", "node3")
+        healed = True
+        assert _ghost_pids(cluster, "node3", run), "no ghost committer on node3 after the heal"
+        time.sleep(GHOST_S)  # the ghost has its network and its mount back; SLURM still has node3 down
+        after = json.loads(cluster.python(LOGIN, "-c", SNAPSHOT, str(run)).stdout)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+        if not healed:
+            cluster.node("heal", "node3")
+        cluster.node("resume", "node3")
+        cluster.run(LOGIN, "touch", str(stop))
+        poller.wait(timeout=60)
+    lines = [line for line in out.splitlines() if "SLURM queued it again" in line]
+    assert len(lines) == 1 and lines[0].lstrip().startswith("verify_manifest:") and "node node3 failed" in lines[0]
+    assert "committed step 16" in out, out
+    assert before["latest"]["step"] == 16 and before["latest"]["epoch"] == 2, before  # the new committer's
+    assert after == before, f"the ghost changed the checkpoints: {before} -> {after}"
+    deadline = time.monotonic() + 60  # once SLURM hears from node3 again, it ends the ghost's step
+    while _ghost_pids(cluster, "node3", run) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _ghost_pids(cluster, "node3", run), "the ghost outlived node3's return"
+    assert cluster.squeue() == ""
+    status = cluster.python(LOGIN, "-m", "pipeline.status", "--verify", str(run)).stdout
+    assert "latest: step 16" in status, status
+    seen = json.loads(cluster.run(LOGIN, "cat", str(verdict)).stdout)
+    assert seen["violations"] == [] and seen["seen"][-1] == 16, seen
