@@ -138,6 +138,10 @@ def _ephemeral_start() -> int:
 _EPHEMERAL_START = _ephemeral_start()
 
 
+REQUEUE_POLL_S = 5.0
+"""How often the launcher asks SLURM (``scontrol show job``) whether a job it watches was requeued."""
+
+
 class SubmititHandle:
     """One submitted submitit job, as the runner polls it."""
 
@@ -150,7 +154,7 @@ class SubmititHandle:
         self.tasks = LocalTasks(sjob, job.tasks) if local_multi else None
         # A local job starts at once; a queued SLURM job's clock starts when it does (it may wait for train).
         self.deadline: float | None = time.monotonic() + launcher.time_limit_s(job) if not launcher.chains else None
-        self._ran, self._restarts = False, 0
+        self._next_look, self._restarts = 0.0, 0
 
     def poll(self) -> bool:
         cfg, job, sjob = self.launcher.cfg, self.job, self.sjob
@@ -182,18 +186,14 @@ class SubmititHandle:
         """On SLURM: the job ran and is pending again (SLURM requeued it after a node failure or a preemption).
         SLURM holds a job it requeued for about two minutes; the launcher lifts that hold, since the failed node
         is down by then and the job resumes from ``latest`` on the nodes it gets."""
-        if not self.launcher.chains:
+        now = time.monotonic()
+        if not self.launcher.chains or now < self._next_look:
             return None
-        state = str(self.sjob.state)
-        if state in ("RUNNING", "COMPLETING"):
-            self._ran = True
-            return None
-        if not self._ran or state not in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "NODE_FAIL", "UNKNOWN"):
-            return None
+        self._next_look = now + REQUEUE_POLL_S  # asked of SLURM itself: submitit's sacct view lags up to a minute
         again = requeued(self.job_id)
         if again is None or again.restarts <= self._restarts:
             return None
-        self._ran, self._restarts = False, again.restarts
+        self._restarts = again.restarts
         if again.held_until and release_begin_time(self.job_id):
             again = dataclasses.replace(again, held_until="", released=True)
         return again

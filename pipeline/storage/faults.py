@@ -4,7 +4,8 @@
 Points are named where I/O happens (``shard_save.before_marker``, ``verify.before_publish``, ...); optional
 ``key=value`` filters match the call's context, e.g. ``shard_save.before_marker@rank=1@step=4``.
 The special filter ``action=exit`` kills the process with ``os._exit(17)`` instead of raising, like a crash;
-``action=sleep@seconds=S`` only delays the caller (a slow rank, a slow disk).
+``action=sleep@seconds=S`` only delays the caller (a slow rank, a slow disk). Every point also matches
+``restart=N``, SLURM's restart count of the job (``restart=0``: only its first run, not the one SLURM requeued).
 
 **Counted I/O operations.** Every filesystem mutation of the pipeline first calls :func:`io_op`: each file
 creation, write, fsync of a file or a directory, rename, link, unlink, rmtree and mkdir done by
@@ -58,6 +59,7 @@ def inject(point: str, **context: object) -> None:
         if name != point:
             continue
         wanted = dict(f.split("=", 1) for f in filters if "=" in f)
+        context.setdefault("restart", os.environ.get("SLURM_RESTART_COUNT", "0"))  # @restart=0: a job's first run
         action = wanted.pop("action", "raise")
         seconds = float(wanted.pop("seconds", "0"))
         if all(str(context.get(k)) == v for k, v in wanted.items()):

@@ -36,6 +36,8 @@ MN_ROOT = Path(os.environ.get("MN_ROOT") or "/tmp/pipeline-cluster")
 NODES = ("node1", "node2", "node3")
 LOGIN = "login"
 SHARED = Path("/shared")
+TINY = ("+experiment=tiny", "launcher=slurm", "launcher.wait=true", "run.create=true")
+"""The embedded experiment on the cluster's SLURM, the launcher watching (as a user at the login node)."""
 PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else "python3"
 SKIP_CODES = {3: "the cluster's packages (SLURM, MariaDB, munge, fuse3) cannot be installed here",
               4: "this kernel refuses network namespaces or FUSE"}  # fmt: skip
@@ -46,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.is_relative_to(HERE):
             item.add_marker(pytest.mark.multinode)
-            item.add_marker(pytest.mark.xdist_group("multinode"))
+            item.add_marker(pytest.mark.slow)  # minutes of real jobs: not in the quick tier (-m "not slow")
 
 
 @dataclass(frozen=True)

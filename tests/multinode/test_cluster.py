@@ -6,7 +6,11 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.multinode.conftest import LOGIN, NODES, PYTHON, ROOT, SCRIPTS, Cluster
+
+pytestmark = pytest.mark.xdist_group("multinode")  # one worker runs them all, in file order
 
 
 def test_nodes_are_separate_hosts_with_their_own_mounts(cluster: Cluster, shared_dir: Path) -> None:

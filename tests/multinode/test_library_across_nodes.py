@@ -9,7 +9,11 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from tests.multinode.conftest import LOGIN, ROOT, Cluster
+
+pytestmark = pytest.mark.xdist_group("multinode")  # one worker runs them all, in file order
 
 TORCHRUN = str(ROOT / ".venv" / "bin" / "torchrun")
 STEPS, EVERY = 24, 4

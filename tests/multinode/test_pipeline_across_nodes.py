@@ -6,9 +6,12 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.multinode.conftest import LOGIN, PYTHON, Cluster
+import pytest
 
-TINY = ("+experiment=tiny", "launcher=slurm", "launcher.wait=true", "run.create=true")
+from tests.multinode.conftest import LOGIN, PYTHON, TINY, Cluster
+
+pytestmark = pytest.mark.xdist_group("multinode")  # one worker runs them all, in file order
+
 STEPS = (4, 8)
 READ_FILES = """
 import json, sys
