@@ -194,7 +194,8 @@ class SubmititHandle:
         if again is None or again.restarts <= self._restarts:
             return None
         self._restarts = again.restarts
-        if again.held_until and release_begin_time(self.job_id):
+        # its begin time may lie ahead whatever the reason shown now (Resources while the nodes are busy): lift it
+        if release_begin_time(self.job_id):
             again = dataclasses.replace(again, held_until="", released=True)
         return again
 
