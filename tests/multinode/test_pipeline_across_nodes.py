@@ -46,7 +46,8 @@ def test_train_on_two_nodes_and_the_committer_on_a_third_match_one_node(
     finally:
         cluster.run(LOGIN, "touch", str(stop))
         poller.wait(timeout=60)
-    cluster.pipeline(*TINY, f"run.root={root}", "run.id=one", "+launcher.stages.train.extra.nodelist=node1")
+    # the same seed on one node: node1 alone, with the local launcher (no queue to wait in)
+    cluster.python("node1", "-m", "pipeline", "+experiment=tiny", "run.create=true", f"run.root={root}", "run.id=one")
 
     status = cluster.python(LOGIN, "-m", "pipeline.status", str(multi)).stdout
     rows = {
