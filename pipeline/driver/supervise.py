@@ -270,7 +270,7 @@ class Execution:
                 self._end(act, e, by_itself=False)
                 continue
             act.watch.poll()
-            again = act.handle.requeued()
+            again = None if done else act.handle.requeued()
             if again is not None:
                 self.say(f"     {again.line(act.planned.name, latest_text(self.plan.layout, self.plan.cfg))}")
             if done:

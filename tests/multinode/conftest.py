@@ -20,14 +20,13 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pipeline.stagekit.records import pid_alive
+from tests.session_users import session_users
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -111,36 +110,44 @@ class Cluster:
         return self.run(LOGIN, "squeue", "-h", "-o", "%i %j %T %N").stdout
 
 
+class LatestPoller:
+    """``tests/multinode/poll_latest.py`` on the login node, whose client writes nothing of the run: it verifies
+    every step ``run``'s ``latest`` names while the test runs; :meth:`stop` ends it and keeps its verdict."""
+
+    def __init__(self, cluster: Cluster, run: Path, scratch: Path, log: Path) -> None:
+        self.cluster, self.flag, self.out = cluster, scratch / "stop-poller", scratch / "poll.json"
+        self.seen: dict[str, Any] = {}
+        self.proc = cluster.popen(LOGIN, PYTHON, "-m", "tests.multinode.poll_latest", str(run), str(self.out),
+                                  str(self.flag), log=log)  # fmt: skip
+
+    def stop(self) -> dict[str, Any]:
+        """``{"seen": [steps], "violations": [...], "polls": N}`` (empty if the poller wrote none)."""
+        if self.proc.poll() is None:
+            self.cluster.run(LOGIN, "touch", str(self.flag), check=False)
+            self.proc.wait(timeout=60)
+        out = self.cluster.run(LOGIN, "cat", str(self.out), check=False).stdout
+        self.seen = json.loads(out) if out else {}
+        return self.seen
+
+
 def _script(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MN_ROOT": str(MN_ROOT)}
     return subprocess.run(["bash", str(SCRIPTS / name)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout, check=False)  # fmt: skip
 
 
-@contextmanager
-def _users() -> Iterator[dict[str, Any]]:
-    """The test sessions using the cluster, under an exclusive lock: the first starts it, the last one stops it."""
-    MN_ROOT.mkdir(parents=True, exist_ok=True)
-    path = MN_ROOT / "test-sessions.json"
-    with open(MN_ROOT / "test-sessions.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        state = json.loads(path.read_text()) if path.exists() else {"pids": []}
-        state["pids"] = [p for p in state.get("pids", []) if pid_alive(p)]  # a crashed session is no user
-        yield state
-        path.write_text(json.dumps(state))
-
-
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.skip(f"needs root: bash {SCRIPTS.relative_to(ROOT)}/start.sh makes namespaces and FUSE mounts")
-    with _users() as users:
+    with session_users(MN_ROOT) as users:
         if not users["pids"]:
             started = time.monotonic()
             result = _script("start.sh", 600)
             if result.returncode in SKIP_CODES:
                 pytest.skip(f"{SKIP_CODES[result.returncode]}: {result.stdout.strip().splitlines()[-1]}")
-            if result.returncode != 0:
+            if result.returncode != 0:  # nothing half-up is left: stop what the start brought up
+                _script("stop.sh", 180)
                 tail = "\n".join(result.stdout.splitlines()[-20:])
                 pytest.fail(f"scripts/cluster/start.sh failed ({result.returncode}):\n{tail}", pytrace=False)
             print(f"\ncluster: started in {time.monotonic() - started:.1f}s")
@@ -148,7 +155,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         yield Cluster(MN_ROOT)
     finally:
-        with _users() as users:
+        with session_users(MN_ROOT) as users:
             users["pids"] = [p for p in users["pids"] if p != os.getpid()]
             if not users["pids"]:
                 stopped = _script("stop.sh", 180)

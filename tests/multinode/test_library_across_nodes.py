@@ -3,7 +3,6 @@ nodes, one killed mid-run and both relaunched: it resumes from ``latest`` with t
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multinode.conftest import LOGIN, PYTHON, ROOT, Cluster
+from tests.multinode.conftest import LOGIN, ROOT, Cluster, LatestPoller
 
 pytestmark = pytest.mark.xdist_group("multinode")  # one worker runs them all, in file order
 
@@ -48,9 +47,7 @@ def test_the_example_on_two_nodes_killed_and_relaunched_resumes_bit_identically(
     out = shared_dir / "run"
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
-    stop, verdict = shared_dir / "stop-poller", shared_dir / "poll.json"
-    poller = cluster.popen(LOGIN, PYTHON, "-m", "tests.multinode.poll_latest", str(out), str(verdict), str(stop),
-                           log=tmp_path / "poll.log")  # fmt: skip
+    poller = LatestPoller(cluster, out, shared_dir, tmp_path / "poll.log")
     agents = _two_nodes(cluster, out, first, "--sleep", "0.3")
     try:
         deadline = time.monotonic() + 180
@@ -70,9 +67,8 @@ def test_the_example_on_two_nodes_killed_and_relaunched_resumes_bit_identically(
         for agent in agents:
             assert agent.wait(timeout=300) == 0, "\n".join(p.read_text()[-2000:] for p in second.iterdir())
     finally:
-        cluster.run(LOGIN, "touch", str(stop))
-        poller.wait(timeout=60)
-    seen = json.loads(cluster.run(LOGIN, "cat", str(verdict)).stdout)
+        poller.stop()
+    seen = poller.seen
     assert seen["violations"] == [] and seen["seen"][-1] == STEPS, seen
     assert "ddp_train" not in cluster.run("node1", "ps", "-eo", "args").stdout  # nothing of it runs (one pid space)
     got = _losses("".join(p.read_text() for p in second.iterdir()))

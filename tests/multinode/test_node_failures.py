@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multinode.conftest import LOGIN, PYTHON, SCRIPTS, TINY, Cluster
+from tests.multinode.conftest import LOGIN, PYTHON, SCRIPTS, TINY, Cluster, LatestPoller
 
 pytestmark = pytest.mark.xdist_group("multinode")  # one worker runs them all, in file order
 
@@ -37,9 +37,7 @@ def test_a_node_killed_mid_train_costs_no_committed_step_and_the_run_resumes(
 ) -> None:
     root = shared_dir / "runs"
     run = root / "tiny" / "killed"
-    stop, verdict = shared_dir / "stop-poller", shared_dir / "poll.json"
-    poller = cluster.popen(LOGIN, PYTHON, "-m", "tests.multinode.poll_latest", str(run), str(verdict), str(stop),
-                           log=tmp_path / "poll.log")  # fmt: skip
+    poller = LatestPoller(cluster, run, shared_dir, tmp_path / "poll.log")
     launch = subprocess.Popen(
         ["bash", str(SCRIPTS / "node.sh"), "exec", LOGIN, "env", SLOW_STEP_8, PYTHON, "-m", "pipeline", *TINY,
          f"run.root={root}", "run.id=killed", "train.steps=12", "launcher.stages.train.nodes=2",
@@ -54,8 +52,7 @@ def test_a_node_killed_mid_train_costs_no_committed_step_and_the_run_resumes(
     finally:
         if launch.poll() is None:
             launch.kill()
-        cluster.run(LOGIN, "touch", str(stop))
-        poller.wait(timeout=60)
+        poller.stop()
         cluster.node("up", "node2")
     assert launch.returncode == 0, out
     requeue = [line for line in out.splitlines() if "SLURM queued it again" in line]
@@ -65,7 +62,7 @@ def test_a_node_killed_mid_train_costs_no_committed_step_and_the_run_resumes(
     assert cluster.python(LOGIN, "-c", MANIFEST_HASH, str(run), "4").stdout == step4
     status = cluster.python(LOGIN, "-m", "pipeline.status", "--verify", str(run)).stdout
     assert "latest: step 12" in status and "node[1,3]" in status, status
-    seen = json.loads(cluster.run(LOGIN, "cat", str(verdict)).stdout)
+    seen = poller.seen
     assert seen["violations"] == [] and seen["seen"][-1] == 12, seen
 
 
@@ -94,9 +91,7 @@ def test_the_committers_node_cut_off_is_replaced_and_its_ghost_changes_nothing(
 ) -> None:
     root = shared_dir / "runs"
     run = root / "tiny" / "cut"
-    stop, verdict = shared_dir / "stop-poller", shared_dir / "poll.json"
-    poller = cluster.popen(LOGIN, PYTHON, "-m", "tests.multinode.poll_latest", str(run), str(verdict), str(stop),
-                           log=tmp_path / "poll.log")  # fmt: skip
+    poller = LatestPoller(cluster, run, shared_dir, tmp_path / "poll.log")
     # train fills node1 and node2 (2 CPUs each): the committer gets node3
     launch = subprocess.Popen(
         ["bash", str(SCRIPTS / "node.sh"), "exec", LOGIN, "env", SLOW_STEP_8_20S, PYTHON, "-m", "pipeline", *TINY,
@@ -126,8 +121,7 @@ def test_the_committers_node_cut_off_is_replaced_and_its_ghost_changes_nothing(
         if not healed:
             cluster.node("heal", "node3")
         cluster.node("resume", "node3")
-        cluster.run(LOGIN, "touch", str(stop))
-        poller.wait(timeout=60)
+        poller.stop()
     lines = [line for line in out.splitlines() if "SLURM queued it again" in line]
     assert len(lines) == 1 and lines[0].lstrip().startswith("verify_manifest:") and "node node3 failed" in lines[0]
     assert "committed step 16" in out, out
@@ -140,5 +134,5 @@ def test_the_committers_node_cut_off_is_replaced_and_its_ghost_changes_nothing(
     assert cluster.squeue() == ""
     status = cluster.python(LOGIN, "-m", "pipeline.status", "--verify", str(run)).stdout
     assert "latest: step 16" in status, status
-    seen = json.loads(cluster.run(LOGIN, "cat", str(verdict)).stdout)
+    seen = poller.seen
     assert seen["violations"] == [] and seen["seen"][-1] == 16, seen

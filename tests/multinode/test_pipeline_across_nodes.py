@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multinode.conftest import LOGIN, PYTHON, TINY, Cluster
+from tests.multinode.conftest import LOGIN, TINY, Cluster, LatestPoller
 
 pytestmark = pytest.mark.xdist_group("multinode")  # one worker runs them all, in file order
 
@@ -36,16 +36,12 @@ def test_train_on_two_nodes_and_the_committer_on_a_third_match_one_node(
 ) -> None:
     root = shared_dir / "runs"
     multi = root / "tiny" / "multi"
-    stop, verdict = shared_dir / "stop-poller", shared_dir / "poll.json"
-    # a reader on the login node, whose client writes nothing of the run: every latest it sees must verify
-    poller = cluster.popen(LOGIN, PYTHON, "-m", "tests.multinode.poll_latest", str(multi), str(verdict), str(stop),
-                           log=tmp_path / "poll.log")  # fmt: skip
+    poller = LatestPoller(cluster, multi, shared_dir, tmp_path / "poll.log")
     try:
         cluster.pipeline(*TINY, f"run.root={root}", "run.id=multi", "launcher.stages.train.nodes=2",
                          "+launcher.stages.verify_manifest.extra.nodelist=node3")  # fmt: skip
     finally:
-        cluster.run(LOGIN, "touch", str(stop))
-        poller.wait(timeout=60)
+        poller.stop()
     # the same seed on one node: node1 alone, with the local launcher (no queue to wait in)
     cluster.python("node1", "-m", "pipeline", "+experiment=tiny", "run.create=true", f"run.root={root}", "run.id=one")
 
@@ -58,7 +54,7 @@ def test_train_on_two_nodes_and_the_committer_on_a_third_match_one_node(
 
     # the same seed on one node commits the same bytes: every file of every committed step hashes the same
     assert _files(cluster, "node2", multi) == _files(cluster, "node2", root / "tiny" / "one")
-    seen = json.loads(cluster.run(LOGIN, "cat", str(verdict)).stdout)
+    seen = poller.seen
     assert seen["violations"] == [] and seen["seen"], seen
     assert cluster.squeue() == ""
     assert subprocess.run(["findmnt", "-n", "/shared"], capture_output=True, check=False).stdout == b""

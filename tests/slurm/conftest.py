@@ -12,21 +12,19 @@ error under CI (``$CI`` set) and a skip elsewhere. Every test under ``tests/slur
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import subprocess
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import pytest
 
 from pipeline.stagekit.jobs import ACTIVE_STATES, slurm_states
-from pipeline.stagekit.records import pid_alive
+from tests.session_users import session_users
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -55,7 +53,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.is_relative_to(HERE):
             item.add_marker(pytest.mark.slurm)
             # a grouping hint for pytest-xdist; measured here, the group does not reach the workers' node ids, so
-            # the tests may spread over workers: the cluster fixture is shared between them (see _users)
+            # the tests may spread over workers: the cluster fixture is shared between them (see tests/session_users.py)
             item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
@@ -107,27 +105,13 @@ def _run_script(script: Path, env: dict[str, str], timeout_s: float) -> subproce
     )
 
 
-@contextmanager
-def _users(slurm_root: Path) -> Iterator[dict[str, Any]]:
-    """The test sessions (xdist workers) using the cluster, under an exclusive lock: the first starts it, the
-    last one out stops what a session started (the SLURM tests may run on several workers)."""
-    slurm_root.mkdir(parents=True, exist_ok=True)
-    path = slurm_root / "test-sessions.json"
-    with open(slurm_root / "test-sessions.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        state = json.loads(path.read_text()) if path.exists() else {"pids": [], "started": False}
-        state["pids"] = [p for p in state.get("pids", []) if pid_alive(p)]  # a crashed session is no user
-        yield state
-        path.write_text(json.dumps(state))
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     if os.geteuid() != 0:
         pytest.skip(f"needs root: run `sudo bash {START_SCRIPT.relative_to(ROOT)}`, then the tests as root")
     slurm_root = Path(os.environ.get("SLURM_ROOT") or DEFAULT_SLURM_ROOT)
     env = {**os.environ, "SLURM_ROOT": str(slurm_root)}
-    with _users(slurm_root) as users:
+    with session_users(slurm_root) as users:
         if not users["pids"]:
             users["started"] = False
         cluster = running_cluster()
@@ -138,7 +122,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     try:
         yield cluster
     finally:
-        with _users(slurm_root) as users:
+        with session_users(slurm_root) as users:
             users["pids"] = [p for p in users["pids"] if p != os.getpid()]
             if not users["pids"] and users["started"]:
                 users["started"] = False
