@@ -5,7 +5,7 @@
 #   node.sh kill  nodeK         "power off": lazily unmount its /shared, SIGTERM then (after 5 s) SIGKILL
 #                               every process in its network namespace; /local (tmpfs) is lost
 #   node.sh kill9 nodeK         same, SIGKILL at once (no slurmd shutdown message to slurmctld)
-#   node.sh up    nodeK         bring it back (same as start.sh nodeK)
+#   node.sh up    nodeK         bring it back (start.sh nodeK), then wait until SLURM can use it (resume)
 #   node.sh cut   nodeK         network partition: host end of its veth down (processes keep running)
 #   node.sh heal  nodeK         veth up again (SLURM keeps a node it set DOWN meanwhile down for ~2 min: a ghost
 #                               job step there runs on, as on a real cluster)
@@ -21,7 +21,8 @@ case "$cmd" in
   exec)  in_node "$k" env SLURM_CONF="$SLURM_CONF" "$@" ;;
   kill)  node_down "$k" 5 ;;
   kill9) node_down "$k" 0 ;;
-  up)    exec "$HERE/start.sh" "$node" ;;
+  up)    "$HERE/start.sh" "$node"
+         [ "$k" -eq 0 ] || exec "$0" resume "$node" ;;  # a node killed may be DOWN or not responding yet
   cut)   ip link set "$(veth_of "$k")" down ;;
   heal)  ip link set "$(veth_of "$k")" up ;;
   resume)  # until SLURM can use it again; a node it set DOWN (cut past SlurmdTimeout) is resumed, as an admin does

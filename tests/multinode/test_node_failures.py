@@ -41,12 +41,13 @@ def test_a_node_killed_mid_train_costs_no_committed_step_and_the_run_resumes(
     launch = subprocess.Popen(
         ["bash", str(SCRIPTS / "node.sh"), "exec", LOGIN, "env", SLOW_STEP_8, PYTHON, "-m", "pipeline", *TINY,
          f"run.root={root}", "run.id=killed", "train.steps=12", "launcher.stages.train.nodes=2",
-         "+launcher.stages.verify_manifest.extra.nodelist=node3"],
+         "+launcher.stages.train.extra.nodelist=node[1-2]", "+launcher.stages.verify_manifest.extra.nodelist=node3"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         _wait_for(cluster, run / "checkpoints" / "step_4" / "manifest.json", 180)
         step4 = cluster.python(LOGIN, "-c", MANIFEST_HASH, str(run), "4").stdout
+        assert "train-killed RUNNING node[1-2]" in cluster.squeue(), cluster.squeue()
         cluster.node("kill9", "node2")  # everything in node2 dies, its mount with it, mid-way through step 8
         out, _ = launch.communicate(timeout=600)
     finally:
