@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=5, help="save every N steps")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to watch or kill it)")
     p.add_argument("--storage", default=None, help="s3://bucket/prefix: checkpoints in a bucket (AWS env vars)")
+    p.add_argument("--fast-every", type=int, default=None, help="also keep a fast copy every N steps (node-local)")
+    p.add_argument("--fast-dir", default=None, help="node-local dir of the fast tier ({rank} is filled in)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -60,7 +62,9 @@ def main() -> None:
     data = Batches(rank, world)
     torch.manual_seed(1 + rank)  # dropout differs per rank; its generator is saved per rank
 
-    ckpt = Checkpointer(args.out, every_steps=args.every, keep_last=3, storage=args.storage)  # ckpt
+    fast_dir = args.fast_dir.format(rank=rank) if args.fast_dir else None
+    ckpt = Checkpointer(args.out, every_steps=args.every, keep_last=3, storage=args.storage,  # ckpt
+                        fast_every=args.fast_every, fast_dir=fast_dir)  # fmt: skip  # ckpt
     state = {"model": model, "optim": opt, "sched": sched, "data": data, "rng": RankRNG(rank)}  # ckpt
     start = ckpt.load_latest(into=state)  # ckpt
     for step in range(start + 1, args.steps + 1):
@@ -78,6 +82,8 @@ def main() -> None:
         stop = ckpt.reached_preemption(step)  # ckpt: SLURM's USR2, on every rank at the same step
         if ckpt.should_save(step) or step == args.steps or stop:  # ckpt
             ckpt.save(step, state)  # ckpt
+        if ckpt.should_save_fast(step):  # ckpt: node-local and on a peer node, in the background
+            ckpt.save_fast(step, state)  # ckpt
         if stop:  # ckpt
             break  # ckpt
     ckpt.close()  # ckpt: the committer commits the last step, every wait bounded

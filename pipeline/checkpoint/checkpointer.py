@@ -30,7 +30,9 @@ at the same point, on a gloo group of the checkpointer's own (timeout ``deadline
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import secrets
 import signal
 import threading
@@ -47,13 +49,18 @@ from pipeline.checkpoint.async_save import stuck_writers
 from pipeline.checkpoint.background import BackgroundCommitter
 from pipeline.checkpoint.committer import CommitPolicy
 from pipeline.checkpoint.external_wait import await_external_commit
+from pipeline.checkpoint.fast.codec import fill, unpack
+from pipeline.checkpoint.fast.restore import RESUMED_FILE, restore
+from pipeline.checkpoint.fast.tier import FAST_DIR_ENV, FastConfig, FastTier
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.ownership import committer_alive
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult, Written
 from pipeline.checkpoint.remote import record_store, recorded_store, remote_at
 from pipeline.checkpoint.session import CheckpointSession
-from pipeline.checkpoint.state import load_state, piece_groups, save_state
+from pipeline.checkpoint.state import apply_state, load_state, piece_groups, save_state
+from pipeline.checkpoint.stores import store_for, uncommitted
 from pipeline.errors import PipelineError
+from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.layout import CheckpointLayout
 
 log = logging.getLogger(__name__)
@@ -85,6 +92,10 @@ class Checkpointer:
         storage: str | None = None,
         dedup: bool = True,
         external_commit_wait_s: float = EXTERNAL_COMMIT_WAIT_S,
+        fast_every: int | None = None,
+        fast_dir: str | None = None,
+        fast_replicas: int = 1,
+        fast_keep: int = 2,
     ) -> None:
         """Every rank constructs it alike (a collective).
 
@@ -105,6 +116,11 @@ class Checkpointer:
         ``external_commit_wait_s``: with ``committer="external"``, how long :meth:`close` (rank 0) waits, while no
         committer holds the dir, for one to commit the steps this job saved (a running one is waited for up to
         ``deadline_s``); steps still uncommitted then are named in a WARNING and stay staged. 0: do not wait.
+        ``fast_every``: also keep a fast copy every this many steps (:meth:`save_fast`): each rank's shard in
+        ``fast_dir`` (node-local; default ``/dev/shm/pipeline-fast``, or ``$PIPELINE_FAST_DIR``) and on
+        ``fast_replicas`` peer nodes, the newest ``fast_keep`` steps; :meth:`load_latest` restores from the
+        newest one that verifies on every rank when it is at least as new as the durable tier's
+        (:mod:`pipeline.checkpoint.fast`).
         """
         if committer not in COMMITTERS:
             raise PipelineError(f"committer={committer!r}: choose one of {', '.join(COMMITTERS)}")
@@ -150,6 +166,13 @@ class Checkpointer:
         )
         self.session = CheckpointSession(self.target, self.group, async_deadline_s=deadline_s)
         """The save path (save, async, wait, agreement, resume decision), shared with the app's train stage."""
+        self.fast: FastTier | None = None
+        if fast_every is not None:
+            cfg = FastConfig(fast_every, fast_dir or os.environ.get(FAST_DIR_ENV, FastConfig.dir), fast_replicas,
+                             fast_keep)  # fmt: skip
+            self.fast = FastTier(cfg, self.layout.run_dir, self.attempt, self.group, deadline_s)
+        self.resumed: dict[str, Any] | None = None
+        """How :meth:`load_latest` resumed (rank 0): the tier, the step, where each rank's bytes came from."""
         self._last_save = time.monotonic()
         self._closed = False
 
@@ -215,7 +238,21 @@ class Checkpointer:
         stop (a requeued job resumes from it)."""
         return self.session.any_rank(self._preempted.is_set())
 
+    def should_save_fast(self, step: int) -> bool:
+        """Every ``fast_every`` steps (False without a fast tier, or once it turned itself off)."""
+        return self.fast is not None and self.fast.due(step)
+
     # -- save --------------------------------------------------------------------------------------------------
+
+    def save_fast(self, step: int, state: dict[str, Any]) -> float:
+        """Keep ``step`` in the fast tier (node-local, replicated to peers) in the background; returns the seconds
+        training waited (the copy of its tensors to CPU). Every rank calls it at the same step."""
+        self._check_open()
+        if self.fast is None:
+            raise PipelineError("save_fast: this Checkpointer has no fast tier (pass fast_every=K)")
+        if deepspeed_engine.find_engine(state) is not None:
+            raise PipelineError("save_fast: a DeepSpeed engine saves in its own layout: use save() for it")
+        return self.fast.save(step, save_state(state, step, self.rank), self.session.any_rank)
 
     def save(self, step: int, state: dict[str, Any]) -> SaveResult:
         """Save ``state`` as ``step`` (blocking); returns how this rank's save went, with every rank agreeing on
@@ -272,9 +309,47 @@ class Checkpointer:
             same_world = manifest.world_size == self.world_size
             return load_state(rest, step_dir, self.group, self.rank, same_world=same_world)
 
-        step = self.session.load_latest(self._resume_step, load)
+        fast = None if self.fast is None or engine_key is not None else self.fast
+
+        def first(floor: int) -> int | None:
+            if fast is None:
+                return None
+            return restore(fast, floor, lambda blob: self._load_fast(rest, blob), self._note_resume)
+
+        step = self.session.load_latest(self._resume_step, load, first=first, floor=self._durable_floor)
+        if self.rank == 0:
+            self._record_resume(step)
         self._last_save = time.monotonic()
         return step
+
+    def _load_fast(self, into: dict[str, Any], blob: bytes) -> int:
+        target = fill(save_state(into, 0, self.rank), unpack(blob, f"rank {self.rank}'s fast copy"))
+        return apply_state(into, target)
+
+    def _durable_floor(self) -> int:
+        """Rank 0: the newest durable step (committed, or staged complete), read without verifying it."""
+        store = store_for(self.layout, self.remote)
+        try:
+            named = store.latest_named() or 0
+        except (PipelineError, OSError):
+            named = 0
+        return max([named, *uncommitted(store, self.world_size)])
+
+    def _note_resume(self, rec: dict[str, Any]) -> None:
+        self.resumed = rec
+
+    def _record_resume(self, step: int) -> None:
+        rec = dict(self.resumed or {"tier": "durable"})
+        if rec.get("tier") != "fast":
+            rec.update(tier="durable" if step else "none", step=step)
+        rec.update(attempt=self.attempt, at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        if self.fast is not None:
+            rec["fast"] = dataclasses.asdict(self.fast.cfg)
+        self.resumed = rec
+        try:
+            write_json_atomic(self.layout.checkpoints / RESUMED_FILE, rec)
+        except OSError as e:
+            log.warning("could not record the resume in %s: %s", self.layout.checkpoints / RESUMED_FILE, e)
 
     def _resume_step(self) -> int | str:
         start = time.monotonic()
@@ -309,6 +384,8 @@ class Checkpointer:
             return
         try:
             self.wait()
+            if self.fast is not None:
+                self.fast.wait()
             dist.barrier(group=self.group)  # every rank's last marker is written before the last pass
             if self.rank == 0 and self._external:
                 await_external_commit(

@@ -246,10 +246,23 @@ class CheckpointSession:
 
     # -- resume ------------------------------------------------------------------------------------------------
 
-    def load_latest(self, decide: Callable[[], int | str], load: Callable[[Path, Manifest], int]) -> int:
+    def load_latest(
+        self,
+        decide: Callable[[], int | str],
+        load: Callable[[Path, Manifest], int],
+        first: Callable[[int], int | None] | None = None,
+        floor: Callable[[], int] | None = None,
+    ) -> int:
         """The resume step, decided once: rank 0 calls ``decide`` (a step, 0 for none, or why it cannot be
         decided, which every rank raises) and broadcasts it; every rank then calls ``load(step_dir, manifest)``,
-        which returns the step the loaded state records (checked). Returns the step (0: start fresh)."""
+        which returns the step the loaded state records (checked). Returns the step (0: start fresh).
+
+        With ``first`` (a faster tier), rank 0's ``floor()`` (the durable tier's newest step, unverified) goes to
+        every rank first, and ``first(floor)`` (every rank) restores a step at least that new or returns None."""
+        if first is not None and floor is not None:
+            fast = first(int(self.broadcast(floor() if self.rank == 0 else None)))
+            if fast is not None:
+                return fast
         decided = self.broadcast(decide() if self.rank == 0 else None)
         if isinstance(decided, str):
             raise VerificationError(decided)

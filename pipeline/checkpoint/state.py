@@ -120,6 +120,12 @@ def load_state(into: dict[str, Any], step_dir: Path, group: Any, rank: int, same
     wanted = {k: v for k, v in into.items() if k not in skipped}
     target = save_state(wanted, 0, rank)
     load_into(target, step_dir, process_group=group)
+    return apply_state(wanted, target)
+
+
+def apply_state(wanted: dict[str, Any], target: dict[str, Any]) -> int:
+    """Hand the loaded state dict ``target`` (:func:`save_state`'s structure) to ``wanted``'s objects; returns the
+    step it records."""
     model, opt = wanted.get(MODEL), wanted.get(OPTIM)
     if isinstance(model, torch.nn.Module):
         if isinstance(opt, torch.optim.Optimizer):

@@ -1,0 +1,193 @@
+"""A rank's fast tier: a save every K steps into node-local storage and onto peer nodes, in the background.
+
+Inputs: the rank's state dict (what the durable save writes), every ``every`` steps. Outputs: this rank's own
+copy and the replicas it holds for its peers (:mod:`.local`), the newest ``keep`` steps of each. Owner: each
+rank writes its own copy and the replicas it receives; a node's *keeper* (the lowest rank sharing the dir)
+removes what earlier launches left, at restore, before any rank saves again.
+
+Training waits only for the copy of its tensors to CPU (:func:`.codec.snapshot`). A thread then serialises the
+copy, hashes it, gathers every rank's (size, hash) (so every copy's marker carries the whole step's table),
+writes the own copy and swaps blobs with the peers over a gloo group of its own (rank ``r`` sends to
+``r + i·n`` and receives from ``r − i·n``, ``n`` the ranks per node, ``i`` = 1..replicas), checking each
+received blob against the table before it writes it. A peer that dies mid-swap leaves the step incomplete, so
+no restore picks it (:mod:`.restore`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.checkpoint.fast.codec import Snapshot, pack, snapshot
+from pipeline.checkpoint.fast.local import Copy, NodeTier, digest, run_key
+from pipeline.errors import PipelineError, exception_line
+
+log = logging.getLogger(__name__)
+
+FAST_DIR_ENV = "PIPELINE_FAST_DIR"
+"""Where the fast tier goes when no dir is given (a node-local dir per cluster, set in the job's environment)."""
+ROOM_MARGIN = 1.1
+"""Room asked for beyond the copies themselves (a blob being written beside the ``keep`` it replaces)."""
+
+
+@dataclass(frozen=True)
+class FastConfig:
+    """The fast tier's options (the ``Checkpointer``'s ``fast_*`` arguments, the app's ``checkpoint.fast``)."""
+
+    every: int
+    """Save to the fast tier every this many steps."""
+    dir: str = "/dev/shm/pipeline-fast"
+    """Node-local (RAM-backed by default); a dir per run is made inside."""
+    replicas: int = 1
+    """Copies of each rank's shard on other nodes."""
+    keep: int = 2
+    """Steps kept per copy (the newest complete one survives while the next is written)."""
+
+    def check(self) -> None:
+        for name in ("every", "keep"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise PipelineError(f"fast {name}={value!r}: must be a positive integer")
+        if type(self.replicas) is not int or self.replicas < 0:
+            raise PipelineError(f"fast replicas={self.replicas!r}: must be 0 or a positive integer")
+
+
+@dataclass
+class FastStats:
+    saved: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    held_bytes: int = 0
+    last_persist_s: float = 0.0
+
+
+class FastTier:
+    """One rank's fast tier (every rank constructs it alike: a collective)."""
+
+    def __init__(
+        self, cfg: FastConfig, run_dir: Path, attempt: str, group: Any, deadline_s: float, rank_dir: str | None = None
+    ) -> None:
+        cfg.check()
+        self.cfg, self.attempt, self.group, self.deadline_s = cfg, attempt, group, deadline_s
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.node = NodeTier(Path(rank_dir or cfg.dir) / run_key(run_dir))
+        self.xfer = dist.new_group(backend="gloo", timeout=timedelta(seconds=deadline_s))
+        ids: list[Any] = [None] * self.world
+        dist.all_gather_object(ids, self.node.node_id(), group=group)
+        self.node_ids: list[str] = ids
+        self.keeper = ids.index(ids[self.rank]) == self.rank
+        per_node = ids.count(ids[self.rank])
+        offset = per_node if self.world > per_node else 1
+        self.replicas = min(cfg.replicas, self.world // offset - 1 if offset > 1 else self.world - 1)
+        self.pairs = [((self.rank + i * offset) % self.world, (self.rank - i * offset) % self.world)
+                      for i in range(1, self.replicas + 1)]  # fmt: skip
+        self.same_node = [dst for dst, _ in self.pairs if ids[dst] == ids[self.rank]]
+        if self.rank == 0:
+            nodes = len(set(ids))
+            note = "" if not self.same_node else ": replicas share a node and do not survive its loss"
+            log.info(
+                "fast tier: every %d steps in %s (%d node dir(s)), %d replica(s)%s",
+                cfg.every, self.node.root, nodes, self.replicas, note,
+            )  # fmt: skip
+        self.enabled = True
+        self._room_checked = False
+        self._thread: threading.Thread | None = None
+        self._pending: int | None = None
+        self.stats = FastStats()
+
+    # -- when --------------------------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.cfg.every == 0
+
+    # -- save --------------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], any_rank: Any) -> float:
+        """Copy ``state`` to CPU and persist it in the background; returns the seconds training waited. Every
+        rank calls it at the same step. ``any_rank(flag)``: the checkpoint group's agreement (main thread)."""
+        t0 = time.monotonic()
+        stuck = not self._settle(self.deadline_s)
+        if any_rank(stuck or not self.enabled):
+            self._disable(f"a fast save still ran after {self.deadline_s:g} s" if stuck else "")
+            return time.monotonic() - t0
+        snap = snapshot(state)
+        if not self._room_checked:
+            self._room_checked = True
+            short = self._room_short(snap)
+            if any_rank(bool(short)):
+                self._disable(short or "a rank's node has no room for its fast copies")
+                return time.monotonic() - t0
+        self._pending = step
+        self._thread = threading.Thread(target=self._persist, args=(step, snap), name=f"fast-save-{step}", daemon=True)
+        self._thread.start()
+        return time.monotonic() - t0
+
+    def _room_short(self, snap: Snapshot) -> str:
+        sharing = self.node_ids.count(self.node_ids[self.rank])
+        need = int(snap.nbytes * (1 + self.replicas) * self.cfg.keep * ROOM_MARGIN) * sharing
+        free = self.node.free_bytes() + self.node.held_bytes()
+        if free >= need:
+            return ""
+        return (
+            f"{self.node.root} has {free / 1e6:.0f} MB free, its {sharing} rank(s) need {need / 1e6:.0f} MB "
+            f"({1 + self.replicas} copies x {self.cfg.keep} steps); give checkpoint.fast.dir more room"
+        )
+
+    def _disable(self, why: str) -> None:
+        if self.enabled and self.rank == 0 and why:
+            log.warning("fast tier off: %s; durable saves only", why)
+        self.enabled = False
+
+    def _persist(self, step: int, snap: Snapshot) -> None:
+        t0 = time.monotonic()
+        try:
+            blob = pack(snap)
+            del snap
+            table: list[Any] = [None] * self.world
+            dist.all_gather_object(table, (len(blob), digest(blob)), group=self.xfer)
+            rows = tuple((int(s), str(h)) for s, h in table)
+            own = Copy(step, self.rank, "own", self.world, self.attempt, *rows[self.rank], rows)
+            self.node.write(own, blob)
+            for dst, src in self.pairs:
+                got = self._swap(blob, dst, src, rows[src][0])
+                if digest(got) != rows[src][1] or len(got) != rows[src][0]:
+                    raise PipelineError(f"the replica of rank {src}'s step {step} arrived damaged; not kept")
+                self.node.write(Copy(step, src, "replica", self.world, self.attempt, *rows[src], rows), got)
+                self.node.prune("replica", src, self.cfg.keep)
+            self.node.prune("own", self.rank, self.cfg.keep)
+            self.stats.saved.append(step)
+            self.stats.held_bytes = sum(rows[r][0] for r in [self.rank, *(src for _, src in self.pairs)])
+        except Exception as e:  # a background save never kills training: the step is just not in the fast tier
+            self.stats.failed[step] = exception_line(e)
+            log.warning("fast tier: rank %d did not save step %d: %s", self.rank, step, exception_line(e))
+        finally:
+            self.stats.last_persist_s = time.monotonic() - t0
+
+    def _swap(self, blob: bytearray, dst: int, src: int, size: int) -> bytes:
+        out = torch.empty(size, dtype=torch.uint8)
+        works = [dist.isend(torch.frombuffer(blob, dtype=torch.uint8), dst, group=self.xfer),
+                 dist.irecv(out, src, group=self.xfer)]  # fmt: skip
+        for work in works:
+            if work is not None:
+                work.wait()
+        return out.numpy().tobytes()
+
+    def _settle(self, timeout_s: float) -> bool:
+        """Wait for the background save (bounded); False if it still runs."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
+            self._thread, self._pending = None, None
+        return True
+
+    def wait(self) -> None:
+        """The pending fast save settled (at most the deadline)."""
+        self._settle(self.deadline_s)
