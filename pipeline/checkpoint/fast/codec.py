@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch.distributed.tensor import DTensor
@@ -87,7 +88,7 @@ def unpack(blob: bytes | memoryview, what: str) -> Any:
     try:
         skeleton = json.loads(bytes(view[_HEAD.size : _HEAD.size + n]))
         tensors = st_load(bytes(view[_HEAD.size + n :]))
-    except (ValueError, RuntimeError) as e:  # JSONDecodeError is a ValueError; safetensors raises its own
+    except (ValueError, RuntimeError, SafetensorError) as e:  # JSONDecodeError is a ValueError
         raise CheckpointFormatError(f"{what}: unreadable fast-tier copy ({e})") from e
 
     def build(node: Any) -> Any:

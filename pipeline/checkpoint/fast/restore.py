@@ -54,20 +54,29 @@ def plan(reports: list[list[Copy]], world: int, floor: int, excluded: set[tuple[
     outvoted: list[tuple[Held, str]] = []
     for step in sorted(by_step, reverse=True):
         held = by_step[step]
-        votes = Counter((c.attempt, c.table) for _, c in held)
-        (attempt, table), _ = max(votes.items(), key=lambda kv: (kv[1], kv[0][0]))
-        sources: list[Held] = []
-        for shard in range(world):
-            options = [(h, c) for h, c in held if c.shard == shard and (c.attempt, c.table) == (attempt, table)]
-            if not options:
-                break
-            options.sort(key=lambda hc: (hc[0] != shard, sum(1 for s in sources if s[0] == hc[0]), hc[0]))
-            sources.append(options[0])
-        else:
-            why = f"its table disagrees with the one {votes[(attempt, table)]} other holder(s) recorded"
-            outvoted += [((h, c), why) for h, c in held if (c.attempt, c.table) != (attempt, table)]
-            return Plan(step, table, tuple(sources), tuple(outvoted))
+        votes = Counter((c.attempt, c.table) for _, c in held).most_common()
+        top = votes[0][1]
+        for key, n in votes:
+            if n < top:  # fewer holders recorded this table than another: a stale or rebuilt copy
+                why = f"its step {step} table disagrees with the one {top} other holder(s) recorded"
+                outvoted += [((h, c), why) for h, c in held if (c.attempt, c.table) == key]
+        for key, n in votes:
+            sources = _sources(held, key, world) if n == top else None
+            if sources is not None:
+                return Plan(step, key[1], sources, tuple(outvoted))
     return None
+
+
+def _sources(held: list[Held], key: tuple[str, tuple[tuple[int, str], ...]], world: int) -> tuple[Held, ...] | None:
+    """One copy per rank with table ``key``: the rank's own node first, then the least used holder."""
+    sources: list[Held] = []
+    for shard in range(world):
+        options = [(h, c) for h, c in held if c.shard == shard and (c.attempt, c.table) == key]
+        if not options:
+            return None
+        options.sort(key=lambda hc: (hc[0] != shard, sum(1 for s in sources if s[0] == hc[0]), hc[0]))
+        sources.append(options[0])
+    return tuple(sources)
 
 
 def restore(

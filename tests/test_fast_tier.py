@@ -1,0 +1,215 @@
+"""The fast tier (``Checkpointer(fast_every=...)``): node-local copies and peer replicas, restored only when every
+byte verifies, falling back copy by copy, step by step, then to the durable tier, within one restart.
+
+The distributed tests run the DDP example on 2 ranks with a node-local dir per rank (``node0``, ``node1``: two
+"nodes" on one machine; ``tests/multinode`` does it on real namespace nodes), kill it after fast step 12, and
+restart it from copies of that state with one node's dir lost or damaged as a scenario asks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from pipeline.checkpoint.fast.codec import Snapshot, pack, snapshot, unpack
+from pipeline.checkpoint.fast.local import Copy, run_key
+from pipeline.checkpoint.fast.restore import plan
+from pipeline.errors import CheckpointFormatError
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.xdist_group("fast_tier")  # one worker: the killed run is made once
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+FAST, EVERY, KILL_AFTER = 2, 8, 12
+
+
+# -- the decision, in-process ------------------------------------------------------------------------------------
+
+
+def _copies(step: int, world: int, attempt: str = "a", salt: str = "") -> list[Copy]:
+    table = tuple((100 + r, f"h{step}{salt}-{r}") for r in range(world))
+    return [Copy(step, r, "own", world, attempt, *table[r], table) for r in range(world)]
+
+
+def _replica(c: Copy) -> Copy:
+    return Copy(c.step, c.shard, "replica", c.world_size, c.attempt, c.size, c.hash, c.table)
+
+
+def test_the_decision_takes_the_newest_complete_step_from_any_mix_of_copies() -> None:
+    s10, s12 = _copies(10, 2), _copies(12, 2)
+    # node 0 holds rank 0's own copies and rank 1's replicas; node 1 (rank 1) was replaced: it holds nothing
+    reports = [[s10[0], _replica(s10[1]), s12[0], _replica(s12[1])], []]
+    p = plan(reports, 2, floor=8, excluded=set())
+    assert p is not None and p.step == 12 and [(h, c.kind) for h, c in p.sources] == [(0, "own"), (0, "replica")]
+    # the replica of rank 1's step 12 failed: step 10, in the same decision loop
+    p = plan(reports, 2, floor=8, excluded={(0, _replica(s12[1]))})
+    assert p is not None and p.step == 10
+    # nothing at or above the durable tier's newest step: the durable tier
+    assert plan(reports, 2, floor=13, excluded=set()) is None
+    # another world size never restores from the fast tier
+    assert plan(reports, 4, floor=0, excluded=set()) is None
+
+
+def test_a_copy_whose_table_is_outvoted_is_rejected_and_never_mixed_in() -> None:
+    good, stale = _copies(12, 2), _copies(12, 2, salt="old")
+    reports = [[good[0], _replica(stale[1])], [good[1], _replica(good[0])]]
+    p = plan(reports, 2, floor=0, excluded=set())
+    assert p is not None and p.step == 12 and p.table == good[0].table
+    assert [(h, c.kind) for h, c in p.sources] == [(0, "own"), (1, "own")]
+    assert [(h, c) for (h, c), _ in p.outvoted] == [(0, _replica(stale[1]))]
+    # two launches' copies of one step (another attempt) never make one step together
+    other = _copies(12, 2, attempt="b", salt="b")
+    assert plan([[good[0]], [other[1]]], 2, floor=0, excluded=set()) is None
+
+
+def test_a_blob_round_trips_without_pickle_and_refuses_what_it_cannot_hold() -> None:
+    state = {
+        "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(0)},
+        "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}], "state": {}},
+        "data": {"pos": 7, "seed": None, "raw": b"\x00\xff", 3: "int key"},
+    }
+    back = unpack(pack(snapshot(state)), "test")
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["model"]["b"].numel() == 0
+    assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.99) and back["data"] == state["data"]
+    with pytest.raises(CheckpointFormatError, match="data.fn is a function"):
+        snapshot({"data": {"fn": lambda: 0}})
+    blob = pack(Snapshot({"T": "t0"}, {"t0": torch.ones(2)}))
+    with pytest.raises(CheckpointFormatError, match="bad header"):
+        unpack(b"PFT2" + bytes(blob[4:]), "test")
+    with pytest.raises(CheckpointFormatError, match="unreadable"):
+        unpack(bytes(blob[:-3]), "test")
+
+
+# -- restarts from damaged tiers, with torchrun --------------------------------------------------------------------
+
+
+def _example(out: Path, nodes: Path, steps: int, *extra: str) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc-per-node", "2", "examples/ddp_train.py", "--out", str(out),
+            "--steps", str(steps), "--every", str(EVERY), "--fast-every", str(FAST),
+            "--fast-dir", str(nodes / "node{rank}"), *extra]  # fmt: skip
+
+
+def _losses(text: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M)}
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, str]]:
+    """The example killed (SIGKILL, whole job) once fast step 12 is on both nodes: durable latest 8; and the
+    losses of an uninterrupted run."""
+    base = tmp_path_factory.mktemp("fast")
+    ref = subprocess.run(_example(base / "ref", base / "refnodes", 16), cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=300, check=True)  # fmt: skip
+    proc = subprocess.Popen(_example(base / "run", base, 40, "--sleep", "0.5"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    key = run_key((base / "run").resolve())
+    markers = [base / f"node{n}" / key / kind / f"rank_{r}" / f"step_{KILL_AFTER}.json"
+               for n, kind, r in ((0, "own", 0), (0, "replica", 1), (1, "own", 1), (1, "replica", 0))]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not all(m.exists() for m in markers):
+            assert proc.poll() is None and time.monotonic() < deadline, "the example ended before the kill"
+            time.sleep(0.05)
+    finally:
+        tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+        for pid in tree:  # the whole job at once (torchrun's workers run in sessions of their own)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    return base, _losses(ref.stdout)
+
+
+def _scenario(killed: tuple[Path, dict[int, str]], tmp: Path) -> tuple[Path, Path, dict[int, Path]]:
+    """A copy of the killed run: its run dir, its nodes' base dir, and each node's fast dir for the run."""
+    base, _ = killed
+    run, nodes = tmp / "run", tmp / "nodes"
+    shutil.copytree(base / "run", run, symlinks=True)
+    old, new = run_key((base / "run").resolve()), run_key(run.resolve())
+    fast = {}
+    for n in (0, 1):
+        shutil.copytree(base / f"node{n}" / old, nodes / f"node{n}" / new)
+        fast[n] = nodes / f"node{n}" / new
+    return run, nodes, fast
+
+
+def _restart(run: Path, nodes: Path, steps: int) -> tuple[dict[str, object], dict[int, str]]:
+    done = subprocess.run(_example(run, nodes, steps), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((run / "checkpoints" / "resumed.json").read_text()), _losses(done.stdout)
+
+
+def _quarantined(fast: Path) -> list[str]:
+    return sorted(json.loads(p.read_text())["why"] for p in (fast / "quarantine").glob("*.why.json"))
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(data)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_flipped_byte_and_a_stale_replica_are_quarantined_and_the_peer_copy_restores_the_step(
+    killed: tuple[Path, dict[int, str]], tmp_path: Path
+) -> None:
+    run, nodes, fast = _scenario(killed, tmp_path)
+    _flip(fast[1] / "own" / "rank_1" / f"step_{KILL_AFTER}.bin")
+    # node 1's replica of rank 0's step 12 holds step 10's bytes, its marker made to match them (a rebuilt replica)
+    stale = fast[1] / "replica" / "rank_0"
+    marker = json.loads((stale / f"step_{KILL_AFTER - FAST}.json").read_text())
+    (stale / f"step_{KILL_AFTER}.bin").write_bytes((stale / f"step_{KILL_AFTER - FAST}.bin").read_bytes())
+    (stale / f"step_{KILL_AFTER}.json").write_text(json.dumps({**marker, "step": KILL_AFTER}))
+    rec, losses = _restart(run, nodes, 16)
+    assert rec["tier"] == "fast" and rec["step"] == KILL_AFTER, rec
+    assert [s["from"] for s in rec["sources"]] == ["own copy", "replica on rank 0"], rec  # type: ignore[attr-defined]
+    assert _quarantined(fast[1]) == [
+        "its bytes do not match the marker's hash",
+        f"its step {KILL_AFTER} table disagrees with the one 2 other holder(s) recorded",
+    ]
+    assert losses == {s: killed[1][s] for s in range(KILL_AFTER + 1, 17)}, "losses differ after the fast restore"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_replaced_node_with_a_truncated_replica_falls_back_a_step_and_restores_from_the_peer(
+    killed: tuple[Path, dict[int, str]], tmp_path: Path
+) -> None:
+    run, nodes, fast = _scenario(killed, tmp_path)
+    shutil.rmtree(fast[1])  # node 1 replaced: an empty local tier
+    rep = fast[0] / "replica" / "rank_1" / f"step_{KILL_AFTER}.bin"
+    rep.write_bytes(rep.read_bytes()[:-10])
+    rec, losses = _restart(run, nodes, 16)
+    assert rec["tier"] == "fast" and rec["step"] == KILL_AFTER - FAST, rec
+    assert [s["from"] for s in rec["sources"]] == ["own copy", "replica on rank 0"], rec  # type: ignore[attr-defined]
+    assert len(_quarantined(fast[0])) == 1 and "bytes, the marker says" in _quarantined(fast[0])[0]
+    assert losses == {s: killed[1][s] for s in range(KILL_AFTER - FAST + 1, 17)}, "losses differ"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_both_copies_of_a_shard_lost_falls_back_to_the_durable_tier(
+    killed: tuple[Path, dict[int, str]], tmp_path: Path
+) -> None:
+    run, nodes, fast = _scenario(killed, tmp_path)
+    shutil.rmtree(fast[1])
+    shutil.rmtree(fast[0] / "replica")
+    rec, losses = _restart(run, nodes, 16)
+    assert rec["tier"] == "durable" and rec["step"] == EVERY, rec
+    assert losses == {s: killed[1][s] for s in range(EVERY + 1, 17)}
