@@ -180,6 +180,10 @@ def _print_plan(p: Prepared) -> None:
         c = planned.contract
         print(f"       reads:  {c.reads}")
         print(f"       writes: {c.produces} (about {format_bytes(c.bytes_written(p.cfg))})")
+        fast = p.cfg.checkpoint.fast
+        if planned.name == "train" and fast.every is not None:
+            print(f"       fast:   every {fast.every} steps, each rank's state in {fast.dir} (node-local) and on "
+                  f"{fast.replicas} other node(s); newest {fast.keep} kept")  # fmt: skip
         if p.cfg.launcher.kind == "slurm":
             for line in sbatch_lines(planned, p.plan):
                 print(f"       {line}")

@@ -27,7 +27,8 @@ from pipeline.checkpoint.fast.codec import Snapshot, pack, snapshot, unpack
 from pipeline.checkpoint.fast.local import Copy, run_key
 from pipeline.checkpoint.fast.restore import plan
 from pipeline.errors import CheckpointFormatError
-from tests.conftest import ROOT
+from pipeline.rundir.layout import RunLayout
+from tests.conftest import ROOT, run_cli, train_losses
 
 pytestmark = pytest.mark.xdist_group("fast_tier")  # one worker: the killed run is made once
 
@@ -184,6 +185,10 @@ def test_a_flipped_byte_and_a_stale_replica_are_quarantined_and_the_peer_copy_re
         f"its step {KILL_AFTER} table disagrees with the one 2 other holder(s) recorded",
     ]
     assert losses == {s: killed[1][s] for s in range(KILL_AFTER + 1, 17)}, "losses differ after the fast restore"
+    status = subprocess.run([sys.executable, "-m", "pipeline.status", str(run)], capture_output=True, text=True,
+                            check=True).stdout  # fmt: skip
+    assert f"last resume: step {KILL_AFTER} from the fast tier" in status and "rank 1: replica on rank 0" in status
+    assert status.count("quarantined: ") == 2, status
 
 
 @pytest.mark.slow
@@ -213,3 +218,31 @@ def test_both_copies_of_a_shard_lost_falls_back_to_the_durable_tier(
     rec, losses = _restart(run, nodes, 16)
     assert rec["tier"] == "durable" and rec["step"] == EVERY, rec
     assert losses == {s: killed[1][s] for s in range(EVERY + 1, 17)}
+
+
+# -- the app: checkpoint.fast.* ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_app_resumes_a_killed_train_from_the_fast_tier_bit_identically(tmp_path: Path) -> None:
+    """Durable saves every 8 steps, fast every 2; rank 1 dies while saving step 12 durably: latest stays 8, the
+    rerun resumes from fast step 10 and trains steps 11 and 12 to the same losses."""
+    args = ["+experiment=tiny", f"run.root={tmp_path}", "run.id=f", "run.create=true", "train.steps=12",
+            "checkpoint.every=8", "checkpoint.fast.every=2", f"checkpoint.fast.dir={tmp_path / 'local'}"]  # fmt: skip
+    plan = run_cli(*args, "dry_run=true")
+    assert "fast:   every 2 steps, each rank's state in" in plan.stdout, plan.stdout
+    kill = {"PIPELINE_FAULTS": "shard_save.before_marker@rank=1@step=12@action=exit"}
+    first = run_cli(*args, env=kill)
+    assert first.returncode == 1 and "failed; latest = step 8" in first.stdout, first.stdout + first.stderr
+    layout = RunLayout.for_run(tmp_path, "tiny", "f")
+    killed_attempt = json.loads(layout.stage_record("train").read_text())["attempt"]
+    second = run_cli(*args)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert json.loads(layout.stage_record("train").read_text())["summary"]["resumed_from"] == 10
+    resumed = json.loads((layout.checkpoints / "resumed.json").read_text())
+    assert resumed["tier"] == "fast" and resumed["step"] == 10, resumed
+    before = train_losses(layout, killed_attempt)
+    assert train_losses(layout) == {k: v for k, v in before.items() if int(k) > 10} != {}
+    status = run_cli("status=true", f"run.root={tmp_path}", "run.id=f", "+experiment=tiny").stdout
+    assert "last resume: step 10 from the fast tier" in status, status

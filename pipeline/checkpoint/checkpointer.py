@@ -30,7 +30,6 @@ at the same point, on a gloo group of the checkpointer's own (timeout ``deadline
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
@@ -50,7 +49,8 @@ from pipeline.checkpoint.background import BackgroundCommitter
 from pipeline.checkpoint.committer import CommitPolicy
 from pipeline.checkpoint.external_wait import await_external_commit
 from pipeline.checkpoint.fast.codec import fill, unpack
-from pipeline.checkpoint.fast.restore import RESUMED_FILE, restore
+from pipeline.checkpoint.fast.restore import restore
+from pipeline.checkpoint.fast.resuming import durable_floor, record_resume
 from pipeline.checkpoint.fast.tier import FAST_DIR_ENV, FastConfig, FastTier
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.ownership import committer_alive
@@ -58,9 +58,8 @@ from pipeline.checkpoint.rank_save import RankTarget, SaveResult, Written
 from pipeline.checkpoint.remote import record_store, recorded_store, remote_at
 from pipeline.checkpoint.session import CheckpointSession
 from pipeline.checkpoint.state import apply_state, load_state, piece_groups, save_state
-from pipeline.checkpoint.stores import store_for, uncommitted
+from pipeline.checkpoint.stores import store_for
 from pipeline.errors import PipelineError
-from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.layout import CheckpointLayout
 
 log = logging.getLogger(__name__)
@@ -317,7 +316,7 @@ class Checkpointer:
             return restore(fast, floor, lambda blob: self._load_fast(rest, blob), self._note_resume)
 
         step = self.session.load_latest(self._resume_step, load, first=first, floor=self._durable_floor)
-        if self.rank == 0:
+        if self.rank == 0 and self.fast is not None:
             self._record_resume(step)
         self._last_save = time.monotonic()
         return step
@@ -327,29 +326,14 @@ class Checkpointer:
         return apply_state(into, target)
 
     def _durable_floor(self) -> int:
-        """Rank 0: the newest durable step (committed, or staged complete), read without verifying it."""
-        store = store_for(self.layout, self.remote)
-        try:
-            named = store.latest_named() or 0
-        except (PipelineError, OSError):
-            named = 0
-        return max([named, *uncommitted(store, self.world_size)])
+        return durable_floor(store_for(self.layout, self.remote), self.world_size)
 
     def _note_resume(self, rec: dict[str, Any]) -> None:
         self.resumed = rec
 
     def _record_resume(self, step: int) -> None:
-        rec = dict(self.resumed or {"tier": "durable"})
-        if rec.get("tier") != "fast":
-            rec.update(tier="durable" if step else "none", step=step)
-        rec.update(attempt=self.attempt, at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        if self.fast is not None:
-            rec["fast"] = dataclasses.asdict(self.fast.cfg)
-        self.resumed = rec
-        try:
-            write_json_atomic(self.layout.checkpoints / RESUMED_FILE, rec)
-        except OSError as e:
-            log.warning("could not record the resume in %s: %s", self.layout.checkpoints / RESUMED_FILE, e)
+        cfg = self.fast.cfg if self.fast is not None else None
+        self.resumed = record_resume(self.layout.checkpoints, self.resumed, step, self.attempt, cfg)
 
     def _resume_step(self) -> int | str:
         start = time.monotonic()

@@ -128,6 +128,31 @@ def rank_batch_size(train: TrainConfig, world_size: int) -> int:
 
 
 @dataclass
+class FastCheckpointConfig:
+    """The fast tier: each rank's state kept node-local and on peer nodes, for recovery in seconds (README, "Fast
+    recovery"). Not part of the run's identity: it may be turned on, off or changed at any launch."""
+
+    every: int | None = None
+    """Keep a fast copy every this many steps (null: no fast tier). Cheap: training waits only for the copy of
+    its tensors to CPU; a thread writes and replicates it."""
+    dir: str = "/dev/shm/pipeline-fast"
+    """Node-local dir (RAM-backed by default): a dir per run is made inside. Must not be shared between nodes."""
+    replicas: int = 1
+    """Copies of each rank's shard on other nodes (0: own copy only, which does not survive its node)."""
+    keep: int = 2
+    """Steps kept per copy: the newest complete one survives while the next is written."""
+
+    def __post_init__(self) -> None:
+        if self.every is not None:
+            options.check_every_steps(self.every, "checkpoint.fast.every")
+        options.check_keep(self.keep, "checkpoint.fast.keep")
+        if type(self.replicas) is not int or self.replicas < 0:
+            raise ConfigError(f"checkpoint.fast.replicas={self.replicas!r}: must be 0 or a positive integer")
+        if not self.dir:
+            raise ConfigError("checkpoint.fast.dir is empty: give a node-local dir (default /dev/shm/pipeline-fast)")
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 4
     """Save a checkpoint every this many steps (and always at the last step)."""
@@ -173,6 +198,9 @@ class CheckpointConfig:
     """Retention of ``consolidated/`` and ``export/``: keep the complete outputs of the newest this many steps up
     to ``latest`` (null = keep all); latest's output is always kept, and an older one goes only once a newer
     complete output of the same kind exists."""
+
+    fast: FastCheckpointConfig = field(default_factory=FastCheckpointConfig, metadata=MUTABLE)
+    """The fast tier (``checkpoint.fast.every``, ``.dir``, ``.replicas``, ``.keep``)."""
 
     def __post_init__(self) -> None:  # the knobs the library shares are checked by its validators, named as here
         options.check_every_steps(self.every, "checkpoint.every")

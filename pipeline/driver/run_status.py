@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.checkpoint.fast import RESUMED_FILE
 from pipeline.checkpoint.posix_status import read_json as _read_json
 from pipeline.checkpoint.posix_status import step_entries as _step_entries
 from pipeline.checkpoint.posix_status import why as _why
@@ -142,7 +143,9 @@ def _checkpoints(layout: CheckpointLayout, world_size: int | None) -> Status:
         store = _store(layout)
     except PipelineError as e:
         return {"latest": None, "latest_error": str(e), "committed": [], "staged": [], "quarantined": []}
-    return store.describe(world_size)
+    out = store.describe(world_size)
+    out["resumed"], out["resumed_error"] = _read_json(layout.checkpoints / RESUMED_FILE, "resume record")
+    return out
 
 
 def collect(layout: RunLayout) -> Status:

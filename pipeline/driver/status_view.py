@@ -86,6 +86,32 @@ def _checkpoint_lines(ck: Status) -> list[str]:
         lines.append(f"  quarantined: {q['name']} ({what}{when}): {q.get('reason') or q.get('error')}")
     if "retention" in ck:
         lines += _retention_lines(ck["retention"], ck["retention_error"])
+    return lines + _resume_lines(ck.get("resumed"), ck.get("resumed_error"))
+
+
+def _resume_lines(rec: Any, error: str | None) -> list[str]:
+    """The fast tier's settings and how the last launch resumed (``checkpoints/resumed.json``)."""
+    if error:
+        return [f"  last resume: unreadable record ({error})"]
+    if not isinstance(rec, dict):
+        return []
+    lines = []
+    fast = rec.get("fast")
+    if isinstance(fast, dict):
+        lines.append(
+            f"  fast tier: every {fast.get('every')} steps in {fast.get('dir')} (node-local), "
+            f"{fast.get('replicas')} replica(s) on other nodes, newest {fast.get('keep')} kept"
+        )
+    step, tier = rec.get("step"), rec.get("tier")
+    if tier == "none":
+        lines.append(f"  last resume: none (attempt {rec.get('attempt')} started fresh)")
+    else:
+        took = f" in {rec['seconds']}s" if rec.get("seconds") is not None else ""
+        lines.append(f"  last resume: step {step} from the {tier} tier{took} (attempt {rec.get('attempt')})")
+    for s in rec.get("sources") or []:
+        if isinstance(s, dict):
+            lines.append(f"    rank {s.get('rank')}: {s.get('from')} ({s.get('host')})")
+    lines += [f"    quarantined: {p}" for p in rec.get("fast_problems") or []]
     return lines
 
 

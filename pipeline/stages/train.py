@@ -8,7 +8,9 @@ other (another strategy, a DeepSpeed step at another world size) through its wor
 Outputs: staged checkpoints every ``checkpoint.every`` steps and at the last step, through shard-save
 (model, optimizer, LR scheduler, step, data position, RNG state of every rank); with
 ``checkpoint.async_save=true`` written in the background, each save settled (every rank agreeing) before the
-next one starts and before train ends.
+next one starts and before train ends. With ``checkpoint.fast.every``, also a fast copy every K steps in a
+node-local dir and on peer nodes (:mod:`pipeline.checkpoint.fast`), restored first when at least as new as
+the durable tier's newest step.
 Owner: each rank writes only its own staged files and marker; nothing is committed here.
 Done-marker: the last step (``train.steps``, or ``train.stop_after_step``) is committed, or staged with every
 rank's marker from the current attempt.
@@ -36,7 +38,7 @@ from pipeline.checkpoint.state import MODEL
 from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.rundir.layout import RunLayout
-from pipeline.stagekit import saving
+from pipeline.stagekit import fast_tier, saving
 from pipeline.stagekit.contract import Resources, StageContract, TaskContext
 from pipeline.stagekit.preemption import no_requeue_reason, preemptible, preemption_requested
 from pipeline.stagekit.records import producer_attempt, stage_alive
@@ -175,6 +177,7 @@ class _Run:
             "committed step, or raise checkpoint.async_deadline_s if it only stalled",
             continue_hint=" (checkpoint.fail_on_save_error=false)",
         )
+        self.fast = fast_tier.open_tier(ctx, self.pg, deepspeed=self.trainer.engine is not None)
 
     def event(self, event: str, **fields: object) -> None:
         """One line of ``metrics.jsonl``; only rank 0 writes the file."""
@@ -188,7 +191,7 @@ class _Run:
     def resume(self) -> int:
         """Load the committed step rank 0 chose (0: start fresh); every rank restores its RNG and data position."""
         cfg, rank = self.cfg, self.rank
-        loaded: list[tuple[TrainState, Manifest]] = []
+        loaded: list[tuple[TrainState, Manifest | None]] = []
 
         def load(step_dir: Path, manifest: Manifest) -> int:
             train = strategy.load_step(
@@ -197,10 +200,18 @@ class _Run:
             loaded.append((train, manifest))
             return train.step
 
-        resume = self.session.load_latest(lambda: _resume_step(cfg, self.layout), load)
+        def load_fast(blob: bytes) -> int:
+            loaded[:] = [(strategy.load_fast(self.trainer, self.sched, self.stream, rank, blob), None)]
+            return loaded[0][0].step
+
+        fast = None if self.fast is None else fast_tier.FastResume(self.ctx, self.fast, load_fast)
+        first, floor = (fast.first, fast.floor) if fast is not None else (None, None)
+        resume = self.session.load_latest(lambda: _resume_step(cfg, self.layout), load, first=first, floor=floor)
+        if fast is not None and rank == 0:
+            fast.record(resume)
         if not resume:
             return 0
-        train, manifest = loaded[0]
+        train, manifest = loaded[-1]
         self.sched.load_state_dict(train.sched)
         for group, lr in zip(self.trainer.opt.param_groups, self.sched.get_last_lr(), strict=True):
             group["lr"] = lr  # the rate of the next step (a world-size-free load carries no param groups)
@@ -208,7 +219,7 @@ class _Run:
         if not strategy.restore_rng(train.rng, rank, self.device):
             torch.manual_seed(cfg.train.seed + rank + 1_000_003 * resume)  # a rank the step did not have
         fmt = self.trainer.format
-        if (manifest.format, manifest.world_size) != (fmt, self.world):
+        if manifest is not None and (manifest.format, manifest.world_size) != (fmt, self.world):
             self.event(
                 "resume",
                 step=resume,
@@ -331,6 +342,9 @@ class _Run:
         stop = preemptible() and self.session.any_rank(preemption_requested())
         if is_save_step(cfg, step) or stop:
             self.save(step)
+        if self.fast is not None and self.fast.due(step):  # node-local and on a peer node, in the background
+            state = strategy.dcp_state(self.trainer, self.sched, self.stream, step, self.rank)
+            self.fast.save(step, state, self.session.any_rank)
         self._step_start = time.monotonic()  # a save's time is not the next step's
         return stop
 
@@ -360,6 +374,8 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
     try:
         last = r.loop(resume)
         r.session.wait()  # the last save (the final step's, or the one before a requeue) is settled too
+        if r.fast is not None:
+            r.fast.wait()
     except BaseException as e:
         r.session.abandon(f"train failed: {type(e).__name__}")
         raise

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from pipeline.checkpoint.fast.codec import fill, unpack
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.portable import TrainState, apply_native, open_portable
 from pipeline.checkpoint.state import MODEL, OPTIM, RNG, SCHED, TRAIN, rng_key
@@ -217,6 +218,19 @@ def load_step(
         return portable.train
     finally:
         portable.close()
+
+
+def load_fast(trainer: Trainer, sched: Any, stream: SampleStream, rank: int, blob: bytes) -> TrainState:
+    """A fast-tier copy of this rank's state (same world size and layout) into ``trainer``; the rest returned."""
+    state = fill(dcp_state(trainer, sched, stream, 0, rank), unpack(blob, f"rank {rank}'s fast copy"))
+    set_state_dict(trainer.module, trainer.opt, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
+    return TrainState(
+        step=int(state[TRAIN]["step"]),
+        data_epoch=int(state[TRAIN]["data_epoch"]),
+        data_offset=int(state[TRAIN]["data_offset"]),
+        sched=state[SCHED],
+        rng=state.get(RNG, {}),
+    )
 
 
 PROBE_TOKENS = 16

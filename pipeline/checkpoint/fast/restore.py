@@ -22,14 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.checkpoint.fast import RESUMED_FILE
 from pipeline.checkpoint.fast.local import Copy, digest
 from pipeline.checkpoint.fast.tier import FastTier
 from pipeline.errors import exception_line
 
 log = logging.getLogger(__name__)
 
-RESUMED_FILE = "resumed.json"
-"""``checkpoints/resumed.json``: how the last launch resumed (written by rank 0; ``status`` shows it)."""
+__all__ = ["RESUMED_FILE", "Plan", "plan", "restore"]
+
 Held = tuple[int, Copy]
 """A copy and the rank (this launch's) whose node holds it."""
 

@@ -1,0 +1,46 @@
+"""What the library's ``Checkpointer`` and the app's train stage share around a fast restore: the durable tier's
+floor (the step a fast copy must reach to be used) and the record of how a launch resumed."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint.fast import RESUMED_FILE
+from pipeline.checkpoint.fast.tier import FastConfig
+from pipeline.checkpoint.store import CheckpointStore
+from pipeline.checkpoint.stores import uncommitted
+from pipeline.errors import PipelineError
+from pipeline.storage.atomic import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+def durable_floor(store: CheckpointStore, world_size: int) -> int:
+    """Rank 0: the durable tier's newest step (committed, or staged with every marker), read without verifying
+    it: a fast copy at least this new is restored instead (the durable step is verified only when used)."""
+    try:
+        named = store.latest_named() or 0
+    except (PipelineError, OSError):
+        named = 0
+    return max([named, *uncommitted(store, world_size)])
+
+
+def record_resume(
+    checkpoints: Path, fast_rec: dict[str, Any] | None, step: int, attempt: str, cfg: FastConfig | None
+) -> dict[str, Any]:
+    """Rank 0: write ``checkpoints/resumed.json`` (the tier, the step, each rank's source) and return it."""
+    rec = dict(fast_rec or {"tier": "durable"})
+    if rec.get("tier") != "fast":
+        rec.update(tier="durable" if step else "none", step=step)
+    rec.update(attempt=attempt, at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    if cfg is not None:
+        rec["fast"] = dataclasses.asdict(cfg)
+    try:
+        write_json_atomic(checkpoints / RESUMED_FILE, rec)
+    except OSError as e:
+        log.warning("could not record the resume in %s: %s", checkpoints / RESUMED_FILE, e)
+    return rec
