@@ -31,6 +31,7 @@ from typing import Any
 import xxhash
 
 from pipeline.storage.atomic import create_exclusive, write_bytes_atomic, write_json_atomic
+from pipeline.storage.faults import io_op
 
 KINDS = ("own", "replica")
 _STEP = re.compile(r"^step_(\d+)\.json$")
@@ -167,6 +168,7 @@ class NodeTier:
         name += f"-{secrets.token_hex(2)}"
         for src in (marker.with_suffix(".bin"), marker):
             with contextlib.suppress(FileNotFoundError):
+                io_op("rename", src)
                 os.replace(src, dest / f"{name}{src.suffix}")
         write_json_atomic(dest / f"{name}.why.json", {"why": why, "was": str(marker)})
 
@@ -176,7 +178,7 @@ class NodeTier:
         steps = sorted((int(m.group(1)) for p in d.glob("step_*.json") if (m := _STEP.match(p.name))), reverse=True)
         for step in steps[keep:]:
             for suffix in (".json", ".bin"):  # the marker first: a copy is never offered without its data
-                (d / f"step_{step}{suffix}").unlink(missing_ok=True)
+                _unlink(d / f"step_{step}{suffix}")
 
     def drop_all_but(self, step: int | None) -> None:
         """The keeper, at restore, before any rank saves again: remove every copy not of ``step``."""
@@ -184,11 +186,11 @@ class NodeTier:
             for rank_dir in (self.root / kind).glob("rank_*"):
                 for marker in rank_dir.glob("step_*.json"):
                     if marker.name != f"step_{step}.json":
-                        marker.unlink(missing_ok=True)
-                        marker.with_suffix(".bin").unlink(missing_ok=True)
+                        _unlink(marker)
+                        _unlink(marker.with_suffix(".bin"))
                 for data in rank_dir.glob("step_*.bin"):  # data whose writer died before its marker
                     if not data.with_suffix(".json").exists():
-                        data.unlink(missing_ok=True)
+                        _unlink(data)
 
     def held_bytes(self) -> int:
         total = 0
@@ -201,3 +203,9 @@ class NodeTier:
     def free_bytes(self) -> int:
         self.root.mkdir(parents=True, exist_ok=True)
         return shutil.disk_usage(self.root).free
+
+
+def _unlink(path: Path) -> None:
+    if path.exists():
+        io_op("unlink", path)
+        path.unlink(missing_ok=True)

@@ -164,7 +164,7 @@ class FastTier:
             self.node.prune("own", self.rank, self.cfg.keep)
             self.stats.saved.append(step)
             self.stats.held_bytes = sum(rows[r][0] for r in [self.rank, *(src for _, src in self.pairs)])
-        except Exception as e:  # a background save never kills training: the step is just not in the fast tier
+        except BaseException as e:  # a background save never kills training: the step is just not in the fast tier
             self.stats.failed[step] = exception_line(e)
             log.warning("fast tier: rank %d did not save step %d: %s", self.rank, step, exception_line(e))
         finally:
