@@ -1,0 +1,215 @@
+"""The fast tier against the durable tier, in one script (2 ranks, ``torchrun``, gloo, this machine's 2 cores).
+
+    .venv/bin/python bench/fast_recovery.py [--mb 1100] [--steps 20] [--every 10] [--out DIR]
+
+A DDP model of ``--mb`` MB of training state per rank (parameters + AdamW moments; 1,100 MB = the ≥ 1 GB
+example's size), each rank a "node" with a fast dir of its own in ``/dev/shm``:
+
+1. **Overhead**: the same ``--steps`` steps trained without a fast tier, then with a fast save every ``--every``
+   steps: the step-time overhead (extra wall time / the run without), the time training was blocked per fast
+   save (the copy of its tensors to CPU), the background save's time, and the memory each rank's node holds.
+2. **Recovery**: after the last step is saved durably and in the fast tier, rank 1's node dir is deleted (a
+   replaced node) and the page cache dropped, then a relaunch restores with the fast tier (rank 1's copy from
+   rank 0's replica, over gloo) and, separately, from the durable tier alone; durable tier = the run dir on
+   local disk, on a SeaweedFS FUSE mount (a shared filesystem) and in a SeaweedFS S3 bucket (loopback). Each
+   restore is timed from the relaunched ``Checkpointer``'s ``load_latest`` call to its return; the ratio is
+   durable / fast.
+
+Results: ``<out>/fast_recovery.json`` and a Markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+WIDTH = 2048
+
+
+# -- the worker (one rank under torchrun) --------------------------------------------------------------------------
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    from pipeline.checkpoint import Checkpointer, RankRNG  # noqa: PLC0415
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = max(1, int(args.mb * 1e6 / 12 / (WIDTH * WIDTH)))  # params + two AdamW moments, fp32
+    net = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, WIDTH)
+    fast_every = args.every if args.fast else None
+    ckpt = Checkpointer(args.run_dir, storage=args.storage, fast_every=fast_every, deadline_s=900,
+                        fast_dir=f"{args.node_dirs}/node{rank}")  # fmt: skip
+    state = {"model": model, "optim": opt, "rng": RankRNG(rank)}
+    out: dict[str, Any] = {"layers": layers}
+    if args.mode == "restore":
+        t0 = time.monotonic()
+        out["step"] = ckpt.load_latest(into=state)
+        out["restore_s"] = time.monotonic() - t0
+        out["tier"] = (ckpt.resumed or {}).get("tier", "durable")
+    else:
+        blocked, t0 = [], time.monotonic()
+        for step in range(1, args.steps + 1):
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if ckpt.should_save_fast(step):
+                blocked.append(ckpt.save_fast(step, state))
+        train_s = time.monotonic() - t0
+        if ckpt.fast is not None:
+            ckpt.fast.wait()
+            out["held_bytes"] = ckpt.fast.stats.held_bytes
+            out["persist_s"] = ckpt.fast.stats.last_persist_s
+            out["fast_saved"] = ckpt.fast.stats.saved
+        out.update(train_s=train_s, blocked_s=blocked)
+        if args.save:
+            t1 = time.monotonic()
+            ckpt.save(args.steps, state)
+            out["durable_save_s"] = time.monotonic() - t1
+    ckpt.close()
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+# -- the orchestrator ---------------------------------------------------------------------------------------------
+
+
+def _launch(args: argparse.Namespace, mode: str, run: Path, nodes: Path, *, fast: bool, storage: str | None = None,
+            save: bool = False, env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", __file__,
+           "--worker", mode, "--run-dir", str(run), "--node-dirs", str(nodes), "--mb", str(args.mb), "--steps",
+           str(args.steps), "--every", str(args.every)]  # fmt: skip
+    cmd += ["--fast"] if fast else []
+    cmd += ["--save"] if save else []
+    cmd += ["--storage", storage] if storage else []
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{mode} failed ({done.returncode}): {done.stderr[-3000:]}")
+    return dict(json.loads(lines[-1][7:]))
+
+
+def _recovery(args: argparse.Namespace, where: str, run: Path, nodes: Path, storage: str | None,
+              env: dict[str, str] | None) -> dict[str, Any]:  # fmt: skip
+    saved = _launch(args, "train", run, nodes, fast=True, storage=storage, save=True, env=env)
+    key = next((nodes / "node1").iterdir())
+    shutil.rmtree(key)  # rank 1's node replaced: an empty local tier
+    _drop_caches()  # a relaunch after a node failure finds nothing of the durable step in its page cache
+    fast = _launch(args, "restore", run, nodes, fast=True, storage=storage, env=env)
+    _drop_caches()
+    durable = _launch(args, "restore", run, nodes, fast=False, storage=storage, env=env)
+    print(f"  {where}: durable save {saved['durable_save_s']:.2f}s; restore fast {fast['restore_s']:.2f}s "
+          f"({fast['tier']}), durable {durable['restore_s']:.2f}s ({durable['tier']})", flush=True)  # fmt: skip
+    return {"where": where, "durable_save_s": saved["durable_save_s"], "fast": fast, "durable": durable,
+            "ratio": durable["restore_s"] / fast["restore_s"]}  # fmt: skip
+
+
+def _drop_caches() -> None:
+    """Drop the page cache (root; /dev/shm, the fast tier, is RAM and stays), else say the figures are warm."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        print(f"  (page cache not dropped: {e.strerror}; the durable restores read warm data)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=float, default=1100.0)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "fast_recovery"))
+    p.add_argument("--only", default="overhead,local,sharedfs,s3")
+    p.add_argument("--worker", choices=("train", "restore"))
+    p.add_argument("--run-dir", default="")
+    p.add_argument("--node-dirs", default="")
+    p.add_argument("--storage", default=None)
+    p.add_argument("--fast", action="store_true")
+    p.add_argument("--save", action="store_true")
+    args = p.parse_args()
+    if args.worker:
+        args.mode = args.worker
+        _worker(args)
+        return
+    only = set(args.only.split(","))
+    scratch = Path(tempfile.mkdtemp(prefix="fastbench-", dir="/var/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="fastbench-", dir="/dev/shm"))
+    results: dict[str, Any] = {"mb": args.mb, "steps": args.steps, "every": args.every, "cpus": os.cpu_count()}
+    try:
+        if "overhead" in only:
+            results["overhead"] = _overhead(args, scratch, shm)
+        results["recovery"] = _recoveries(args, only, scratch, shm)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fast_recovery.json").write_text(json.dumps(results, indent=2) + "\n")
+    print("\n| durable tier | durable save | restore: durable | restore: fast | durable / fast |")
+    print("|---|---|---|---|---|")
+    for r in results["recovery"]:
+        print(f"| {r['where']} | {r['durable_save_s']:.2f} s | {r['durable']['restore_s']:.2f} s | "
+              f"{r['fast']['restore_s']:.2f} s | {r['ratio']:.1f}x |")  # fmt: skip
+
+
+def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, Any]:
+    plain = _launch(args, "train", scratch / "plain", shm / "plain", fast=False)
+    fast = _launch(args, "train", scratch / "fast", shm / "fast", fast=True)
+    o = {
+        "plain_train_s": plain["train_s"],
+        "fast_train_s": fast["train_s"],
+        "overhead": fast["train_s"] / plain["train_s"] - 1,
+        "blocked_s": fast["blocked_s"],
+        "persist_s": fast.get("persist_s"),
+        "held_bytes_per_rank": fast.get("held_bytes"),
+    }
+    print(f"  overhead: {o['overhead']:+.1%} ({plain['train_s']:.1f}s -> {fast['train_s']:.1f}s for {args.steps} "
+          f"steps); blocked {max(fast['blocked_s']):.2f}s per fast save; background {o['persist_s']:.2f}s; "
+          f"{(o['held_bytes_per_rank'] or 0) / 1e9:.2f} GB held per rank", flush=True)  # fmt: skip
+    return o
+
+
+def _recoveries(args: argparse.Namespace, only: set[str], scratch: Path, shm: Path) -> list[dict[str, Any]]:
+    out = []
+    if "local" in only:
+        out.append(_recovery(args, "local disk", scratch / "local", shm / "local", None, None))
+    if "sharedfs" in only:
+        from tests.sharedfs import shared_filesystem, skip_reason  # noqa: PLC0415
+
+        why = skip_reason()
+        if why:
+            print(f"  shared filesystem skipped: {why}")
+        else:
+            with shared_filesystem(scratch / "sfs", mounts=1) as fs:
+                out.append(_recovery(args, "SeaweedFS FUSE", fs.mounts[0] / "run", shm / "sfs", None, None))
+    if "s3" in only:
+        from tests.s3.server import seaweedfs  # noqa: PLC0415
+
+        with seaweedfs(scratch / "s3data", volume_mb=1024) as server:
+            url = f"s3://{server.new_bucket()}/run"
+            out.append(_recovery(args, "S3 bucket", scratch / "s3run", shm / "s3", url, server.env()))
+    return out
+
+
+if __name__ == "__main__":
+    main()
