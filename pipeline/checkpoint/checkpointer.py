@@ -49,8 +49,7 @@ from pipeline.checkpoint.background import BackgroundCommitter
 from pipeline.checkpoint.committer import CommitPolicy
 from pipeline.checkpoint.external_wait import await_external_commit
 from pipeline.checkpoint.fast.codec import fill, unpack
-from pipeline.checkpoint.fast.restore import restore
-from pipeline.checkpoint.fast.resuming import durable_floor, record_resume
+from pipeline.checkpoint.fast.resuming import FastResume
 from pipeline.checkpoint.fast.tier import FAST_DIR_ENV, FastConfig, FastTier
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.ownership import committer_alive
@@ -308,32 +307,20 @@ class Checkpointer:
             same_world = manifest.world_size == self.world_size
             return load_state(rest, step_dir, self.group, self.rank, same_world=same_world)
 
-        fast = None if self.fast is None or engine_key is not None else self.fast
-
-        def first(floor: int) -> int | None:
-            if fast is None:
-                return None
-            return restore(fast, floor, lambda blob: self._load_fast(rest, blob), self._note_resume)
-
-        step = self.session.load_latest(self._resume_step, load, first=first, floor=self._durable_floor)
-        if self.rank == 0 and self.fast is not None:
-            self._record_resume(step)
+        fast = None
+        if self.fast is not None and engine_key is None:
+            store = store_for(self.layout, self.remote)
+            fast = FastResume(self.fast, store, self.layout.checkpoints, lambda blob: self._load_fast(rest, blob))
+        first, floor = (fast.first, fast.floor) if fast is not None else (None, None)
+        step = self.session.load_latest(self._resume_step, load, first=first, floor=floor)
+        if fast is not None and self.rank == 0:
+            self.resumed = fast.record(step)
         self._last_save = time.monotonic()
         return step
 
     def _load_fast(self, into: dict[str, Any], blob: bytes) -> int:
         target = fill(save_state(into, 0, self.rank), unpack(blob, f"rank {self.rank}'s fast copy"))
         return apply_state(into, target)
-
-    def _durable_floor(self) -> int:
-        return durable_floor(store_for(self.layout, self.remote), self.world_size)
-
-    def _note_resume(self, rec: dict[str, Any]) -> None:
-        self.resumed = rec
-
-    def _record_resume(self, step: int) -> None:
-        cfg = self.fast.cfg if self.fast is not None else None
-        self.resumed = record_resume(self.layout.checkpoints, self.resumed, step, self.attempt, cfg)
 
     def _resume_step(self) -> int | str:
         start = time.monotonic()

@@ -42,12 +42,10 @@ from pipeline.stagekit import fast_tier, saving
 from pipeline.stagekit.contract import Resources, StageContract, TaskContext
 from pipeline.stagekit.preemption import no_requeue_reason, preemptible, preemption_requested
 from pipeline.stagekit.records import producer_attempt, stage_alive
-from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.integrity import is_real_dir, lstat_kind, not_real_dirs
 from pipeline.storage.metrics import MetricsWriter
 from pipeline.strategies import trainer as strategy
 from pipeline.strategies.process_group import init_distributed
-from pipeline.strategies.trainer import Trainer
 from pipeline.strategies.user_loop import LoopContext, eval_loss, run_user_loop
 from pipeline.workload.corpus import check_unchanged
 from pipeline.workload.data import DataPosition, SampleStream
@@ -204,7 +202,7 @@ class _Run:
             loaded[:] = [(strategy.load_fast(self.trainer, self.sched, self.stream, rank, blob), None)]
             return loaded[0][0].step
 
-        fast = None if self.fast is None else fast_tier.FastResume(self.ctx, self.fast, load_fast)
+        fast = fast_tier.resume_with(self.ctx, self.fast, load_fast)
         first, floor = (fast.first, fast.floor) if fast is not None else (None, None)
         resume = self.session.load_latest(lambda: _resume_step(cfg, self.layout), load, first=first, floor=floor)
         if fast is not None and rank == 0:
@@ -380,7 +378,7 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         r.session.abandon(f"train failed: {type(e).__name__}")
         raise
     if last == final_step(cfg) and os.environ.get(PROBE_ENV):
-        _write_probe(r.trainer, r.stream, device, os.environ[PROBE_ENV], r.rank)
+        strategy.write_probe(r.trainer, r.stream, device, os.environ[PROBE_ENV], r.rank)
     dist.barrier()
     r.event("end", last_step=last)
     if r.tensorboard is not None:
@@ -398,10 +396,3 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
             raise PipelineError(f"{why}; step {last} is saved: continue with python -m pipeline run.id={layout.run_id}")
         summary["requeue"] = True
     return summary
-
-
-def _write_probe(trainer: Trainer, stream: SampleStream, device: torch.device, path: str, rank: int) -> None:
-    """Every rank computes (ZeRO-3 and FSDP2 gather their shards); rank 0 writes (tests only: ``PROBE_ENV``)."""
-    probe = strategy.probe_logits(trainer, stream, device)
-    if rank == 0:
-        write_json_atomic(Path(path), probe)

@@ -33,6 +33,7 @@ from pipeline.config.workload import TrainConfig
 from pipeline.formats.dcp import FORMAT as DCP_FORMAT
 from pipeline.formats.dcp import load_into
 from pipeline.rundir.layout import RunLayout
+from pipeline.storage.atomic import write_json_atomic
 from pipeline.strategies import zero
 from pipeline.workload.data import SampleStream, load_tokenizer
 from pipeline.workload.model import base_model, build_model, fsdp_units, is_transformers, load_target, loss_of
@@ -234,6 +235,14 @@ def load_fast(trainer: Trainer, sched: Any, stream: SampleStream, rank: int, blo
 
 
 PROBE_TOKENS = 16
+
+
+def write_probe(trainer: Trainer, stream: SampleStream, device: torch.device, path: str, rank: int) -> None:
+    """Every rank computes (ZeRO-3 and FSDP2 gather their shards); rank 0 writes (tests only: the train stage's
+    ``PROBE_ENV``)."""
+    probe = probe_logits(trainer, stream, device)
+    if rank == 0:
+        write_json_atomic(Path(path), probe)
 
 
 def probe_logits(trainer: Trainer, stream: SampleStream, device: torch.device) -> dict[str, object]:

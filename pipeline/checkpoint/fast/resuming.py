@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.fast import RESUMED_FILE
-from pipeline.checkpoint.fast.tier import FastConfig
+from pipeline.checkpoint.fast.restore import restore
+from pipeline.checkpoint.fast.tier import FastConfig, FastTier
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.checkpoint.stores import uncommitted
 from pipeline.errors import PipelineError
@@ -44,3 +46,25 @@ def record_resume(
     except OSError as e:
         log.warning("could not record the resume in %s: %s", checkpoints / RESUMED_FILE, e)
     return rec
+
+
+class FastResume:
+    """The ``first``/``floor`` pair :meth:`~pipeline.checkpoint.session.CheckpointSession.load_latest` takes, and
+    the record rank 0 writes once the step is loaded."""
+
+    def __init__(self, tier: FastTier, store: CheckpointStore, checkpoints: Path, load: Callable[[bytes], int]):
+        self.tier, self.store, self.checkpoints, self.load = tier, store, checkpoints, load
+        self.rec: dict[str, Any] | None = None
+
+    def floor(self) -> int:
+        return durable_floor(self.store, self.tier.world)
+
+    def first(self, floor: int) -> int | None:
+        return restore(self.tier, floor, self.load, self._note)
+
+    def _note(self, rec: dict[str, Any]) -> None:
+        self.rec = rec
+
+    def record(self, step: int) -> dict[str, Any]:
+        """Rank 0: ``checkpoints/resumed.json``."""
+        return record_resume(self.checkpoints, self.rec, step, self.tier.attempt, self.tier.cfg)
