@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
 import secrets
 import shutil
@@ -30,8 +29,7 @@ from typing import Any
 
 import xxhash
 
-from pipeline.storage.atomic import create_exclusive, write_bytes_atomic, write_json_atomic
-from pipeline.storage.faults import io_op
+from pipeline.storage.atomic import clear_file, create_exclusive, move_aside, write_bytes_atomic, write_json_atomic
 
 KINDS = ("own", "replica")
 _STEP = re.compile(r"^step_(\d+)\.json$")
@@ -163,13 +161,11 @@ class NodeTier:
     def quarantine(self, marker: Path, why: str) -> None:
         """Move a copy (marker and data) aside with a note; it is never offered again."""
         dest = self.root / "quarantine"
-        dest.mkdir(parents=True, exist_ok=True)
         name = f"{marker.parent.parent.name}-{marker.parent.name}-{marker.stem}-{time.strftime('%Y%m%dT%H%M%S')}"
         name += f"-{secrets.token_hex(2)}"
         for src in (marker.with_suffix(".bin"), marker):
             with contextlib.suppress(FileNotFoundError):
-                io_op("rename", src)
-                os.replace(src, dest / f"{name}{src.suffix}")
+                move_aside(src, dest, f"{name}{src.suffix}")
         write_json_atomic(dest / f"{name}.why.json", {"why": why, "was": str(marker)})
 
     def prune(self, kind: str, shard: int, keep: int) -> None:
@@ -207,5 +203,4 @@ class NodeTier:
 
 def _unlink(path: Path) -> None:
     if path.exists():
-        io_op("unlink", path)
-        path.unlink(missing_ok=True)
+        clear_file(path)
