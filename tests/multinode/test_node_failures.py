@@ -28,7 +28,9 @@ print(hash_file(Path(sys.argv[1]) / "checkpoints" / f"step_{sys.argv[2]}" / "man
 def _wait_for(cluster: Cluster, path: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while cluster.run(LOGIN, "test", "-e", str(path), check=False).returncode != 0:
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s:g} s"
+        if time.monotonic() > deadline:
+            nodes = cluster.run(LOGIN, "sinfo", "-N", "-h", "-o", "%N %t %E", check=False).stdout
+            raise AssertionError(f"{path} did not appear within {timeout_s:g} s; queue:\n{cluster.squeue()}\n{nodes}")
         time.sleep(1)
 
 

@@ -170,14 +170,14 @@ class FastTier:
         finally:
             self.stats.last_persist_s = time.monotonic() - t0
 
-    def _swap(self, blob: bytearray, dst: int, src: int, size: int) -> bytes:
+    def _swap(self, blob: bytearray, dst: int, src: int, size: int) -> memoryview:
         out = torch.empty(size, dtype=torch.uint8)
         works = [dist.isend(torch.frombuffer(blob, dtype=torch.uint8), dst, group=self.xfer),
                  dist.irecv(out, src, group=self.xfer)]  # fmt: skip
         for work in works:
             if work is not None:
                 work.wait()
-        return out.numpy().tobytes()
+        return out.numpy().data.cast("B")  # the received tensor's own buffer, not a copy
 
     def _settle(self, timeout_s: float) -> bool:
         """Wait for the background save (bounded); False if it still runs."""
