@@ -25,9 +25,12 @@ print(hash_file(Path(sys.argv[1]) / "checkpoints" / f"step_{sys.argv[2]}" / "man
 """
 
 
-def _wait_for(cluster: Cluster, path: Path, timeout_s: float) -> None:
+def _wait_for(cluster: Cluster, path: Path, timeout_s: float, launch: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + timeout_s
     while cluster.run(LOGIN, "test", "-e", str(path), check=False).returncode != 0:
+        if launch.poll() is not None:
+            out = launch.stdout.read() if launch.stdout else ""
+            raise AssertionError(f"the launch ended ({launch.returncode}) before {path} appeared: {out[-3000:]}")
         if time.monotonic() > deadline:
             nodes = cluster.run(LOGIN, "sinfo", "-N", "-h", "-o", "%N %t %E", check=False).stdout
             raise AssertionError(f"{path} did not appear within {timeout_s:g} s; queue:\n{cluster.squeue()}\n{nodes}")
@@ -43,12 +46,13 @@ def test_a_node_killed_mid_train_costs_no_committed_step_and_the_run_resumes(
     launch = subprocess.Popen(
         ["bash", str(SCRIPTS / "node.sh"), "exec", LOGIN, "env", SLOW_STEP_8, PYTHON, "-m", "pipeline", *TINY,
          f"run.root={root}", "run.id=killed", "train.steps=12", "launcher.stages.train.nodes=2",
-         "+launcher.stages.train.extra.nodelist=node[1-2]", "+launcher.stages.verify_manifest.extra.nodelist=node3"],
+         "+launcher.stages.verify_manifest.extra.nodelist=node3"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        _wait_for(cluster, run / "checkpoints" / "step_4" / "manifest.json", 180)
+        _wait_for(cluster, run / "checkpoints" / "step_4" / "manifest.json", 180, launch)
         step4 = cluster.python(LOGIN, "-c", MANIFEST_HASH, str(run), "4").stdout
+        # SLURM gives train the two lowest idle nodes (not pinned: its requeue must be free to take node[1,3])
         assert "train-killed RUNNING node[1-2]" in cluster.squeue(), cluster.squeue()
         cluster.node("kill9", "node2")  # everything in node2 dies, its mount with it, mid-way through step 8
         out, _ = launch.communicate(timeout=600)
@@ -104,7 +108,7 @@ def test_the_committers_node_cut_off_is_replaced_and_its_ghost_changes_nothing(
     )  # fmt: skip
     healed = False
     try:
-        _wait_for(cluster, run / "checkpoints" / "step_4" / "manifest.json", 180)
+        _wait_for(cluster, run / "checkpoints" / "step_4" / "manifest.json", 180, launch)
         assert "verify-manifest-cut RUNNING node3" in cluster.squeue(), cluster.squeue()
         cluster.node("cut", "node3")  # past SlurmdTimeout: SLURM requeues the committer; the old one runs on, cut off
         out, _ = launch.communicate(timeout=600)
