@@ -2,9 +2,9 @@
 
 A fast-tier copy holds what this rank has of the state dict (:func:`pipeline.checkpoint.state.save_state`'s
 structure: FSDP2's DTensors as their local shards, DDP's replicated tensors whole), so it restores only at the
-same world size and layout, into the same rank. The blob is ``PFT1``, the skeleton's length (8 bytes, little
-endian), the skeleton as JSON (containers, scalars, strings, bytes and where each tensor goes), then the tensors
-as safetensors: decoding parses JSON and safetensors, never pickle.
+same world size and layout, into the same rank. The blob is a safetensors file whose metadata holds the
+skeleton as JSON (containers, scalars, strings, bytes and where each tensor goes): decoding parses JSON and
+safetensors, never pickle.
 
 Copying the tensors to CPU (:func:`snapshot`) is what training waits for; :func:`pack` (serialising) runs in the
 background.
@@ -26,8 +26,10 @@ from torch.distributed.tensor import DTensor
 
 from pipeline.errors import CheckpointFormatError
 
-MAGIC = b"PFT1"
-_HEAD = struct.Struct("<4sQ")
+SKELETON_KEY = "pipeline.fast.skeleton"
+"""The safetensors metadata entry that holds the skeleton."""
+_HEAD = struct.Struct("<Q")
+"""safetensors' own first 8 bytes: the length of its JSON header."""
 
 
 @dataclass
@@ -68,28 +70,25 @@ def snapshot(state: Any) -> Snapshot:
     return Snapshot(walk(state, ""), tensors)
 
 
-def pack(snap: Snapshot) -> bytearray:
-    """The blob of ``snap`` (magic, skeleton, safetensors)."""
-    skeleton = json.dumps(snap.skeleton, separators=(",", ":")).encode()
-    out = bytearray(_HEAD.pack(MAGIC, len(skeleton)))
-    out += skeleton
-    out += st_save(snap.tensors)
-    return out
+def pack(snap: Snapshot) -> bytes:
+    """The blob of ``snap``: safetensors, the skeleton in its metadata (no second copy of the tensors' bytes).
+    The snapshot's tensors are released as soon as they are serialised."""
+    skeleton = json.dumps(snap.skeleton, separators=(",", ":"))
+    tensors, snap.tensors = snap.tensors, {}
+    blob = st_save(tensors, metadata={SKELETON_KEY: skeleton})
+    tensors.clear()
+    return blob
 
 
-def unpack(blob: bytes | memoryview, what: str) -> Any:
+def unpack(blob: bytes, what: str) -> Any:
     """The state a blob holds (CPU tensors); ``what`` names it in errors."""
-    view = memoryview(blob)
-    if len(view) < _HEAD.size:
-        raise CheckpointFormatError(f"{what}: {len(view)} bytes is too short for a fast-tier copy")
-    magic, n = _HEAD.unpack_from(view)
-    if magic != MAGIC or _HEAD.size + n > len(view):
-        raise CheckpointFormatError(f"{what}: not a fast-tier copy (bad header)")
     try:
-        skeleton = json.loads(bytes(view[_HEAD.size : _HEAD.size + n]))
-        tensors = st_load(bytes(view[_HEAD.size + n :]))
-    except (ValueError, RuntimeError, SafetensorError) as e:  # JSONDecodeError is a ValueError
-        raise CheckpointFormatError(f"{what}: unreadable fast-tier copy ({e})") from e
+        (n,) = _HEAD.unpack_from(blob)
+        header = json.loads(bytes(blob[_HEAD.size : _HEAD.size + n]))
+        skeleton = json.loads(header["__metadata__"][SKELETON_KEY])
+        tensors = st_load(blob)
+    except (ValueError, RuntimeError, SafetensorError, KeyError, TypeError, struct.error) as e:
+        raise CheckpointFormatError(f"{what}: not a readable fast-tier copy ({e})") from e
 
     def build(node: Any) -> Any:
         if not isinstance(node, dict) or len(node) != 1:

@@ -176,7 +176,7 @@ def _move(tier: FastTier, p: Plan) -> tuple[bytes | None, str]:
                 continue
             buf = torch.empty(int(size.item()), dtype=torch.uint8)
             dist.recv(buf, holder, group=tier.group)
-            blob, error = buf.numpy().tobytes(), ""
+            blob, error = buf.numpy().tobytes(), ""  # safetensors reads bytes
     return blob, error
 
 

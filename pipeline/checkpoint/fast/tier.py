@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -125,7 +126,8 @@ class FastTier:
                 self._disable(short or "a rank's node has no room for its fast copies")
                 return time.monotonic() - t0
         self._pending = step
-        self._thread = threading.Thread(target=self._persist, args=(step, snap), name=f"fast-save-{step}", daemon=True)
+        held = [snap]  # the thread takes it out, so the snapshot is freed once serialised
+        self._thread = threading.Thread(target=self._persist, args=(step, held), name=f"fast-save-{step}", daemon=True)
         self._thread.start()
         return time.monotonic() - t0
 
@@ -145,11 +147,10 @@ class FastTier:
             log.warning("fast tier off: %s; durable saves only", why)
         self.enabled = False
 
-    def _persist(self, step: int, snap: Snapshot) -> None:
+    def _persist(self, step: int, held: list[Snapshot]) -> None:
         t0 = time.monotonic()
         try:
-            blob = pack(snap)
-            del snap
+            blob = pack(held.pop())
             table: list[Any] = [None] * self.world
             dist.all_gather_object(table, (len(blob), digest(blob)), group=self.xfer)
             rows = tuple((int(s), str(h)) for s, h in table)
@@ -170,9 +171,12 @@ class FastTier:
         finally:
             self.stats.last_persist_s = time.monotonic() - t0
 
-    def _swap(self, blob: bytearray, dst: int, src: int, size: int) -> memoryview:
+    def _swap(self, blob: bytes, dst: int, src: int, size: int) -> memoryview:
         out = torch.empty(size, dtype=torch.uint8)
-        works = [dist.isend(torch.frombuffer(blob, dtype=torch.uint8), dst, group=self.xfer),
+        with warnings.catch_warnings():  # a read-only buffer: only sent, never written through
+            warnings.simplefilter("ignore", UserWarning)
+            mine = torch.frombuffer(blob, dtype=torch.uint8)
+        works = [dist.isend(mine, dst, group=self.xfer),
                  dist.irecv(out, src, group=self.xfer)]  # fmt: skip
         for work in works:
             if work is not None:
