@@ -118,6 +118,7 @@ def _recovery(args: argparse.Namespace, where: str, run: Path, nodes: Path, stor
     fast = _launch(args, "restore", run, nodes, fast=True, storage=storage, env=env)
     _drop_caches()
     durable = _launch(args, "restore", run, nodes, fast=False, storage=storage, env=env)
+    shutil.rmtree(nodes, ignore_errors=True)  # RAM: the next section needs it
     print(f"  {where}: durable save {saved['durable_save_s']:.2f}s; restore fast {fast['restore_s']:.2f}s "
           f"({fast['tier']}), durable {durable['restore_s']:.2f}s ({durable['tier']})", flush=True)  # fmt: skip
     return {"where": where, "durable_save_s": saved["durable_save_s"], "fast": fast, "durable": durable,
@@ -175,6 +176,7 @@ def main() -> None:
 def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, Any]:
     plain = _launch(args, "train", scratch / "plain", shm / "plain", fast=False)
     fast = _launch(args, "train", scratch / "fast", shm / "fast", fast=True)
+    shutil.rmtree(shm, ignore_errors=True)  # RAM: the next section needs it
     o = {
         "plain_train_s": plain["train_s"],
         "fast_train_s": fast["train_s"],

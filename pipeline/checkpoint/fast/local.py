@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
 import secrets
 import shutil
@@ -30,6 +31,7 @@ from typing import Any
 import xxhash
 
 from pipeline.storage.atomic import clear_file, create_exclusive, move_aside, write_bytes_atomic, write_json_atomic
+from pipeline.storage.integrity import hash_file
 
 KINDS = ("own", "replica")
 _STEP = re.compile(r"^step_(\d+)\.json$")
@@ -118,8 +120,15 @@ class NodeTier:
         write_bytes_atomic(data, blob)  # type: ignore[arg-type]  # any buffer: written through a memoryview
         write_json_atomic(marker, c.marker())
 
-    def read(self, c: Copy) -> bytes:
-        return self.paths(c)[0].read_bytes()
+    def read(self, c: Copy) -> bytearray:
+        """A copy's bytes, read straight into one buffer (which a send can wrap without copying)."""
+        path = self.paths(c)[0]
+        with open(path, "rb", buffering=0) as f:
+            buf = bytearray(os.fstat(f.fileno()).st_size)
+            view, done = memoryview(buf), 0
+            while done < len(buf) and (n := f.readinto(view[done:])):
+                done += n
+        return buf if done == len(buf) else buf[:done]
 
     def scan(self) -> tuple[list[Copy], list[tuple[Path, str]]]:
         """Every copy here whose bytes match its marker, and the files that do not (with why). Reads every byte."""
@@ -149,13 +158,13 @@ class NodeTier:
             return "marker's own entry disagrees with its table", None
         data = marker.with_suffix(".bin")
         try:
-            blob = data.read_bytes()
+            size = data.stat().st_size
+            if size != c.size:
+                return f"{size} bytes, the marker says {c.size}", None
+            if hash_file(data) != c.hash:  # streamed: no second copy of the blob in memory
+                return "its bytes do not match the marker's hash", None
         except OSError as e:
             return f"its data is unreadable ({e.strerror or e})", None
-        if len(blob) != c.size:
-            return f"{len(blob)} bytes, the marker says {c.size}", None
-        if digest(blob) != c.hash:
-            return "its bytes do not match the marker's hash", None
         return "", c
 
     def quarantine(self, marker: Path, why: str) -> None:

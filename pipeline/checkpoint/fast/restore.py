@@ -163,7 +163,7 @@ def _move(tier: FastTier, p: Plan) -> tuple[bytes | None, str]:
         if holder == shard:
             if tier.rank == shard:
                 try:
-                    blob, error = tier.node.read(c), ""
+                    blob, error = tier.node.paths(c)[0].read_bytes(), ""  # bytes: what safetensors reads
                 except OSError as e:
                     error = f"unreadable ({e.strerror or e})"
         elif tier.rank == holder:
@@ -182,7 +182,7 @@ def _move(tier: FastTier, p: Plan) -> tuple[bytes | None, str]:
 
 def _send(tier: FastTier, c: Copy, to: int) -> None:
     try:
-        data = bytearray(tier.node.read(c))
+        data = tier.node.read(c)
     except OSError:
         dist.send(torch.tensor([-1], dtype=torch.int64), to, group=tier.group)
         return
