@@ -279,3 +279,16 @@ def test_no_import_cycles_including_type_checking_and_function_imports() -> None
     for mod in sorted(graph):
         if mod not in state:
             visit(mod)
+
+
+def test_every_package_ships_in_the_wheel() -> None:
+    """``pyproject.toml`` lists packages by name: a new subpackage missing there installs broken (a wheel)."""
+    import tomllib  # noqa: PLC0415
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("pipeline", "launchers")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
