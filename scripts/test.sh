@@ -6,7 +6,7 @@ bash scripts/setup.sh
 .venv/bin/ruff check pipeline launchers tests bench
 .venv/bin/ruff format --check pipeline launchers tests bench
 .venv/bin/mypy pipeline launchers
-# Four workers (PYTEST_WORKERS): the suite mostly waits on the processes it starts; the SLURM tests run one at a
+# Three workers (PYTEST_WORKERS): the suite mostly waits on the processes it starts; the SLURM tests run one at a
 # time across workers on one shared cluster (tests/slurm/conftest.py). --durations=15 (pyproject) prints the
 # slowest tests at the end.
-.venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-4}" --dist loadgroup "$@"
+.venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-3}" --dist loadgroup "$@"
