@@ -168,7 +168,11 @@ class Checkpointer:
         if fast_every is not None:
             cfg = FastConfig(fast_every, fast_dir or os.environ.get(FAST_DIR_ENV, FastConfig.dir), fast_replicas,
                              fast_keep)  # fmt: skip
-            self.fast = FastTier(cfg, self.layout.run_dir, self.attempt, self.group, deadline_s)
+            try:
+                self.fast = FastTier(cfg, self.layout.run_dir, self.attempt, self.group, deadline_s)
+            except PipelineError:
+                self._stop_committer()  # as for any other failed open: nothing of this Checkpointer runs on
+                raise
         self.resumed: dict[str, Any] | None = None
         """How :meth:`load_latest` resumed (rank 0): the tier, the step, where each rank's bytes came from."""
         self._last_save = time.monotonic()

@@ -202,14 +202,7 @@ def load_step(
         if manifest.world_size != world:
             del state[RNG]  # the generators of ranks that no longer exist (or not yet) are not carried
         load_into(state, step_dir, process_group=pg)
-        set_state_dict(trainer.module, trainer.opt, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
-        return TrainState(
-            step=int(state[TRAIN]["step"]),
-            data_epoch=int(state[TRAIN]["data_epoch"]),
-            data_offset=int(state[TRAIN]["data_offset"]),
-            sched=state[SCHED],
-            rng=state.get(RNG, {}),
-        )
+        return _apply_dcp_state(trainer, state)
     portable = open_portable(step_dir, manifest)
     try:
         if trainer.engine is not None:
@@ -224,6 +217,11 @@ def load_step(
 def load_fast(trainer: Trainer, sched: Any, stream: SampleStream, rank: int, blob: bytes) -> TrainState:
     """A fast-tier copy of this rank's state (same world size and layout) into ``trainer``; the rest returned."""
     state = fill(dcp_state(trainer, sched, stream, 0, rank), unpack(blob, f"rank {rank}'s fast copy"))
+    return _apply_dcp_state(trainer, state)
+
+
+def _apply_dcp_state(trainer: Trainer, state: dict[str, Any]) -> TrainState:
+    """A loaded :func:`dcp_state` into ``trainer`` (model and optimizer by name); the rest returned."""
     set_state_dict(trainer.module, trainer.opt, model_state_dict=state[MODEL], optim_state_dict=state[OPTIM])
     return TrainState(
         step=int(state[TRAIN]["step"]),

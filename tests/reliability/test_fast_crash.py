@@ -18,6 +18,7 @@ import torch
 
 from pipeline.checkpoint import Checkpointer
 from pipeline.checkpoint.fast.local import NodeTier, run_key
+from pipeline.errors import PipelineError
 from pipeline.storage import faults
 from tests.reliability.conftest import record, sized
 from tests.reliability.test_crash_points import _crash, pick_points
@@ -141,3 +142,9 @@ def test_a_node_dir_without_room_turns_the_fast_tier_off_in_one_line(
     lines = [r.getMessage() for r in caplog.records if "fast tier off" in r.getMessage()]
     assert len(lines) == 1 and "MB free" in lines[0] and "checkpoint.fast.dir" in lines[0], lines
     assert not list((tmp_path / "node").glob("*/own/*/*"))
+
+
+def test_a_fast_dir_that_cannot_be_used_is_one_error_on_every_rank(one_rank: object, tmp_path: Path) -> None:
+    (tmp_path / "node").write_text("a file, not a dir")
+    with pytest.raises(PipelineError, match="fast tier: cannot use its dir .*rank 0: .*node-local dir"):
+        _ck(tmp_path)

@@ -80,8 +80,15 @@ class FastTier:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.node = NodeTier(Path(rank_dir or cfg.dir) / run_key(run_dir))
         self.xfer = dist.new_group(backend="gloo", timeout=timedelta(seconds=deadline_s))
+        try:
+            mine = self.node.node_id()
+        except OSError as e:  # every rank hears it (a rank raising alone would leave the others in the gather)
+            mine = f"error: {self.node.root}: {e.strerror or e}"
         ids: list[Any] = [None] * self.world
-        dist.all_gather_object(ids, self.node.node_id(), group=group)
+        dist.all_gather_object(ids, mine, group=group)
+        bad = [f"rank {r}: {i[7:]}" for r, i in enumerate(ids) if str(i).startswith("error: ")]
+        if bad:
+            raise PipelineError(f"fast tier: cannot use its dir ({'; '.join(bad)}): give a writable node-local dir")
         self.node_ids: list[str] = ids
         self.keeper = ids.index(ids[self.rank]) == self.rank
         per_node = ids.count(ids[self.rank])
