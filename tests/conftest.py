@@ -229,3 +229,27 @@ def bucket(s3_server: S3Server, s3_env: dict[str, str]) -> str:
 @pytest.fixture
 def prefix() -> str:
     return f"t-{uuid.uuid4().hex[:10]}/r1"
+
+
+_CPU_LOG = os.environ.get("PIPELINE_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``PIPELINE_TEST_CPU_LOG=<file>``, append each test's CPU seconds (this worker and the children it
+    waited for: the pipelines it launched) and wall seconds, setup included, one JSON line per test. It is how the
+    suite's time on 2 cores is budgeted: wall time under xdist says little about which test costs the CPU."""
+    if not _CPU_LOG:
+        yield
+        return
+    import resource  # noqa: PLC0415
+
+    def cpu() -> float:
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+    c0, t0 = cpu(), time.monotonic()
+    yield
+    line = {"test": item.nodeid, "cpu": round(cpu() - c0, 1), "wall": round(time.monotonic() - t0, 1)}
+    with open(_CPU_LOG, "a") as f:
+        f.write(json.dumps(line) + "\n")
