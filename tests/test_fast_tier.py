@@ -22,9 +22,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from pipeline.checkpoint.fast.codec import Snapshot, pack, snapshot, unpack
+from pipeline.checkpoint.fast.codec import snapshot, unpack
 from pipeline.checkpoint.fast.local import Copy, run_key
 from pipeline.checkpoint.fast.restore import plan
 from pipeline.errors import CheckpointFormatError
@@ -78,23 +79,29 @@ def test_a_copy_whose_table_is_outvoted_is_rejected_and_never_mixed_in() -> None
 
 def test_a_blob_round_trips_without_pickle_and_refuses_what_it_cannot_hold() -> None:
     state = {
-        "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(0)},
+        "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(0), "h": torch.ones(3, dtype=torch.bfloat16)},
         "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}], "state": {}},
-        "data": {"pos": 7, "seed": None, "raw": b"\x00\xff", 3: "int key"},
+        "data": {"pos": 7, "seed": None, "raw": b"\x00\xff", 3: "int key", "flags": torch.tensor([True, False])},
     }
-    back = unpack(pack(snapshot(state)), "test")
+    snap = snapshot(state)
+    back = unpack(bytearray(snap.view()), "test")
     assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["model"]["b"].numel() == 0
-    assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.99) and back["data"] == state["data"]
+    assert torch.equal(back["model"]["h"], state["model"]["h"]) and back["data"].pop("flags").tolist() == [True, False]
+    assert back["optim"]["param_groups"][0]["betas"] == (0.9, 0.99) and back["data"] == {
+        k: v for k, v in state["data"].items() if k != "flags"
+    }
+    # the blob is a safetensors file (its own reader agrees), and the next snapshot reuses its buffer
+    assert torch.equal(st_load(bytes(snap.view()))["t0"], state["model"]["w"])
+    state["model"]["w"] += 1
+    again = snapshot(state, reuse=snap)
+    assert again.data.data_ptr() == snap.data.data_ptr() and unpack(again.view(), "test")["model"]["w"][0, 0] == 1
     with pytest.raises(CheckpointFormatError, match="data.fn is a function"):
         snapshot({"data": {"fn": lambda: 0}})
-    blob = pack(Snapshot({"T": "t0"}, {"t0": torch.ones(2)}))
+    blob = bytes(snapshot(torch.ones(2)).view())
     assert unpack(blob, "test").equal(torch.ones(2))
-    with pytest.raises(CheckpointFormatError, match="not a readable fast-tier copy"):
-        unpack(b"\xff" * 8 + blob[8:], "test")
-    with pytest.raises(CheckpointFormatError, match="not a readable fast-tier copy"):
-        unpack(blob[:-3], "test")
-    with pytest.raises(CheckpointFormatError, match="not a readable fast-tier copy"):  # safetensors, not ours
-        unpack(st_save({"t0": torch.ones(2)}), "test")
+    for bad in (b"\xff" * 8 + blob[8:], blob[:-3], st_save({"t0": torch.ones(2)})):  # the last: not ours
+        with pytest.raises(CheckpointFormatError, match="not a readable fast-tier copy"):
+            unpack(bad, "test")
 
 
 # -- restarts from damaged tiers, with torchrun --------------------------------------------------------------------
@@ -185,8 +192,8 @@ def test_a_flipped_byte_and_a_stale_replica_are_quarantined_and_the_peer_copy_re
     assert rec["tier"] == "fast" and rec["step"] == KILL_AFTER, rec
     assert [s["from"] for s in rec["sources"]] == ["own copy", "replica on rank 0"], rec  # type: ignore[attr-defined]
     assert _quarantined(fast[1]) == [
-        "its bytes do not match the marker's hash",
-        f"its step {KILL_AFTER} table disagrees with the one 2 other holder(s) recorded",
+        "its bytes do not match the step's table",
+        f"its step {KILL_AFTER} table disagrees with the one 3 other holder(s) recorded",  # the flipped copy too
     ]
     assert losses == {s: killed[1][s] for s in range(KILL_AFTER + 1, 17)}, "losses differ after the fast restore"
     status = subprocess.run([sys.executable, "-m", "pipeline.status", str(run)], capture_output=True, text=True,

@@ -322,7 +322,7 @@ class Checkpointer:
         self._last_save = time.monotonic()
         return step
 
-    def _load_fast(self, into: dict[str, Any], blob: bytes) -> int:
+    def _load_fast(self, into: dict[str, Any], blob: memoryview) -> int:
         target = fill(save_state(into, 0, self.rank), unpack(blob, f"rank {self.rank}'s fast copy"))
         return apply_state(into, target)
 

@@ -22,7 +22,7 @@ def open_tier(ctx: TaskContext, group: Any, deepspeed: bool) -> FastTier | None:
     return FastTier(cfg, ctx.layout.run_dir, ctx.attempt, group, ctx.cfg.checkpoint.async_deadline_s)
 
 
-def resume_with(ctx: TaskContext, tier: FastTier | None, load: Callable[[bytes], int]) -> FastResume | None:
+def resume_with(ctx: TaskContext, tier: FastTier | None, load: Callable[[memoryview], int]) -> FastResume | None:
     """The fast restore of this task (None without a fast tier)."""
     if tier is None:
         return None

@@ -198,7 +198,7 @@ class _Run:
             loaded.append((train, manifest))
             return train.step
 
-        def load_fast(blob: bytes) -> int:
+        def load_fast(blob: memoryview) -> int:
             loaded[:] = [(strategy.load_fast(self.trainer, self.sched, self.stream, rank, blob), None)]
             return loaded[0][0].step
 

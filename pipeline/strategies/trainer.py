@@ -214,7 +214,7 @@ def load_step(
         portable.close()
 
 
-def load_fast(trainer: Trainer, sched: Any, stream: SampleStream, rank: int, blob: bytes) -> TrainState:
+def load_fast(trainer: Trainer, sched: Any, stream: SampleStream, rank: int, blob: memoryview) -> TrainState:
     """A fast-tier copy of this rank's state (same world size and layout) into ``trainer``; the rest returned."""
     state = fill(dcp_state(trainer, sched, stream, 0, rank), unpack(blob, f"rank {rank}'s fast copy"))
     return _apply_dcp_state(trainer, state)

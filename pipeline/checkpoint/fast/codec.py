@@ -3,25 +3,26 @@
 A fast-tier copy holds what this rank has of the state dict (:func:`pipeline.checkpoint.state.save_state`'s
 structure: FSDP2's DTensors as their local shards, DDP's replicated tensors whole), so it restores only at the
 same world size and layout, into the same rank. The blob is a safetensors file whose metadata holds the
-skeleton as JSON (containers, scalars, strings, bytes and where each tensor goes): decoding parses JSON and
-safetensors, never pickle.
+skeleton as JSON (containers, scalars, strings, bytes and where each tensor goes): decoding parses JSON and the
+safetensors header, never pickle.
 
-Copying the tensors to CPU (:func:`snapshot`) is what training waits for; :func:`pack` (serialising) runs in the
-background.
+:func:`snapshot` is what training waits for: it lays the blob out (header first) and copies every tensor straight
+into its place in one buffer, which the next snapshot reuses, so the background has nothing left to serialise.
+:func:`unpack` returns tensors that are views of the buffer it is given (no copy); :func:`fill` copies them into
+the tensors being restored.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torch.distributed.tensor import DTensor
 
 from pipeline.errors import CheckpointFormatError
@@ -30,29 +31,41 @@ SKELETON_KEY = "pipeline.fast.skeleton"
 """The safetensors metadata entry that holds the skeleton."""
 _HEAD = struct.Struct("<Q")
 """safetensors' own first 8 bytes: the length of its JSON header."""
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 @dataclass
-class Snapshot:
-    """A rank's state copied off the training tensors: the skeleton and the CPU tensors it names."""
+class Blob:
+    """A packed rank state: ``data`` (a uint8 CPU tensor, pinned when the state is on a GPU) is the blob."""
 
-    skeleton: Any
-    tensors: dict[str, torch.Tensor]
+    data: torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return int(self.data.numel())
+
+    def view(self) -> memoryview:
+        """The blob's bytes, without a copy."""
+        return self.data.numpy().data.cast("B")
 
 
-def snapshot(state: Any) -> Snapshot:
-    """``state`` with every tensor copied to CPU (a DTensor: its local shard), so training may go on."""
-    tensors: dict[str, torch.Tensor] = {}
+def snapshot(state: Any, reuse: Blob | None = None) -> Blob:
+    """``state`` packed into one CPU buffer (a DTensor: its local shard), so training may go on. ``reuse``: the
+    previous snapshot's buffer, overwritten when the blob has the same size (nothing may still read it)."""
+    tensors: list[tuple[str, torch.Tensor]] = []
 
     def walk(v: Any, where: str) -> Any:
         if isinstance(v, torch.Tensor):
-            local = v.to_local() if isinstance(v, DTensor) else v
+            local = (v.to_local() if isinstance(v, DTensor) else v).detach()
+            if local.dtype not in _NAMES:
+                raise CheckpointFormatError(f"fast tier: tensor {where} is {local.dtype}, which it cannot hold")
             key = f"t{len(tensors)}"
-            tensors[key] = local.detach().to("cpu", copy=True).contiguous()
+            tensors.append((key, local))
             return {"T": key}
         if isinstance(v, dict):
             return {"D": [[walk(k, where), walk(x, f"{where}.{k}")] for k, x in v.items()]}
@@ -67,27 +80,46 @@ def snapshot(state: Any) -> Snapshot:
             "numbers, strings and bytes only (give the object a state_dict of those)"
         )
 
-    return Snapshot(walk(state, ""), tensors)
+    skeleton = walk(state, "")
+    # safetensors' order: wider elements first, so every tensor starts aligned to its element size
+    tensors.sort(key=lambda kt: (-kt[1].element_size(), int(kt[0][1:])))
+    header: dict[str, Any] = {"__metadata__": {SKELETON_KEY: json.dumps(skeleton, separators=(",", ":"))}}
+    offset = 0
+    for key, t in tensors:
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    start = _HEAD.size + len(raw)
+    total = start + offset
+    gpu = any(t.is_cuda for _, t in tensors)
+    if reuse is not None and reuse.nbytes == total and reuse.data.is_pinned() == gpu:
+        buf = reuse.data
+    else:
+        buf = torch.empty(total, dtype=torch.uint8, pin_memory=gpu)
+    buf[:start].copy_(torch.frombuffer(bytearray(_HEAD.pack(len(raw)) + raw), dtype=torch.uint8))
+    for key, t in tensors:
+        b, e = header[key]["data_offsets"]
+        if e > b:
+            buf[start + b : start + e].view(t.dtype).view(t.shape).copy_(t, non_blocking=gpu)
+    if gpu:
+        torch.cuda.synchronize()
+    return Blob(buf)
 
 
-def pack(snap: Snapshot) -> bytes:
-    """The blob of ``snap``: safetensors, the skeleton in its metadata (no second copy of the tensors' bytes).
-    The snapshot's tensors are released as soon as they are serialised."""
-    skeleton = json.dumps(snap.skeleton, separators=(",", ":"))
-    tensors, snap.tensors = snap.tensors, {}
-    blob = st_save(tensors, metadata={SKELETON_KEY: skeleton})
-    tensors.clear()
-    return blob
-
-
-def unpack(blob: bytes, what: str) -> Any:
-    """The state a blob holds (CPU tensors); ``what`` names it in errors."""
+def unpack(blob: Any, what: str) -> Any:
+    """The state a blob (any buffer) holds; its tensors are views of ``blob`` (CPU, no copy). ``what`` names it
+    in errors."""
+    view = memoryview(blob).cast("B")
     try:
-        (n,) = _HEAD.unpack_from(blob)
-        header = json.loads(bytes(blob[_HEAD.size : _HEAD.size + n]))
-        skeleton = json.loads(header["__metadata__"][SKELETON_KEY])
-        tensors = st_load(blob)
-    except (ValueError, RuntimeError, SafetensorError, KeyError, TypeError, struct.error) as e:
+        (n,) = _HEAD.unpack_from(view)
+        if n > len(view) - _HEAD.size:
+            raise ValueError(f"header of {n} bytes in {len(view)}")
+        header = json.loads(bytes(view[_HEAD.size : _HEAD.size + n]))
+        skeleton = json.loads(header.pop("__metadata__")[SKELETON_KEY])
+        tensors = _tensors(view, _HEAD.size + n, header)
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
         raise CheckpointFormatError(f"{what}: not a readable fast-tier copy ({e})") from e
 
     def build(node: Any) -> Any:
@@ -110,6 +142,29 @@ def unpack(blob: bytes, what: str) -> Any:
         raise CheckpointFormatError(f"{what}: unknown skeleton tag {tag!r}")
 
     return build(skeleton)
+
+
+def _tensors(view: memoryview, start: int, header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The header's tensors as views of ``view``; every entry checked against the buffer (ValueError)."""
+    out: dict[str, torch.Tensor] = {}
+    size = len(view) - start
+    for key, entry in header.items():
+        dtype = DTYPES[entry["dtype"]]
+        shape = [int(d) for d in entry["shape"]]
+        b, e = (int(x) for x in entry["data_offsets"])
+        item = torch.empty(0, dtype=dtype).element_size()
+        if min(shape, default=0) < 0 or not 0 <= b <= e <= size or e - b != math.prod(shape) * item:
+            raise ValueError(f"tensor {key}: offsets {b}..{e} do not hold {shape} of {dtype} in {size} bytes")
+        if (start + b) % item:
+            raise ValueError(f"tensor {key} is not aligned to its element size")
+        if e == b:
+            out[key] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():  # a read-only buffer (bytes) is only ever copied from
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(view, dtype=dtype, count=(e - b) // item, offset=start + b)
+        out[key] = flat.view(shape)
+    return out
 
 
 def fill(template: Any, saved: Any, where: str = "") -> Any:

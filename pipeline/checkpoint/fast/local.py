@@ -31,7 +31,6 @@ from typing import Any
 import xxhash
 
 from pipeline.storage.atomic import clear_file, create_exclusive, move_aside, write_bytes_atomic, write_json_atomic
-from pipeline.storage.integrity import hash_file
 
 KINDS = ("own", "replica")
 _STEP = re.compile(r"^step_(\d+)\.json$")
@@ -121,7 +120,8 @@ class NodeTier:
         write_json_atomic(marker, c.marker())
 
     def read(self, c: Copy) -> bytearray:
-        """A copy's bytes, read straight into one buffer (which a send can wrap without copying)."""
+        """A copy's bytes, read straight into one buffer (which a send or :func:`.codec.unpack` wraps without
+        copying)."""
         path = self.paths(c)[0]
         with open(path, "rb", buffering=0) as f:
             buf = bytearray(os.fstat(f.fileno()).st_size)
@@ -131,7 +131,8 @@ class NodeTier:
         return buf if done == len(buf) else buf[:done]
 
     def scan(self) -> tuple[list[Copy], list[tuple[Path, str]]]:
-        """Every copy here whose bytes match its marker, and the files that do not (with why). Reads every byte."""
+        """Every copy here whose marker is sound and whose data has the size it records, and the files that are
+        not (with why). The bytes are hashed where a copy is used (:mod:`.restore`), so each is read once."""
         good: list[Copy] = []
         bad: list[tuple[Path, str]] = []
         for kind in KINDS:
@@ -161,8 +162,6 @@ class NodeTier:
             size = data.stat().st_size
             if size != c.size:
                 return f"{size} bytes, the marker says {c.size}", None
-            if hash_file(data) != c.hash:  # streamed: no second copy of the blob in memory
-                return "its bytes do not match the marker's hash", None
         except OSError as e:
             return f"its data is unreadable ({e.strerror or e})", None
         return "", c
@@ -197,12 +196,14 @@ class NodeTier:
                     if not data.with_suffix(".json").exists():
                         _unlink(data)
 
-    def held_bytes(self) -> int:
+    def held_bytes(self, dirs: list[tuple[str, int]] | None = None) -> int:
+        """Bytes of copies here: of the ``(kind, shard)`` dirs given, else of every dir."""
         total = 0
         for kind in KINDS:
             for p in (self.root / kind).glob("rank_*/step_*.bin"):
-                with contextlib.suppress(OSError):
-                    total += p.stat().st_size
+                if dirs is None or (kind, int(p.parent.name[5:])) in dirs:
+                    with contextlib.suppress(OSError, ValueError):
+                        total += p.stat().st_size
         return total
 
     def free_bytes(self) -> int:

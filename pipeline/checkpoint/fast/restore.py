@@ -1,13 +1,13 @@
 """Restore from the fastest copy that verifies: one decision, every byte checked, never a loop.
 
-Every node's keeper scans its dir (every byte hashed against its marker; a copy that fails is quarantined there
-and then) and reports what it holds; rank 0 picks the newest step at or above the durable tier's newest that is
-complete across all ranks from any mix of own copies and replicas, agreeing on one table of hashes (copies that
-disagree with the table most holders recorded are quarantined), and hands every rank the plan. Blobs move
-holder → rank over the checkpoint group; each rank checks its blob against the table before it uses it. A copy
-that fails is quarantined by its holder and the decision is made again without it, so the choice falls back copy
-by copy, step by step, then to the durable tier (``None``), within the one restart.
-"""
+Every node's keeper scans its dir (markers, and each copy's size against its marker; a copy that fails is
+quarantined there and then) and reports what it holds; rank 0 picks the newest step at or above the durable tier's
+newest that is complete across all ranks from any mix of own copies and replicas, agreeing on one table of hashes
+(copies that disagree with the table most holders recorded are quarantined), and hands every rank the plan. Blobs
+move holder → rank over the checkpoint group; each rank hashes its blob against the table before it uses it (the
+only pass over its bytes before they are copied into the state). A copy that fails is quarantined by its holder and
+the decision is made again without it, so the choice falls back copy by copy, step by step, then to the durable
+tier (``None``), within the one restart."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def _sources(held: list[Held], key: tuple[str, tuple[tuple[int, str], ...]], wor
 
 
 def restore(
-    tier: FastTier, floor: int, load: Callable[[bytes], int], record: Callable[[dict[str, Any]], None]
+    tier: FastTier, floor: int, load: Callable[[memoryview], int], record: Callable[[dict[str, Any]], None]
 ) -> int | None:
     """Every rank: restore the newest verified fast step >= ``floor`` through ``load(blob)`` (returns the step
     the blob records) and return it, or None (nothing usable: resume from the durable tier). Rank 0 calls
@@ -134,7 +134,7 @@ def restore(
     return step
 
 
-def _fetch_and_check(tier: FastTier, p: Plan, load: Callable[[bytes], int]) -> tuple[int, Copy, str] | None:
+def _fetch_and_check(tier: FastTier, p: Plan, load: Callable[[memoryview], int]) -> tuple[int, Copy, str] | None:
     """Move the blobs holder -> rank, check this rank's against the table, load it; what failed (holder, copy,
     why) or None."""
     blob, error = _move(tier, p)
@@ -154,16 +154,16 @@ def _fetch_and_check(tier: FastTier, p: Plan, load: Callable[[bytes], int]) -> t
     return None if not error else (holder, c, error)
 
 
-def _move(tier: FastTier, p: Plan) -> tuple[bytes | None, str]:
+def _move(tier: FastTier, p: Plan) -> tuple[memoryview | None, str]:
     """This rank's blob (read here, or sent by its holder), and why not. The pairs go in one global order, so
     no two ranks wait on each other."""
-    blob: bytes | None = None
+    blob: memoryview | None = None
     error = "no source"
     for shard, (holder, c) in enumerate(p.sources):
         if holder == shard:
             if tier.rank == shard:
                 try:
-                    blob, error = tier.node.paths(c)[0].read_bytes(), ""  # bytes: what safetensors reads
+                    blob, error = memoryview(tier.node.read(c)), ""
                 except OSError as e:
                     error = f"unreadable ({e.strerror or e})"
         elif tier.rank == holder:
@@ -176,7 +176,7 @@ def _move(tier: FastTier, p: Plan) -> tuple[bytes | None, str]:
                 continue
             buf = torch.empty(int(size.item()), dtype=torch.uint8)
             dist.recv(buf, holder, group=tier.group)
-            blob, error = buf.numpy().tobytes(), ""  # safetensors reads bytes
+            blob, error = buf.numpy().data.cast("B"), ""  # the received tensor's own buffer, not a copy
     return blob, error
 
 

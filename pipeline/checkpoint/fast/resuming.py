@@ -52,7 +52,7 @@ class FastResume:
     """The ``first``/``floor`` pair :meth:`~pipeline.checkpoint.session.CheckpointSession.load_latest` takes, and
     the record rank 0 writes once the step is loaded."""
 
-    def __init__(self, tier: FastTier, store: CheckpointStore, checkpoints: Path, load: Callable[[bytes], int]):
+    def __init__(self, tier: FastTier, store: CheckpointStore, checkpoints: Path, load: Callable[[memoryview], int]):
         self.tier, self.store, self.checkpoints, self.load = tier, store, checkpoints, load
         self.rec: dict[str, Any] | None = None
 

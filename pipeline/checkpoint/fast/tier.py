@@ -5,20 +5,18 @@ copy and the replicas it holds for its peers (:mod:`.local`), the newest ``keep`
 rank writes its own copy and the replicas it receives; a node's *keeper* (the lowest rank sharing the dir)
 removes what earlier launches left, at restore, before any rank saves again.
 
-Training waits only for the copy of its tensors to CPU (:func:`.codec.snapshot`). A thread then serialises the
-copy, hashes it, gathers every rank's (size, hash) (so every copy's marker carries the whole step's table),
-writes the own copy and swaps blobs with the peers over a gloo group of its own (rank ``r`` sends to
-``r + i·n`` and receives from ``r − i·n``, ``n`` the ranks per node, ``i`` = 1..replicas), checking each
-received blob against the table before it writes it. A peer that dies mid-swap leaves the step incomplete, so
-no restore picks it (:mod:`.restore`).
-"""
+Training waits only for the copy of its tensors into the blob's buffer on CPU (:func:`.codec.snapshot`; the buffer
+is reused by the next save). A thread then hashes the blob, gathers every rank's (size, hash) (so every copy's
+marker carries the whole step's table), writes the own copy and swaps blobs with the peers over a gloo group of its
+own (rank ``r`` sends to ``r + i·n`` and receives from ``r − i·n``, ``n`` the ranks per node, ``i`` = 1..replicas),
+checking each received blob against the table before it writes it. A peer that dies mid-swap leaves the step
+incomplete, so no restore picks it (:mod:`.restore`)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint.fast.codec import Snapshot, pack, snapshot
+from pipeline.checkpoint.fast.codec import Blob, snapshot
 from pipeline.checkpoint.fast.local import Copy, NodeTier, digest, run_key
 from pipeline.errors import PipelineError, exception_line
 
@@ -66,6 +64,9 @@ class FastStats:
     saved: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     held_bytes: int = 0
+    """What this rank's copies (own and replicas, every step kept) take in its node dir."""
+    staging_bytes: int = 0
+    """The CPU buffer each save packs into (reused; pinned for GPU state)."""
     last_persist_s: float = 0.0
 
 
@@ -108,6 +109,7 @@ class FastTier:
         self._room_checked = False
         self._thread: threading.Thread | None = None
         self._pending: int | None = None
+        self._buffer: Blob | None = None
         self.stats = FastStats()
 
     # -- when --------------------------------------------------------------------------------------------------
@@ -125,7 +127,7 @@ class FastTier:
         if any_rank(stuck or not self.enabled):
             self._disable(f"a fast save still ran after {self.deadline_s:g} s" if stuck else "")
             return time.monotonic() - t0
-        snap = snapshot(state)
+        snap = self._buffer = snapshot(state, reuse=self._buffer)
         if not self._room_checked:
             self._room_checked = True
             short = self._room_short(snap)
@@ -133,12 +135,11 @@ class FastTier:
                 self._disable(short or "a rank's node has no room for its fast copies")
                 return time.monotonic() - t0
         self._pending = step
-        held = [snap]  # the thread takes it out, so the snapshot is freed once serialised
-        self._thread = threading.Thread(target=self._persist, args=(step, held), name=f"fast-save-{step}", daemon=True)
+        self._thread = threading.Thread(target=self._persist, args=(step, snap), name=f"fast-save-{step}", daemon=True)
         self._thread.start()
         return time.monotonic() - t0
 
-    def _room_short(self, snap: Snapshot) -> str:
+    def _room_short(self, snap: Blob) -> str:
         sharing = self.node_ids.count(self.node_ids[self.rank])
         need = int(snap.nbytes * (1 + self.replicas) * self.cfg.keep * ROOM_MARGIN) * sharing
         free = self.node.free_bytes() + self.node.held_bytes()
@@ -154,10 +155,10 @@ class FastTier:
             log.warning("fast tier off: %s; durable saves only", why)
         self.enabled = False
 
-    def _persist(self, step: int, held: list[Snapshot]) -> None:
+    def _persist(self, step: int, snap: Blob) -> None:
         t0 = time.monotonic()
         try:
-            blob = pack(held.pop())
+            blob = snap.view()
             table: list[Any] = [None] * self.world
             dist.all_gather_object(table, (len(blob), digest(blob)), group=self.xfer)
             rows = tuple((int(s), str(h)) for s, h in table)
@@ -171,19 +172,18 @@ class FastTier:
                 self.node.prune("replica", src, self.cfg.keep)
             self.node.prune("own", self.rank, self.cfg.keep)
             self.stats.saved.append(step)
-            self.stats.held_bytes = sum(rows[r][0] for r in [self.rank, *(src for _, src in self.pairs)])
+            mine = [("own", self.rank), *(("replica", src) for _, src in self.pairs)]
+            self.stats.held_bytes = self.node.held_bytes(mine)
+            self.stats.staging_bytes = snap.nbytes
         except BaseException as e:  # a background save never kills training: the step is just not in the fast tier
             self.stats.failed[step] = exception_line(e)
             log.warning("fast tier: rank %d did not save step %d: %s", self.rank, step, exception_line(e))
         finally:
             self.stats.last_persist_s = time.monotonic() - t0
 
-    def _swap(self, blob: bytes, dst: int, src: int, size: int) -> memoryview:
+    def _swap(self, blob: memoryview, dst: int, src: int, size: int) -> memoryview:
         out = torch.empty(size, dtype=torch.uint8)
-        with warnings.catch_warnings():  # a read-only buffer: only sent, never written through
-            warnings.simplefilter("ignore", UserWarning)
-            mine = torch.frombuffer(blob, dtype=torch.uint8)
-        works = [dist.isend(mine, dst, group=self.xfer),
+        works = [dist.isend(torch.frombuffer(blob, dtype=torch.uint8), dst, group=self.xfer),
                  dist.irecv(out, src, group=self.xfer)]  # fmt: skip
         for work in works:
             if work is not None:
