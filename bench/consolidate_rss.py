@@ -112,7 +112,7 @@ def make_checkpoint(ckpt: Path, size_mb: float, dim: int) -> float:
 
 def child_pipeline(ckpt: Path, out: Path, trace: bool) -> None:
     """The consolidate stage's loop (pipeline/stages/consolidate.py ``run``), minus the run-dir bookkeeping."""
-    from pipeline.stages.consolidate import consolidate_dcp
+    from pipeline.formats.dcp_stream import consolidate_dcp
 
     rss = None
     if trace:

@@ -212,8 +212,7 @@ def _two_rank_model_save(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.distributed
 def test_consolidation_streams_row_blocks_and_assembles_the_rest(tmp_path: Path) -> None:
-    from pipeline.formats.dcp_stream import TensorStreamer
-    from pipeline.stages.consolidate import consolidate_dcp
+    from pipeline.formats.dcp_stream import TensorStreamer, consolidate_dcp
 
     ckpt = tmp_path / "ckpt"
     _spawn_two(_two_rank_model_save, str(ckpt))

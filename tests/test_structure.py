@@ -241,6 +241,26 @@ def test_tool_loads_no_hydra_submitit_or_app_module(tool: str) -> None:
     assert out.stdout.splitlines()[-1] == "[]", out.stdout.splitlines()[-1]
 
 
+def test_the_driver_help_and_the_plan_load_no_torch() -> None:
+    """``python -m pipeline --help`` and a dry run (the driver: compose, plan, every stage's contract and checks)
+    load neither ``torch`` nor ``transformers``: they cost a second, not the 5-8 s of CPU those imports take.
+    The stage jobs import them in ``run``."""
+    heavy = ("torch", "transformers", "deepspeed")
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['pipeline', *sys.argv[1:]]\n"
+        "try:\n"
+        "    runpy.run_module('pipeline', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))\n"
+    )
+    for args in (["--help"], ["+experiment=tiny", "run.root=/nonexistent-never-made", "dry_run=true"]):
+        out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines()[-1] == "[]", (args, out.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("tool", TOOLS)
 def test_tool_help_describes_it_in_full(tool: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``--help``'s description is the module docstring's whole text (after its usage line), ending with a full

@@ -23,7 +23,6 @@ from pipeline.checkpoint.outputs import (
 )
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
-from pipeline.formats.dcp_stream import consolidate_dcp
 from pipeline.rundir.layout import RunLayout
 from pipeline.stagekit.contract import Resources, StageContract, TaskContext
 from pipeline.stagekit.records import resume_command
@@ -42,7 +41,7 @@ CONTRACT = StageContract(
 
 MARKER = CONSOLIDATED_MARKER
 WEIGHTS = CONSOLIDATED_WEIGHTS
-__all__ = ["CONTRACT", "consolidate_dcp", "consolidate_step", "run"]
+__all__ = ["CONTRACT", "consolidate_step", "run"]
 
 
 def check_inputs(cfg: PipelineConfig, layout: RunLayout) -> None:

@@ -98,9 +98,10 @@ from pipeline.driver.task import execute_task
 from pipeline.errors import CheckpointFormatError, PipelineError, VerificationError
 from pipeline.formats import dcp_metadata
 from pipeline.formats.dcp import METADATA_FILE, load_into, read_metadata_safe
+from pipeline.formats.dcp_stream import consolidate_dcp
 from pipeline.rundir.layout import RunLayout
-from pipeline.stages import export, train
-from pipeline.stages.consolidate import consolidate_dcp
+from pipeline.stagekit import train_job
+from pipeline.stages import train
 from pipeline.storage.integrity import FileEntry, hash_file, lstat_kind, verify_entries
 from tests.reliability import harness
 from tests.reliability.conftest import record, sized
@@ -127,7 +128,7 @@ GAPS = {  # found by this suite, fixed; their reproducers stay as the test_gap_*
     "_finish_interrupted_commits): dropped or duplicated entries, other world_size/attempt/run_id/format pass",
     "G6": "verify_manifest._latest_step_name: json.loads of a deeply nested latest raises RecursionError "
     "(it catches OSError and ValueError only)",
-    "G7": "export._write_weights: safetensors' SafetensorError escapes on a malformed consolidated file "
+    "G7": "export_writer.write_weights: safetensors' SafetensorError escapes on a malformed consolidated file "
     "(reached when consolidated.json was rewritten to match it)",
     "G8": "untrusted paths are put into messages raw: a marker path ending in a newline gives a two-line "
     "VerificationError (integrity.verify_entries formats {full}, not {full!r})",
@@ -365,7 +366,7 @@ def committer(base: Baseline, layout: RunLayout, *, published_counts: bool, worl
 
 def resume_check(base: Baseline, layout: RunLayout) -> Outcome:
     """train's rank-0 choice of the resume step: an int (accepted) or the message every rank raises."""
-    out = call(lambda: train._resume_step(base.cfg, layout))
+    out = call(lambda: train_job.resume_step(base.cfg, layout))
     return declined(out.value) if out.kind == ACCEPTED and isinstance(out.value, str) else out
 
 
@@ -1638,14 +1639,16 @@ def test_gap_g6_deeply_nested_latest_crashes_the_committer(baseline: Baseline) -
 def test_gap_g7_export_reader_on_malformed_safetensors(baseline: Baseline, tmp_path: Path) -> None:
     family = Family("consolidated model.safetensors -> export's reader, marker rewritten to match (G7)")
     real = (baseline.run.consolidated_step(STEP) / "model.safetensors").read_bytes()
+    from pipeline.workload import export_writer
     from pipeline.workload.corpus import load_tokenizer
     from pipeline.workload.exported import export_tensors
 
     tokenizer = load_tokenizer(baseline.run.assets)
 
     def write(src: Path, out_dir: Path) -> list[str]:  # what export's run does: fit the model, then write
-        reference = export.check_fits_model(src, baseline.cfg.model, tokenizer)
-        return export._write(src, out_dir, baseline.cfg.export, export_tensors(export._stored_shapes(src), reference))
+        reference = export_writer.check_fits_model(src, baseline.cfg.model, tokenizer)
+        tensors = export_tensors(export_writer.stored_shapes(src), reference)
+        return export_writer.write_weights(src, out_dir, baseline.cfg.export, tensors)
 
     @hostile(ci=100, large=500)
     @given(mutation=safetensors_mutations(real))
