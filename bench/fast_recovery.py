@@ -14,6 +14,11 @@ example's size), each rank a "node" with a fast dir of its own in ``/dev/shm``:
    local disk, on a SeaweedFS FUSE mount (a shared filesystem) and in a SeaweedFS S3 bucket (loopback). Each
    restore is timed from the relaunched ``Checkpointer``'s ``load_latest`` call to its return; the ratio is
    durable / fast.
+3. **Across nodes** (``--only cluster``, root, no cluster of the tests running): the same on node1 and node2 of
+   the namespace cluster (``scripts/cluster/start.sh``: own network, hostname, tmpfs ``/local``, FUSE mount of
+   one SeaweedFS filer at ``/shared``): durable tier in ``/shared``, fast tier in each node's ``/local``, node2
+   killed (``node.sh kill9``: its ``/local`` lost) and brought back empty; its shard comes from node1's replica
+   over the nodes' network.
 
 Results: ``<out>/fast_recovery.json`` and a Markdown table on stdout.
 """
@@ -55,8 +60,8 @@ def _worker(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(8, WIDTH)
     fast_every = args.every if args.fast else None
-    ckpt = Checkpointer(args.run_dir, storage=args.storage, fast_every=fast_every, deadline_s=900,
-                        fast_dir=f"{args.node_dirs}/node{rank}")  # fmt: skip
+    fast_dir = args.node_dirs if args.node_local else f"{args.node_dirs}/node{rank}"
+    ckpt = Checkpointer(args.run_dir, storage=args.storage, fast_every=fast_every, deadline_s=900, fast_dir=fast_dir)
     state = {"model": model, "optim": opt, "rng": RankRNG(rank)}
     out: dict[str, Any] = {"layers": layers}
     if args.mode == "restore":
@@ -140,13 +145,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "fast_recovery"))
-    p.add_argument("--only", default="overhead,local,sharedfs,s3")
+    p.add_argument("--only", default="overhead,local,sharedfs,s3", help="and/or cluster (root: starts scripts/cluster)")
     p.add_argument("--worker", choices=("train", "restore"))
     p.add_argument("--run-dir", default="")
     p.add_argument("--node-dirs", default="")
     p.add_argument("--storage", default=None)
     p.add_argument("--fast", action="store_true")
     p.add_argument("--save", action="store_true")
+    p.add_argument("--node-local", action="store_true", help="(worker) --node-dirs is this node's own dir")
     args = p.parse_args()
     if args.worker:
         args.mode = args.worker
@@ -204,6 +210,8 @@ def _recoveries(args: argparse.Namespace, only: set[str], scratch: Path, shm: Pa
         else:
             with shared_filesystem(scratch / "sfs", mounts=1) as fs:
                 out.append(_recovery(args, "SeaweedFS FUSE", fs.mounts[0] / "run", shm / "sfs", None, None))
+    if "cluster" in only:
+        out.append(_cluster_recovery(args))
     if "s3" in only:
         from tests.s3.server import seaweedfs  # noqa: PLC0415
 
@@ -211,6 +219,94 @@ def _recoveries(args: argparse.Namespace, only: set[str], scratch: Path, shm: Pa
             url = f"s3://{server.new_bucket()}/run"
             out.append(_recovery(args, "S3 bucket", scratch / "s3run", shm / "s3", url, server.env()))
     return out
+
+
+# -- across the namespace cluster's nodes (scripts/cluster) ------------------------------------------------------
+
+CLUSTER = ROOT / "scripts" / "cluster"
+
+
+def _node(action: str, node: str, *cmd: str, log: Path | None = None) -> subprocess.CompletedProcess[str]:
+    args = ["bash", str(CLUSTER / "node.sh"), action, node, *cmd]
+    if log is None:
+        return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True)
+    with open(log, "w") as f:
+        return subprocess.run(args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True, check=False)
+
+
+def _on_two_nodes(args: argparse.Namespace, mode: str, run: str, logs: Path, *, fast: bool,
+                  save: bool = False) -> dict[str, Any]:  # fmt: skip
+    """The worker under ``torchrun --nnodes 2`` (c10d at node1), one rank per node, its fast dir the node's
+    own tmpfs (``/local/fast``); rank 0's RESULT."""
+    import threading  # noqa: PLC0415
+    import uuid  # noqa: PLC0415
+
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29400",
+            "--rdzv-id", uuid.uuid4().hex[:8]]  # fmt: skip
+    cmd = ["env", "OMP_NUM_THREADS=1", str(Path(sys.executable).with_name("torchrun")), *rdzv, __file__,
+           "--worker", mode, "--run-dir", run, "--node-dirs", "/local/fast", "--node-local", "--mb", str(args.mb),
+           "--steps", str(args.steps), "--every", str(args.every)]  # fmt: skip
+    cmd += ["--fast"] if fast else []
+    cmd += ["--save"] if save else []
+    done: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def agent(node: str) -> None:
+        done[node] = _node("exec", node, *cmd, log=logs / f"{mode}-{node}.log")
+
+    agents = [threading.Thread(target=agent, args=(n,)) for n in ("node1", "node2")]
+    for a in agents:
+        a.start()
+    for a in agents:
+        a.join()
+    text = (logs / f"{mode}-node1.log").read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    if any(d.returncode != 0 for d in done.values()) or not lines:
+        raise SystemExit(f"cluster {mode} failed: {text[-3000:]}")
+    return dict(json.loads(lines[-1][7:]))
+
+
+def _cluster_recovery(args: argparse.Namespace) -> dict[str, Any]:
+    """Node1 and node2 of a 3-node namespace cluster (own network, hostname, tmpfs ``/local`` and FUSE mount of one
+    SeaweedFS filer at ``/shared``): train and save (durably in ``/shared``, fast in each node's ``/local`` with a
+    replica on the other node), kill node2 (its ``/local`` is lost) and bring it back empty, then restore from the
+    fast tier (node2's shard from node1's replica over the veth network) and from the durable tier alone."""
+    need_mb = int(args.mb * 2 * 2 * 1.25) + 256  # own + replica, keep 2, the room check's margin
+    env = {**os.environ, "MN_LOCAL_MB": str(need_mb)}
+    started = subprocess.run(["bash", str(CLUSTER / "start.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                             check=False)  # fmt: skip
+    if started.returncode != 0:
+        raise SystemExit(f"scripts/cluster/start.sh failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
+    logs = Path(tempfile.mkdtemp(prefix="fastbench-cluster-"))
+    run = f"/shared/fastbench-{os.getpid()}/run"
+    try:
+        saved = _on_two_nodes(args, "train", run, logs, fast=True, save=True)
+        _node("kill9", "node2")
+        subprocess.run(["bash", str(CLUSTER / "node.sh"), "up", "node2"], cwd=ROOT, env=env, capture_output=True,
+                       check=True)  # fmt: skip
+        _drop_caches()
+        fast = _on_two_nodes(args, "restore", run, logs, fast=True)
+        _drop_caches()
+        durable = _on_two_nodes(args, "restore", run, logs, fast=False)
+    finally:
+        subprocess.run(["bash", str(CLUSTER / "node.sh"), "exec", "login", "rm", "-rf", str(Path(run).parent)],
+                       cwd=ROOT, capture_output=True, check=False)  # fmt: skip
+        subprocess.run(["bash", str(CLUSTER / "stop.sh")], cwd=ROOT, env=env, capture_output=True, check=False)
+        shutil.rmtree(logs, ignore_errors=True)
+    where = "SeaweedFS FUSE across 2 namespace nodes"
+    print(f"  {where}: durable save {saved['durable_save_s']:.2f}s; restore fast {fast['restore_s']:.2f}s "
+          f"({fast['tier']}), durable {durable['restore_s']:.2f}s ({durable['tier']})", flush=True)  # fmt: skip
+    return {
+        "where": where,
+        "durable_save_s": saved["durable_save_s"],
+        "fast": fast,
+        "durable": durable,
+        "ratio": durable["restore_s"] / fast["restore_s"],
+        "overhead_on_cluster": {
+            "train_s": saved["train_s"],
+            "blocked_s": saved["blocked_s"],
+            "persist_s": saved.get("persist_s"),
+        },
+    }
 
 
 if __name__ == "__main__":
