@@ -69,6 +69,7 @@ def _worker(args: argparse.Namespace) -> None:
         out["step"] = ckpt.load_latest(into=state)
         out["restore_s"] = time.monotonic() - t0
         out["tier"] = (ckpt.resumed or {}).get("tier", "durable")
+        out["phases_s"] = (ckpt.resumed or {}).get("phases_s")
     else:
         blocked, t0 = [], time.monotonic()
         for step in range(1, args.steps + 1):

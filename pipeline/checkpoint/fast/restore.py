@@ -87,6 +87,7 @@ def restore(
     the blob records) and return it, or None (nothing usable: resume from the durable tier). Rank 0 calls
     ``record`` with what was decided and where each rank's bytes came from."""
     t0 = time.monotonic()
+    phases: dict[str, float] = {}
     rank, world, group = tier.rank, tier.world, tier.group
     mine: list[Copy] = []
     quarantined: list[str] = []
@@ -97,6 +98,7 @@ def restore(
             quarantined.append(f"{socket.gethostname()}:{marker}: {why}")
     reports: list[Any] = [None] * world
     dist.all_gather_object(reports, (mine, socket.gethostname(), quarantined), group=group)
+    phases["scan"] = time.monotonic() - t0
     hosts = [r[1] for r in reports]
     noted = [q for r in reports for q in r[2]]
     excluded: set[Held] = set()
@@ -113,7 +115,7 @@ def restore(
             noted.append(f"{hosts[holder]}: {c.label}: {why}")
             if holder == rank:
                 tier.node.quarantine(tier.node.paths(c)[1], why)
-        failure = _fetch_and_check(tier, chosen, load)
+        failure = _fetch_and_check(tier, chosen, load, phases)
         failures: list[Any] = [None] * world
         dist.all_gather_object(failures, failure, group=group)
         if all(f is None for f in failures):
@@ -130,20 +132,27 @@ def restore(
     if tier.keeper:
         tier.node.drop_all_but(step)
     if rank == 0:
-        _report(chosen if step is not None else None, hosts, noted, time.monotonic() - t0, record, floor)
+        _report(chosen if step is not None else None, hosts, noted, time.monotonic() - t0, record, floor, phases)
     return step
 
 
-def _fetch_and_check(tier: FastTier, p: Plan, load: Callable[[memoryview], int]) -> tuple[int, Copy, str] | None:
+def _fetch_and_check(
+    tier: FastTier, p: Plan, load: Callable[[memoryview], int], phases: dict[str, float]
+) -> tuple[int, Copy, str] | None:
     """Move the blobs holder -> rank, check this rank's against the table, load it; what failed (holder, copy,
-    why) or None."""
+    why) or None. ``phases``: rank 0's seconds per phase (move, hash, load), added up over the rounds."""
+    t = time.monotonic()
     blob, error = _move(tier, p)
+    phases["move"] = phases.get("move", 0.0) + time.monotonic() - t
+    t = time.monotonic()
     holder, c = p.sources[tier.rank]
     want = p.table[tier.rank]
     if not error and (blob is None or len(blob) != want[0]):
         error = f"{0 if blob is None else len(blob)} bytes arrived, the step's table says {want[0]}"
     elif not error and digest(blob) != want[1]:  # type: ignore[arg-type]
         error = "its bytes do not match the step's table"
+    phases["hash"] = phases.get("hash", 0.0) + time.monotonic() - t
+    t = time.monotonic()
     if not error:
         try:
             recorded = load(blob)  # type: ignore[arg-type]
@@ -151,6 +160,7 @@ def _fetch_and_check(tier: FastTier, p: Plan, load: Callable[[memoryview], int])
                 error = f"it records step {recorded}, not {p.step}"
         except Exception as e:  # a blob that verified but does not fit: fall back, as for a damaged one
             error = f"it did not load: {exception_line(e)}"
+    phases["load"] = phases.get("load", 0.0) + time.monotonic() - t
     return None if not error else (holder, c, error)
 
 
@@ -198,6 +208,7 @@ def _report(
     seconds: float,
     record: Callable[[dict[str, Any]], None],
     floor: int,
+    phases: dict[str, float],
 ) -> None:
     if p is None:
         rec: dict[str, Any] = {"tier": "durable", "fast_problems": noted, "floor": floor}
@@ -210,7 +221,8 @@ def _report(
          "host": hosts[holder]}
         for shard, (holder, c) in enumerate(p.sources)
     ]  # fmt: skip
-    record({"tier": "fast", "step": p.step, "sources": sources, "fast_problems": noted, "seconds": round(seconds, 3)})
+    rec = {"tier": "fast", "step": p.step, "sources": sources, "fast_problems": noted, "seconds": round(seconds, 3)}
+    record({**rec, "phases_s": {k: round(v, 3) for k, v in phases.items()}})  # rank 0's: scan, move, hash, load
     where = ", ".join(f"rank {s['rank']}: {s['from']} ({s['host']})" for s in sources)
     log.info("resumed from step %d from the fast tier in %.2fs (%s)", p.step, seconds, where)
     for line in noted:
