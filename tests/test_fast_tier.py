@@ -191,6 +191,7 @@ def test_a_flipped_byte_and_a_stale_replica_are_quarantined_and_the_peer_copy_re
     rec, losses = _restart(run, nodes, 16)
     assert rec["tier"] == "fast" and rec["step"] == KILL_AFTER, rec
     assert [s["from"] for s in rec["sources"]] == ["own copy", "replica on rank 0"], rec  # type: ignore[attr-defined]
+    assert set(rec["phases_s"]) == {"scan", "move", "hash", "load"}, rec  # type: ignore[arg-type]
     assert _quarantined(fast[1]) == [
         "its bytes do not match the step's table",
         f"its step {KILL_AFTER} table disagrees with the one 3 other holder(s) recorded",  # the flipped copy too
