@@ -226,3 +226,13 @@ def test_example_with_checkpoints_in_a_bucket_resumes_from_it(
     )
     assert cons.returncode == 0 and "step 24:" in cons.stdout, cons.stdout + cons.stderr
     assert (out / "consolidated" / "step_24" / "model.safetensors").is_file()
+
+
+def test_a_stateful_dataloader_resumes_mid_epoch_and_shuffles_the_next_epochs_alike(tmp_path: Path) -> None:
+    """``examples/loader_train.py``: a shuffled ``StatefulDataLoader`` (6 batches per epoch per rank) saved at step
+    10, mid-epoch, resumes with the losses of an uninterrupted run, through the epochs after it too."""
+    straight = _losses(_run("loader_train.py", tmp_path / "straight"))
+    _run("loader_train.py", tmp_path / "split", "--steps", "10")  # the last flag wins: saves at 4, 8, 10
+    resumed = _losses(_run("loader_train.py", tmp_path / "split"))
+    assert sorted(resumed) == list(range(11, STEPS + 1)), resumed
+    assert resumed == {s: straight[s] for s in resumed}, "the resumed run saw other batches"
