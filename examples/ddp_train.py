@@ -11,6 +11,7 @@ committed step with bit-identical losses. The lines marked ``# ckpt`` are all th
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import torch
@@ -52,6 +53,7 @@ def main() -> None:
     p.add_argument("--fast-every", type=int, default=None, help="also keep a fast copy every N steps (node-local)")
     p.add_argument("--fast-dir", default=None, help="node-local dir of the fast tier ({rank} is filled in)")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # the library's lines
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

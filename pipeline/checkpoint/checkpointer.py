@@ -319,6 +319,8 @@ class Checkpointer:
         step = self.session.load_latest(self._resume_step, load, first=first, floor=floor)
         if fast is not None and self.rank == 0:
             self.resumed = fast.record(step)
+        if self.rank == 0 and (self.resumed or {}).get("tier") != "fast":  # the fast tier logs its own line
+            resume.log_resumed(store_for(self.layout, self.remote), step)
         self._last_save = time.monotonic()
         return step
 

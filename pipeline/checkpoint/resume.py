@@ -8,14 +8,18 @@ Every wait is bounded by a deadline and ends early once the committer is gone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from pipeline.checkpoint.manifest import read_newest, verify_committed
 from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.store import CheckpointStore
 from pipeline.checkpoint.stores import store_for, uncommitted
 from pipeline.errors import DeadlineError, PipelineError
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
+
+log = logging.getLogger(__name__)
 
 
 def decide(
@@ -62,3 +66,11 @@ def decide(
     except PipelineError as e:  # a damaged step, or the bucket refusing (a StoreError): every rank hears why
         return f"cannot resume: {e}{repair_hint}"
     return latest.step
+
+
+def log_resumed(store: CheckpointStore, step: int) -> None:
+    """Rank 0: one INFO line saying which step a launch resumed from and where (the fast tier logs its own)."""
+    if step == 0:
+        log.info("no committed step in %s: starting from step 0", store.where)
+    else:
+        log.info("resumed from step %d of %s (committed, verified against its manifest)", step, store.where)

@@ -274,7 +274,7 @@ class CheckpointSession:
         recorded = load(step_dir, manifest)
         if recorded != step:
             raise VerificationError(f"{step_dir} records step {recorded}, not {step}")
-        log.info("rank %d resumed from step %d (%s)", self.rank, step, step_dir)
+        log.debug("rank %d resumed from step %d (%s)", self.rank, step, step_dir)  # rank 0 logs one INFO line
         return step
 
     # -- end ---------------------------------------------------------------------------------------------------

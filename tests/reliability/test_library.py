@@ -7,6 +7,7 @@ kill -9 of a rank and of the committer's rank is in ``tests/test_examples.py``.
 from __future__ import annotations
 
 import functools
+import logging
 import shutil
 import subprocess
 import sys
@@ -145,7 +146,12 @@ def _crash_point(
     return found
 
 
-def test_a_damaged_latest_step_is_quarantined_and_resume_falls_back(one_rank: object, tmp_path: Path) -> None:
+def test_a_damaged_latest_step_is_quarantined_and_resume_falls_back(
+    one_rank: object, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pipeline.checkpoint.resume")
+    assert _load(tmp_path / "empty")[0] == 0  # a first launch says so in one line too
+    assert f"no committed step in {tmp_path / 'empty' / 'checkpoints'}: starting from step 0" in caplog.messages
     model, opt = _model()
     with Checkpointer(tmp_path, deadline_s=10) as ck:
         for step in (1, 2):
@@ -160,6 +166,8 @@ def test_a_damaged_latest_step_is_quarantined_and_resume_falls_back(one_rank: ob
         f.write(bytes([byte[0] ^ 0xFF]))
     step, _ = _load(tmp_path)
     assert step == 1, "resume must fall back to the newest step that verifies"
+    resumed = f"resumed from step 1 of {tmp_path / 'checkpoints'} (committed, verified against its manifest)"
+    assert caplog.messages.count(resumed) == 1, caplog.messages
     assert [p.name for p in layout.quarantine.iterdir() if p.name.startswith("step_2")], "step 2 is quarantined"
 
 
