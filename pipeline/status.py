@@ -4,8 +4,8 @@ Shows one run without touching it (no lease, nothing written): who owns it, each
 scheduler's word on its job), the errors and their logs, committed / staged / quarantined steps, retention,
 outputs, and the resume command. A library checkpoint dir shows its checkpoints. ``--verify`` also re-hashes every
 committed step against its manifest and says per step ok or damaged (naming the file). Exit 0 when the status
-could be shown (a failed run included), 1 when ``--verify`` found a damaged step, 2 for bad arguments or an
-unknown run (one line on stderr).
+could be shown (a failed run included), 1 when ``--verify`` found a damaged step or the checkpoints' store (a
+bucket) cannot be read, 2 for bad arguments or an unknown run (one line on stderr).
 """
 
 from __future__ import annotations
@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
     except BrokenPipeError:  # piped into head & co.: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail again
+    unreadable = status.get("checkpoints", {}).get("unreadable")
+    if unreadable:  # not "committed: none": a store that cannot be read is not an empty one
+        why = " ".join(str(unreadable).split())
+        print(f"error: cannot read the checkpoints: {why} (check the endpoint and the AWS_* credentials)",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 1 if any(not v["ok"] for v in status.get("verify", ())) else 0
 
 

@@ -23,8 +23,8 @@ def remote_checkpoints(remote: Remote) -> Status:
     out: Status = {"store": str(remote.root), "latest": None, "latest_error": None, "committed": [], "staged": []}
     try:
         listing = remote.store.listing(remote.root.prefix + "/")
-    except PipelineError as e:
-        out["latest_error"] = f"cannot list {remote.root}: {e}"
+    except PipelineError as e:  # an empty view would pass for a bucket without checkpoints: status exits 1
+        out["latest_error"] = out["unreadable"] = f"cannot list {remote.root}: {e}"
         out["quarantined"] = []
         return out
     try:

@@ -142,7 +142,8 @@ def _checkpoints(layout: CheckpointLayout, world_size: int | None) -> Status:
     try:
         store = _store(layout)
     except PipelineError as e:
-        return {"latest": None, "latest_error": str(e), "committed": [], "staged": [], "quarantined": []}
+        return {"latest": None, "latest_error": str(e), "unreadable": str(e), "committed": [], "staged": [],
+                "quarantined": []}  # fmt: skip
     out = store.describe(world_size)
     out["resumed"], out["resumed_error"] = _read_json(layout.checkpoints / RESUMED_FILE, "resume record")
     return out

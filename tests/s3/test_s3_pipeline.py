@@ -4,6 +4,7 @@ runs it: end to end, killed and resumed, the same bytes as a run in the run dir,
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,26 @@ def test_unreachable_or_unsafe_bucket_is_refused_before_anything_runs(
     assert not (tmp_path / "tiny").exists() or not any((tmp_path / "tiny").iterdir())
     bad = run_cli("+experiment=tiny", f"run.root={tmp_path}", "checkpoint.storage=s3:/x", env=s3_env)
     assert bad.returncode == 2 and "is not an S3 URL" in bad.stderr
+
+
+def test_status_of_a_bucket_it_cannot_read_exits_1_in_one_line(
+    tmp_path: Path, s3_env: dict[str, str], bucket: str
+) -> None:
+    """Without credentials ``pipeline.status`` must not show the bucket as empty (``committed: none``, exit 0)."""
+    from pipeline.checkpoint.remote import record_store
+    from pipeline.storage.layout import CheckpointLayout
+
+    layout = CheckpointLayout(tmp_path / "lib")
+    layout.checkpoints.mkdir(parents=True)
+    record_store(layout, f"s3://{bucket}/lib")  # what Checkpointer(storage=...) records in the dir
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ENDPOINT_URL=s3_env["AWS_ENDPOINT_URL"], AWS_CONFIG_FILE="/nonexistent",
+               AWS_SHARED_CREDENTIALS_FILE="/nonexistent", PIPELINE_S3_ATTEMPTS="1")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "pipeline.status", str(layout.run_dir)], capture_output=True,
+                          text=True, env=env, check=False)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"cannot read the checkpoints: cannot list s3://{bucket}/lib" in errors[0], proc.stderr
+    with_keys = subprocess.run([sys.executable, "-m", "pipeline.status", str(layout.run_dir)], capture_output=True,
+                               text=True, check=False)  # fmt: skip
+    assert with_keys.returncode == 0 and "committed: none" in with_keys.stdout, with_keys.stderr
