@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -292,9 +293,16 @@ def _newest_published(layout: CheckpointLayout, after: int) -> Latest | None:
     return None
 
 
-def write_latest(layout: CheckpointLayout, step: int, manifest_hash: str, epoch: int | None = None) -> None:
-    """Replace ``latest``; ``epoch``: the committer lease epoch of the writer (who moved it, for readers)."""
+def write_latest(
+    layout: CheckpointLayout, step: int, manifest_hash: str, epoch: int | None = None, copy_of: str | None = None
+) -> None:
+    """Replace ``latest``; ``epoch``: the committer lease epoch of the writer (who moved it, for readers);
+    ``copy_of``: the bucket pointer this local one is a pulled copy of (said in the record, with when)."""
     record: dict[str, object] = {"step": step, "dir": step_name(step), "manifest_hash": manifest_hash}
     if epoch is not None:
         record["epoch"] = epoch
+    if copy_of is not None:
+        record["copy_of"] = copy_of
+        record["pulled_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        record["note"] = "a local copy of one step pulled from the bucket; the bucket's latest may be newer"
     write_json_atomic(layout.latest, record)

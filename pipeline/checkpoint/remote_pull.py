@@ -2,7 +2,8 @@
 
 The copy goes to ``<cache>/checkpoints/step_N`` (the cache is a :class:`CheckpointLayout` root), published by one
 rename once every file matched its manifest's size and hash; the cache then gets a ``latest`` naming it and holds
-that one step (the bucket is the store).
+that one step (the bucket is the store). That ``latest`` says it is a copy (``copy_of``, ``pulled_at``): it names
+the step last pulled, which the bucket's own ``latest`` may have passed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import uuid
 
 from pipeline.checkpoint.manifest import MANIFEST, write_latest
-from pipeline.checkpoint.remote import Remote, digest
+from pipeline.checkpoint.remote import LATEST, Remote, digest
 from pipeline.errors import VerificationError
 from pipeline.storage import atomic
 from pipeline.storage.integrity import lstat_kind
@@ -55,7 +56,7 @@ def pull(remote: Remote, step: int | None = None) -> CheckpointLayout:
             if tmp.exists():
                 atomic.remove_tree(tmp)
         log.info("pulled step %d from %s into %s", manifest.step, remote.root, final)
-    write_latest(cache, manifest.step, mhash)
+    write_latest(cache, manifest.step, mhash, copy_of=remote.url(remote.key(LATEST)))
     for old in cache.checkpoints.iterdir():
         s = parse_step(old.name)
         if s is not None and s != manifest.step:

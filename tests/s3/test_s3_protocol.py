@@ -8,6 +8,7 @@ names a step that verifies, no step is partially visible, and a fresh committer 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -54,6 +55,8 @@ def test_commit_then_pull_round_trip(tmp_path: Path, bucket: str, prefix: str) -
     latest = read_latest(cache)
     assert latest is not None and latest.step == 4
     verify_committed(cache.committed_step(4), 4)
+    pointer = json.loads(cache.latest.read_text())  # the local pointer says it is a pulled copy, of what
+    assert pointer["copy_of"] == f"s3://{bucket}/{prefix}/latest" and "may be newer" in pointer["note"], pointer
 
 
 @pytest.mark.parametrize(
