@@ -9,11 +9,13 @@ Two kinds of trial:
 * **double submit**: ``+experiment=tiny run.id=X run.create=true run.overwrite=true`` twice at once, for a run
   that does not exist yet (no lock trick: the run dir is not there to hold).
 
-In each trial exactly one launch proceeds (prints ``run <id>:`` and exits 0); every other one exits 2 with one
-line on stderr naming the owner ("owned by another launch"), and no traceback. The job folders created under
-``logs/`` are exactly the jobs the winner reported (no duplicate work), each stage record names the winner's
-job, and the run verifies afterwards (latest = step 8 with its export; a non-overwriting winner loses no
-committed step).
+In each trial one launch at a time owns the run (prints ``run <id>:`` and exits 0): no two owners overlap (a
+waiter may proceed once the owner has ended: a no-op continuation ends within a waiter's 10 s of patience);
+every other launch exits 2 with one line on stderr naming an owner ("owned by another launch"), and no
+traceback. The job folders created under ``logs/`` are exactly the jobs the owners reported (no duplicate
+work), each stage record names one of them,
+and the run verifies afterwards (latest = step 8 with its export; a non-overwriting winner loses no committed
+step).
 
 Figure: launches N, proceeded exactly one in each of M trials, refusals one-line.
 """
@@ -76,17 +78,43 @@ def _opened_lock(proc: Launch, lock: Path) -> bool:
         return False
 
 
+def _owned(layout: RunLayout, launches: list[Launch]) -> dict[int, tuple[float, float]]:
+    """Wait for every launch; per pid, when it announced that it owns the run (``run <id>:``, printed once its
+    lease is taken) and when it ended (polled every 20 ms)."""
+    since: dict[int, float] = {}
+    ended: dict[int, float] = {}
+    deadline = time.monotonic() + 300
+    while len(ended) < len(launches):
+        now = time.monotonic()
+        for one in launches:
+            if one.pid not in since and f"run {layout.run_id}:" in one.stdout:
+                since[one.pid] = now
+            if one.pid not in ended and not one.running():
+                ended[one.pid] = now
+        if now > deadline:
+            for one in launches:
+                one.wait(1)  # names and kills the one still running
+        time.sleep(0.02)
+    return {pid: (since[pid], ended[pid]) for pid in since}
+
+
 def _judge(layout: RunLayout, launches: list[Launch], jobs_before: set[tuple[str, str]]) -> Outcome:
     out = Outcome(launches=len(launches))
-    for one in launches:
-        one.wait(300)
+    owned = _owned(layout, launches)
     proceeded = [one for one in launches if one.proc.returncode != 2]
     refused = [one for one in launches if one.proc.returncode == 2]
+    # One owner at a time: a launch may proceed once the one before it has ended (a no-op continuation ends
+    # within a waiter's 10 s of patience), never while another owns the run.
+    spans = sorted(owned.get(one.pid, (0.0, 0.0)) for one in proceeded)
+    overlap = any(b[0] < a[1] - 0.05 for a, b in zip(spans, spans[1:], strict=False))
     out.exactly_one = len(proceeded) == 1
-    if not out.exactly_one:
+    if overlap or not proceeded:
         out.problems.append(
-            f"{len(proceeded)} of {len(launches)} launches proceeded:\n" + "\n".join(p.output for p in proceeded)
+            f"{len(proceeded)} of {len(launches)} launches proceeded, "
+            f"{'at the same time' if overlap else 'none'}:\n" + "\n".join(p.output for p in proceeded)
         )
+    elif len(proceeded) > 1:
+        out.notes.append(f"{len(proceeded)} launches proceeded one after another (each after the last had ended)")
     for one in launches:
         out.problems += launcher_faults(one, one_line_error=one in refused)
     for one in refused:
@@ -94,20 +122,21 @@ def _judge(layout: RunLayout, launches: list[Launch], jobs_before: set[tuple[str
         if len(err.splitlines()) != 1 or "owned by another launch" not in err or f"run {layout.run_id}:" in one.stdout:
             out.refusals_one_line = False
             out.problems.append(f"refusal is not one line naming the owner:\n{one.output}")
-    if len(proceeded) == 1:
-        winner = proceeded[0]
-        if winner.proc.returncode != 0:
-            out.problems.append(f"the launch that proceeded failed:\n{winner.output}")
-        if refused and not any(f"pid {winner.pid} on " in one.stderr for one in refused):
-            out.problems.append(f"no refusal names the winner (pid {winner.pid})")
-        reported = {(m[1], m[2]) for m in JOB_LINE.finditer(winner.stdout)}
+    if proceeded:  # one owner, or owners one after another: each launch's jobs are its own
+        for one in proceeded:
+            if one.proc.returncode != 0:
+                out.problems.append(f"a launch that proceeded failed:\n{one.output}")
+        pids = {f"pid {one.pid} on " for one in proceeded}
+        if refused and not any(p in one.stderr for one in refused for p in pids):
+            out.problems.append(f"no refusal names an owner ({sorted(pids)})")
+        reported = {(m[1], m[2]) for one in proceeded for m in JOB_LINE.finditer(one.stdout)}
         new = job_ids(layout) - jobs_before
         if new != reported:
-            out.problems.append(f"job folders {sorted(new)} are not the winner's jobs {sorted(reported)}")
-        for stage, job in reported:
+            out.problems.append(f"job folders {sorted(new)} are not the owners' jobs {sorted(reported)}")
+        for stage in {st for st, _ in reported}:
             rec = read_json(layout.stage_record(stage)) if layout.stage_record(stage).exists() else {}
-            if str(rec.get("job_id")) != job:
-                out.problems.append(f"stages/{stage}.json names job {rec.get('job_id')}, not the winner's {job}")
+            if (stage, str(rec.get("job_id"))) not in reported:
+                out.problems.append(f"stages/{stage}.json names job {rec.get('job_id')}, none of the owners'")
     return out
 
 
