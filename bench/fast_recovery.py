@@ -275,7 +275,8 @@ def _cluster_recovery(args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "MN_LOCAL_MB": str(need_mb)}
     started = subprocess.run(["bash", str(CLUSTER / "start.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
                              check=False)  # fmt: skip
-    if started.returncode != 0:
+    if started.returncode != 0:  # nothing half-up is left behind
+        subprocess.run(["bash", str(CLUSTER / "stop.sh")], cwd=ROOT, env=env, capture_output=True, check=False)
         raise SystemExit(f"scripts/cluster/start.sh failed: {started.stdout[-2000:]}{started.stderr[-2000:]}")
     logs = Path(tempfile.mkdtemp(prefix="fastbench-cluster-"))
     run = f"/shared/fastbench-{os.getpid()}/run"

@@ -311,16 +311,15 @@ class Checkpointer:
             same_world = manifest.world_size == self.world_size
             return load_state(rest, step_dir, self.group, self.rank, same_world=same_world)
 
-        fast = None
+        fast, store = None, store_for(self.layout, self.remote)
         if self.fast is not None and engine_key is None:
-            store = store_for(self.layout, self.remote)
             fast = FastResume(self.fast, store, self.layout.checkpoints, lambda blob: self._load_fast(rest, blob))
         first, floor = (fast.first, fast.floor) if fast is not None else (None, None)
         step = self.session.load_latest(self._resume_step, load, first=first, floor=floor)
         if fast is not None and self.rank == 0:
             self.resumed = fast.record(step)
         if self.rank == 0 and (self.resumed or {}).get("tier") != "fast":  # the fast tier logs its own line
-            resume.log_resumed(store_for(self.layout, self.remote), step)
+            resume.log_resumed(store, step)
         self._last_save = time.monotonic()
         return step
 
