@@ -168,11 +168,10 @@ def _mixed_trial(i: int, rng: random.Random, tmp_path: Path) -> Outcome:
         os.close(fd)  # let them all at the lease at once
     out = _judge(layout, launches, jobs_before)
     out.notes.append(f"mixed trial {i}: {'all' if met else 'NOT all'} {k} launches were waiting on the lock")
-    winner = next((one for one in launches if one.proc.returncode != 2), None)
-    overwrote = winner is not None and "run.overwrite=true" in winner.args
-    print(
-        f"mixed trial {i}: {names}; proceeded: {[n for n, one in zip(names, launches, strict=True) if one is winner]}"
-    )
+    # owners may follow one another (each after the last ended): any of them that overwrote replaced the steps
+    winners = [(n, one) for n, one in zip(names, launches, strict=True) if one.proc.returncode != 2]
+    overwrote = any("run.overwrite=true" in one.args for _, one in winners)
+    print(f"mixed trial {i}: {names}; proceeded: {[n for n, _ in winners]}")
     out.problems += check_run(layout, None if overwrote else before, final_step=BASE_STEPS)
     out.problems += leftovers(layout.run_dir)
     return out
