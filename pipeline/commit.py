@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1, help="markers a step needs when its rank-0 marker is absent")
     p.add_argument("--keep-last", type=int, default=None, help="retention: keep the newest N committed steps")
     p.add_argument("--keep-every", type=int, default=None, help="retention: also keep every step divisible by N")
+    p.add_argument("--keep-best", type=int, default=None, help="retention: also keep the N steps best by --best-metric")
+    p.add_argument("--best-metric", default="loss", help="the metric --keep-best ranks by (default: %(default)s)")
+    p.add_argument("--best-mode", default="min", help="min: lowest is best; max: highest (default: %(default)s)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between looks (default: %(default)s)")
     p.add_argument("--storage", default=None, help="s3://bucket/prefix: the checkpoints live in that bucket")
     p.add_argument(
@@ -69,11 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         options.check_keep(args.keep_last, "--keep-last")
         options.check_keep(args.keep_every, "--keep-every")
         options.check_seconds(args.lease, "--lease")
+        best_names = ("--keep-best", "--best-metric", "--best-mode")
+        options.check_best(args.keep_best, args.best_metric, args.best_mode, best_names)
         policy = CommitPolicy(
             world_size=args.world_size,
             poll_interval_s=args.interval,
             keep_last=args.keep_last,
             keep_every=args.keep_every,
+            keep_best=args.keep_best,
+            best_metric=args.best_metric,
+            best_mode=args.best_mode,
             lease_s=args.lease,
         )
     except PipelineError as e:

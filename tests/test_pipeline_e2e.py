@@ -185,6 +185,19 @@ def test_status_shows_owner_records_and_latest(ddp_run: tuple[Path, str]) -> Non
     assert "owner:      none" in proc.stdout and "latest: step 8" in proc.stdout
     assert re.search(r"^  train +succeeded ", proc.stdout, re.M), proc.stdout  # the same view as pipeline.status
     assert "next launch:" in proc.stdout and "skip train:" in proc.stdout
+    # each step's recorded loss is a column (best-k retention ranks by it)
+    assert re.search(r"^ +committed +files +size +shared +format +loss", proc.stdout, re.M), proc.stdout
+
+
+@SHARED_RUN
+def test_each_step_records_the_mean_loss_since_the_last_save(ddp_run: tuple[Path, str]) -> None:
+    root, _ = ddp_run
+    layout = _layout(root, "ddp")
+    losses = train_losses(layout)
+    for step, since in ((4, range(1, 5)), (8, range(5, 9))):
+        recorded = read_manifest(layout.committed_step(step)).metrics
+        assert recorded.keys() == {"loss"}, recorded
+        assert recorded["loss"] == pytest.approx(sum(losses[str(s)] for s in since) / 4, rel=1e-6), (step, losses)
 
 
 @SHARED_RUN

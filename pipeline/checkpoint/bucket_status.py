@@ -52,6 +52,8 @@ def remote_checkpoints(remote: Remote) -> Status:
                 entry.update(files=len(m.files), bytes=sum(f.size for f in m.files), format=m.format)
                 entry["world_size"] = m.world_size
                 entry["pieces"] = {e.hash: e.size for e in m.files if is_piece(e.path)}
+                if m.metrics:
+                    entry["metrics"] = m.metrics
             except PipelineError as e:
                 entry["error"] = str(e)
             out["committed"].append(entry)

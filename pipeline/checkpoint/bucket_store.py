@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.checkpoint import remote_pieces
 from pipeline.checkpoint.bucket_status import remote_checkpoints
-from pipeline.checkpoint.manifest import Latest, Manifest, Marker
+from pipeline.checkpoint.manifest import Latest, Manifest, Marker, Metrics
 from pipeline.checkpoint.ownership import CommitterBusy, LeaseStore
 from pipeline.checkpoint.remote import LATEST, QUARANTINE, Remote, digest, is_marker_name
 from pipeline.checkpoint.remote_pull import pull
 from pipeline.checkpoint.step_checks import check_agreement, check_stored, foreign_files
 from pipeline.checkpoint.store import Quarantined, Taken
-from pipeline.errors import VerificationError
+from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import remove_tree
 from pipeline.storage.backend import POSIX
 from pipeline.storage.faults import inject
@@ -137,6 +137,13 @@ class BucketCheckpoints:
         self.remote.fetch_verified(found[0], None)
         return digest(found[1])
 
+    def step_metrics(self, step: int) -> Metrics:
+        try:
+            found = self.remote.read_manifest_or_none(step)
+        except PipelineError:
+            return {}
+        return found.metrics if found is not None else {}
+
     def stray(self) -> list[str]:
         return []  # keys are names, never links
 
@@ -183,6 +190,7 @@ class BucketCheckpoints:
             attempt=attempt,
             run_id=self.layout.run_id,
             files=files,
+            metrics=dict(markers[0].metrics),
         )
         tmp = Path(tempfile.mkdtemp(prefix=f".verify-step_{step}-", dir=self.scratch()))
         try:

@@ -36,6 +36,7 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.checkpoint import deepspeed_engine, rank_save, resume
+from pipeline.checkpoint import deepspeed_engine, options, rank_save, resume
 from pipeline.checkpoint.async_save import stuck_writers
 from pipeline.checkpoint.background import BackgroundCommitter
 from pipeline.checkpoint.committer import CommitPolicy
@@ -52,7 +53,6 @@ from pipeline.checkpoint.fast.codec import fill, unpack
 from pipeline.checkpoint.fast.resuming import FastResume
 from pipeline.checkpoint.fast.tier import FAST_DIR_ENV, FastConfig, FastTier
 from pipeline.checkpoint.manifest import Manifest
-from pipeline.checkpoint.ownership import committer_alive
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult, Written
 from pipeline.checkpoint.remote import record_store, recorded_store, remote_at
 from pipeline.checkpoint.session import CheckpointSession
@@ -64,8 +64,6 @@ from pipeline.storage.layout import CheckpointLayout
 log = logging.getLogger(__name__)
 
 COMMITTERS = ("thread", "external")
-_EXTERNAL_START_S = 60.0
-"""How long a resuming rank 0 gives an external committer to appear before it counts as gone."""
 EXTERNAL_COMMIT_WAIT_S = 60.0
 """``external_commit_wait_s``'s default: how long :meth:`Checkpointer.close` waits with no committer running."""
 
@@ -81,6 +79,9 @@ class Checkpointer:
         every_minutes: float | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str = "loss",
+        best_mode: str = "min",
         committer: str = "thread",
         deadline_s: float = 600.0,
         writer_threads: int | None = None,
@@ -99,6 +100,8 @@ class Checkpointer:
 
         ``every_steps`` / ``every_minutes``: when :meth:`should_save` says yes (either may be None).
         ``keep_last`` / ``keep_every``: retention, done by the committer (``latest``'s step always stays).
+        ``keep_best``: also keep the ``keep_best`` steps with the best ``best_metric`` (passed to :meth:`save` in
+        ``metrics``; ``best_mode`` ``min``: lowest is best, ``max``: highest); a step without it is kept.
         ``committer``: ``thread`` (rank 0 commits in the background) or ``external`` (``python -m
         pipeline.commit <dir> --follow`` runs beside the job). ``deadline_s`` bounds every wait: markers,
         async writers, the committer's last pass, the checkpoint group's collectives.
@@ -122,18 +125,17 @@ class Checkpointer:
         """
         if committer not in COMMITTERS:
             raise PipelineError(f"committer={committer!r}: choose one of {', '.join(COMMITTERS)}")
-        for name, value in (("every_steps", every_steps), ("keep_last", keep_last), ("keep_every", keep_every)):
-            if value is not None and (type(value) is not int or value < 1):
-                raise PipelineError(f"{name}={value!r}: must be a positive integer or None")
+        options.check_every_steps(every_steps)
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            options.check_keep(value, name)
+        options.check_best(keep_best, best_metric, best_mode)
         if every_minutes is not None and not every_minutes > 0:
             raise PipelineError(f"every_minutes={every_minutes!r}: must be positive or None")
-        for name, number in (("deadline_s", deadline_s), ("poll_interval_s", poll_interval_s)):
-            if not number > 0:
-                raise PipelineError(f"{name}={number!r}: must be positive (every wait needs a deadline)")
+        options.check_deadline(deadline_s)
+        options.check_seconds(poll_interval_s)
         if not external_commit_wait_s >= 0:
             raise PipelineError(f"external_commit_wait_s={external_commit_wait_s!r}: must be 0 or more seconds")
-        if writer_threads is not None and (type(writer_threads) is not int or writer_threads < 1):
-            raise PipelineError(f"writer_threads={writer_threads!r}: must be a positive integer or None")
+        options.check_writer_threads(writer_threads)
         if not dist.is_available() or not dist.is_initialized():
             raise PipelineError(
                 "Checkpointer needs torch.distributed initialised first (dist.init_process_group; torchrun sets "
@@ -152,7 +154,9 @@ class Checkpointer:
         self._committer: BackgroundCommitter | None = None
         self._external = committer == "external"
         self._external_wait_s = external_commit_wait_s
-        opened = self._open(keep_last, keep_every, poll_interval_s) if self.rank == 0 else None
+        keep = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best, "best_metric": best_metric,
+                "best_mode": best_mode}  # fmt: skip
+        opened = self._open(keep, poll_interval_s) if self.rank == 0 else None
         decided = self._broadcast(opened)
         if not isinstance(decided, tuple):
             self._stop_committer()
@@ -180,7 +184,7 @@ class Checkpointer:
 
     # -- set-up (rank 0) ---------------------------------------------------------------------------------------
 
-    def _open(self, keep_last: int | None, keep_every: int | None, poll_s: float) -> tuple[str] | str:
+    def _open(self, keep: dict[str, Any], poll_s: float) -> tuple[str] | str:
         """Rank 0: create the layout, decide this launch's attempt, start the committer; or why it cannot."""
         try:
             for d in self.layout.checkpoint_dirs():
@@ -195,8 +199,7 @@ class Checkpointer:
                     world_size=self.world_size,
                     marker_deadline_s=self.deadline_s,
                     poll_interval_s=poll_s,
-                    keep_last=keep_last,
-                    keep_every=keep_every,
+                    **keep,
                 )
                 self._committer = BackgroundCommitter(self.layout, policy, self.remote)
                 self._committer.start()
@@ -256,17 +259,19 @@ class Checkpointer:
             raise PipelineError("save_fast: a DeepSpeed engine saves in its own layout: use save() for it")
         return self.fast.save(step, save_state(state, step, self.rank), self.session.any_rank)
 
-    def save(self, step: int, state: dict[str, Any]) -> SaveResult:
+    def save(self, step: int, state: dict[str, Any], metrics: Mapping[str, Any] | None = None) -> SaveResult:
         """Save ``state`` as ``step`` (blocking); returns how this rank's save went, with every rank agreeing on
         ``ok``. A step a rank could not save is never committed; training may go on (or, with
         ``fail_on_save_error``, this raises). A DeepSpeed engine in ``state`` (under any key) is saved in
-        DeepSpeed's layout, the rest of ``state`` as DCP beside it."""
+        DeepSpeed's layout, the rest of ``state`` as DCP beside it. ``metrics`` (name -> number, e.g.
+        ``{"loss": loss.item()}``): recorded in the step's manifest (rank 0's values) for ``keep_best`` and
+        ``status``; a value that is not finite is recorded as null."""
         self._check_open()
-        started = time.monotonic()
+        started, recorded = time.monotonic(), options.check_metrics(metrics)
         engine_key = deepspeed_engine.find_engine(state)
         if engine_key is None:
             sd = save_state(state, step, self.rank)
-            result = self.session.save(step, sd, piece_groups(state), started)
+            result = self.session.save(step, sd, piece_groups(state), started, recorded)
         else:
             engine = state[engine_key]
             rest = save_state({k: v for k, v in state.items() if k != engine_key}, step, self.rank)
@@ -274,22 +279,22 @@ class Checkpointer:
             def write(staged: Path) -> Written:
                 return deepspeed_engine.write_step(self.target, staged, engine, rest, self.group)
 
-            result = self.session.save_files(step, deepspeed_engine.format_of(engine), write, started)
+            result = self.session.save_files(step, deepspeed_engine.format_of(engine), write, started, recorded)
         self._last_save = time.monotonic()
         return result
 
-    def save_async(self, step: int, state: dict[str, Any]) -> float:
-        """Copy ``state`` into a reused staging buffer and persist it in the background (same files and marker
-        as :meth:`save`); returns the seconds training was blocked. The previous async save is settled first.
-        A state with a DeepSpeed engine is saved synchronously (its files are DeepSpeed's to write)."""
+    def save_async(self, step: int, state: dict[str, Any], metrics: Mapping[str, Any] | None = None) -> float:
+        """Copy ``state`` into a reused staging buffer and persist it in the background (same files, marker and
+        ``metrics`` as :meth:`save`); returns the seconds training was blocked. The previous async save is settled
+        first. A state with a DeepSpeed engine is saved synchronously (its files are DeepSpeed's to write)."""
         self._check_open()
-        t0 = time.monotonic()
+        t0, recorded = time.monotonic(), options.check_metrics(metrics)
         if deepspeed_engine.find_engine(state) is not None:
-            self.save(step, state)
+            self.save(step, state, recorded)
             return time.monotonic() - t0
         sd = save_state(state, step, self.rank)
         self._last_save = time.monotonic()
-        return self.session.save_async(step, sd, piece_groups(state), t0)
+        return self.session.save_async(step, sd, piece_groups(state), t0, recorded)
 
     def wait(self) -> SaveResult | None:
         """Settle the pending async save (at most ``deadline_s``, polling the writer's liveness); None if none."""
@@ -328,26 +333,11 @@ class Checkpointer:
         return apply_state(into, target)
 
     def _resume_step(self) -> int | str:
-        start = time.monotonic()
         if self._committer is not None and not self._committer.recovered.wait(self.deadline_s):
             errors = "; ".join(self._committer.errors[-3:]) or "no error reported"
             return f"cannot resume: the committer's first pass over {self.layout.checkpoints} did not finish ({errors})"
-
-        def external_alive() -> bool:
-            if self._committer is not None:
-                return self._committer.alive()
-            if committer_alive(self.layout.checkpoints, self.layout.committer_lock):
-                return True
-            return time.monotonic() - start < _EXTERNAL_START_S
-
-        return resume.decide(
-            self.layout,
-            self.world_size,
-            deadline_s=self.deadline_s,
-            committer_alive=external_alive,
-            committer_hint=f" (is the committer running? python -m pipeline.commit {self.layout.run_dir} --follow)",
-            remote=self.remote,
-        )
+        alive = self._committer.alive if self._committer is not None else None
+        return resume.decide_with(self.layout, self.world_size, self.deadline_s, alive, self.remote)
 
     # -- end ---------------------------------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """Per-rank done-markers, the step manifest and the ``latest`` pointer: the on-disk commit protocol.
 
 * ``staging/step_N/rank_<K>.done.json`` — written last and atomically by rank K: step, rank, world size,
-  format, attempt, and each of its files (relative path, size, xxh3-128).
+  format, attempt, and each of its files (relative path, size, xxh3-128); optionally the ``metrics`` training
+  reported with the step (name -> number, ``null`` for a value that was not finite).
 * ``step_N/manifest.json`` — written by verify-manifest after every file was checked; readers trust it, never
-  a directory listing.
+  a directory listing. It carries rank 0's ``metrics`` (what best-k retention ranks by).
 * ``checkpoints/latest`` — JSON naming the newest committed step and its manifest hash; replaced atomically
   only after the step directory is published.
 """
@@ -14,7 +15,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,10 +45,25 @@ def marker_path(step_dir: Path, rank: int) -> Path:
 
 
 R = TypeVar("R", bound="_FileRecord")
+Metrics = dict[str, float | None]
+"""What training reported with a step: metric name -> value (``None``: not finite, e.g. a NaN loss)."""
+
+
+def is_metrics(value: Any) -> bool:
+    """A JSON metrics object: string keys, each value a number (not a bool) or null."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and (v is None or (isinstance(v, int | float) and not isinstance(v, bool)))
+        for k, v in value.items()
+    )
+
+
 _TYPES: dict[str, Callable[[Any], bool]] = {
     "int": lambda v: type(v) is int and v >= 0,
     "str": lambda v: isinstance(v, str),
+    "Metrics": is_metrics,
 }
+_OPTIONAL = frozenset({"metrics"})
+"""Fields a record may omit (written only when not empty, so older records read as they were)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,9 @@ class _FileRecord:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "files"}
+        for name in _OPTIONAL & out.keys():
+            if not out[name]:
+                del out[name]
         out["files"] = [e.to_json() for e in self.files]
         out["format_version"] = FORMAT_VERSION
         return out
@@ -73,8 +92,9 @@ class _FileRecord:
             raise VerificationError(
                 f"{what} {where} has format_version {obj.get('format_version')!r}; this pipeline reads {FORMAT_VERSION}"
             )
-        scalars = {f.name: obj.get(f.name) for f in fields(cls) if f.name != "files"}
-        bad = [f.name for f in fields(cls) if f.name != "files" and not _TYPES[str(f.type)](obj.get(f.name))]
+        given = [f for f in fields(cls) if f.name != "files" and (f.name not in _OPTIONAL or f.name in obj)]
+        scalars = {f.name: obj.get(f.name) for f in given}
+        bad = [f.name for f in given if not _TYPES[str(f.type)](obj.get(f.name))]
         if bad:
             raise VerificationError(f"malformed {what} {where}: missing or wrong type: {', '.join(bad)}")
         return cls(files=tuple(FileEntry.from_json(e, where) for e in obj["files"]), **scalars)
@@ -89,6 +109,8 @@ class Marker(_FileRecord):
     world_size: int
     format: str
     attempt: str
+    metrics: Metrics = field(default_factory=dict)
+    """What training passed with the step (``save(step, state, metrics=...)``); the committer keeps rank 0's."""
 
 
 def write_marker(step_dir: Path, marker: Marker) -> None:
@@ -174,6 +196,8 @@ class Manifest(_FileRecord):
     format: str
     attempt: str
     run_id: str
+    metrics: Metrics = field(default_factory=dict)
+    """Rank 0's marker's metrics: what best-k retention ranks the step by, and what ``status`` shows."""
 
 
 def write_manifest(step_dir: Path, manifest: Manifest) -> str:

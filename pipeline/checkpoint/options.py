@@ -10,6 +10,7 @@ takes. ``None`` means "unset" wherever a knob is optional.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.storage.s3 import S3Url
@@ -17,6 +18,8 @@ from pipeline.storage.s3 import S3Url
 MAX_WRITER_THREADS = 64
 """More files per rank than this in parallel only adds seeks; a larger value is a typo."""
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+BEST_MODES = ("min", "max")
+"""Whether the lowest (a loss) or the highest (an accuracy) value of ``best_metric`` is best."""
 """dtypes an export may hold (``export.dtype``, ``python -m pipeline.export --dtype``)."""
 
 
@@ -76,3 +79,41 @@ def check_export_dtype(value: str, name: str = "dtype") -> None:
     """The dtype of exported weights: one of :data:`EXPORT_DTYPES`."""
     if value not in EXPORT_DTYPES:
         raise ConfigError(f"{name}={value!r}: choose {', '.join(EXPORT_DTYPES[:-1])} or {EXPORT_DTYPES[-1]}")
+
+
+BEST_NAMES = ("keep_best", "best_metric", "best_mode")
+
+
+def check_best(
+    keep_best: int | None, best_metric: str, best_mode: str, names: tuple[str, str, str] = BEST_NAMES
+) -> None:
+    """Best-k retention: ``keep_best`` an integer >= 1 or unset, ``best_metric`` a non-empty name (what training
+    passes in ``metrics``), ``best_mode`` one of :data:`BEST_MODES`. ``names``: the three knobs as the caller
+    spells them (``checkpoint.keep_best`` in the app's config, ``--keep-best`` on a command line)."""
+    check_keep(keep_best, names[0])
+    if not isinstance(best_metric, str) or not best_metric.strip():
+        raise ConfigError(f"{names[1]}={best_metric!r} must be the name of a metric training reports (e.g. 'loss')")
+    if best_mode not in BEST_MODES:
+        raise ConfigError(f"{names[2]}={best_mode!r}: choose min (lower is better, a loss) or max (higher is better)")
+
+
+def check_metrics(metrics: Mapping[str, object] | None) -> dict[str, float | None]:
+    """What a save records (``save(step, state, metrics=...)``): name -> a real number (a Python or NumPy
+    number, or a one-element tensor). A value that is not finite (a NaN loss) is kept as ``None``: never
+    the best. Anything else raises :class:`~pipeline.errors.ConfigError` naming the metric."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"metrics={metrics!r} must be a mapping of metric name to number, e.g. {{'loss': 2.31}}")
+    out: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"metrics: name {name!r} must be a non-empty string")
+        try:
+            if isinstance(value, str | bytes | bool):
+                raise TypeError
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(f"metrics[{name!r}]={value!r} must be a number (e.g. loss.item())") from None
+        out[name] = number if math.isfinite(number) else None
+    return out

@@ -23,6 +23,11 @@ class CommitPolicy:
     keep_last: int | None = None
     keep_every: int | None = None
     keep_outputs_last: int | None = None
+    keep_best: int | None = None
+    """Also keep the ``keep_best`` steps whose ``best_metric`` (recorded by ``save(..., metrics=...)``) is best."""
+    best_metric: str = "loss"
+    best_mode: str = "min"
+    """``min``: the lowest value is best (a loss); ``max``: the highest (an accuracy)."""
     lease_s: float = DEFAULT_LEASE_S
     """The committer lease: a holder whose heartbeat is older than this is gone, and another may take over."""
 
@@ -34,6 +39,7 @@ class CommitPolicy:
         options.check_seconds(self.lease_s, "lease_s")
         for name in ("keep_last", "keep_every", "keep_outputs_last"):
             options.check_keep(getattr(self, name), name)
+        options.check_best(self.keep_best, self.best_metric, self.best_mode)
 
 
 @dataclass

@@ -50,6 +50,8 @@ def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status
             entry["format"] = manifest.format
             entry["world_size"] = manifest.world_size
             entry["pieces"] = local_pieces(layout.checkpoints / name, manifest.files)
+            if manifest.metrics:
+                entry["metrics"] = manifest.metrics
         out.append(entry)
     return out
 

@@ -34,9 +34,11 @@ from pipeline.checkpoint.manifest import (
     Latest,
     Manifest,
     Marker,
+    Metrics,
     complete_markers,
     marker_path,
     read_latest,
+    read_manifest,
     read_newest,
     staged_world,
     step_markers,
@@ -144,6 +146,12 @@ class PosixCheckpoints:
         path = self.layout.committed_step(step)
         verify_committed(path, step)
         return hash_file(path / MANIFEST)
+
+    def step_metrics(self, step: int) -> Metrics:
+        try:
+            return read_manifest(self.layout.committed_step(step)).metrics
+        except (PipelineError, OSError):
+            return {}
 
     def stray(self) -> list[str]:
         return [str(p) for p in repair.planted(self.storage, self.layout)]

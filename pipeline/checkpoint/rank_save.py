@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pipeline.checkpoint.async_save import Persist, Progress, Settled
-from pipeline.checkpoint.manifest import Marker
+from pipeline.checkpoint.manifest import Marker, Metrics
 from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.checkpoint.stores import store_for
@@ -105,10 +105,12 @@ def finish(
     entries: tuple[FileEntry, ...],
     before_marker: Callable[[], None] = lambda: None,
     reused: frozenset[str] = frozenset(),
+    metrics: Metrics | None = None,
 ) -> None:
     """Check the written files' sizes, then write this rank's done-marker (last, atomically): the one place a
     marker is written. ``before_marker`` may still refuse (raise), e.g. for a writer that was given up on.
-    ``reused``: pieces shared with the latest committed step (in a bucket: not in ``staged``, not uploaded)."""
+    ``reused``: pieces shared with the latest committed step (in a bucket: not in ``staged``, not uploaded).
+    ``metrics``: what training reported with the step, recorded in the marker."""
     for entry in entries:
         if entry.path in reused and not (staged / entry.path).exists():
             continue  # a bucket's piece stays where it is
@@ -116,7 +118,10 @@ def finish(
             raise VerificationError(f"{staged / entry.path}: {entry.size} bytes hashed while writing, size differs")
     inject("shard_save.before_marker", rank=t.rank, step=step)
     before_marker()
-    marker = Marker(step=step, rank=t.rank, world_size=t.world_size, format=fmt, attempt=t.attempt, files=entries)
+    marker = Marker(
+        step=step, rank=t.rank, world_size=t.world_size, format=fmt, attempt=t.attempt, files=entries,
+        metrics=dict(metrics or {}),
+    )  # fmt: skip
     t.store.deliver(staged, marker, reused)
     t.store.release(staged)
 
@@ -158,14 +163,21 @@ def write_dcp(
 
 
 def save_dcp(
-    t: RankTarget, step: int, state: dict[str, Any], process_group: Any, groups: Mapping[str, str] | None = None
+    t: RankTarget,
+    step: int,
+    state: dict[str, Any],
+    process_group: Any,
+    groups: Mapping[str, str] | None = None,
+    metrics: Metrics | None = None,
 ) -> SaveResult:
     """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written. ``groups``: see
-    :func:`write_dcp`."""
-    return save_files(t, step, FORMAT, lambda staged: write_dcp(t, staged, state, process_group, groups))
+    :func:`write_dcp`; ``metrics``: see :func:`finish`."""
+    return save_files(t, step, FORMAT, lambda staged: write_dcp(t, staged, state, process_group, groups), metrics)
 
 
-def dcp_persist(t: RankTarget, step: int, groups: Mapping[str, str] | None = None) -> Persist:
+def dcp_persist(
+    t: RankTarget, step: int, groups: Mapping[str, str] | None = None, metrics: Metrics | None = None
+) -> Persist:
     """What a background writer runs for ``step``: the same files and marker as :func:`save_dcp`, the marker
     only once the files are fsync'd."""
 
@@ -173,14 +185,18 @@ def dcp_persist(t: RankTarget, step: int, groups: Mapping[str, str] | None = Non
         staged = prepare(t, step)
         written = write_dcp(t, staged, staged_state, group, groups, progress.writer(staged))
         progress.written(len(written.entries))
-        finish(t, staged, step, FORMAT, written.entries, progress.before_marker, written.reused)
+        finish(t, staged, step, FORMAT, written.entries, progress.before_marker, written.reused, metrics)
         return written.bytes, written.shared
 
     return persist
 
 
 def save_files(
-    t: RankTarget, step: int, fmt: str, write: Callable[[Path], tuple[FileEntry, ...] | Written]
+    t: RankTarget,
+    step: int,
+    fmt: str,
+    write: Callable[[Path], tuple[FileEntry, ...] | Written],
+    metrics: Metrics | None = None,
 ) -> SaveResult:
     """Run ``write`` (this rank's files into the staged dir, returning their entries) and write the marker."""
     staged = prepare(t, step)
@@ -189,7 +205,7 @@ def save_files(
         out = write(staged)
         written = out if isinstance(out, Written) else Written(out)
         entries = written.entries
-        finish(t, staged, step, fmt, entries, reused=written.reused)
+        finish(t, staged, step, fmt, entries, reused=written.reused, metrics=metrics)
     except (Exception, CheckpointException) as e:  # dcp.save reports a rank's I/O error as a BaseException
         log.error(
             "SHARD SAVE FAILED: rank %d step %d into %s: %s — this step will not be committed%s",

@@ -9,9 +9,11 @@ Every wait is bounded by a deadline and ends early once the committer is gone.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from pipeline.checkpoint.manifest import read_newest, verify_committed
+from pipeline.checkpoint.ownership import committer_alive
 from pipeline.checkpoint.remote import Remote
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.checkpoint.stores import store_for, uncommitted
@@ -66,6 +68,38 @@ def decide(
     except PipelineError as e:  # a damaged step, or the bucket refusing (a StoreError): every rank hears why
         return f"cannot resume: {e}{repair_hint}"
     return latest.step
+
+
+EXTERNAL_START_S = 60.0
+"""How long a resuming rank 0 gives an external committer to appear before it counts as gone."""
+
+
+def decide_with(
+    layout: CheckpointLayout,
+    world_size: int,
+    deadline_s: float,
+    thread_alive: Callable[[], bool] | None,
+    remote: Remote | None,
+) -> int | str:
+    """:func:`decide` for the library: the committer is rank 0's thread (``thread_alive``), or else an external
+    one, which counts as alive while it holds the dir, or for :data:`EXTERNAL_START_S` while it may still start."""
+    start = time.monotonic()
+
+    def alive() -> bool:
+        if thread_alive is not None:
+            return thread_alive()
+        if committer_alive(layout.checkpoints, layout.committer_lock):
+            return True
+        return time.monotonic() - start < EXTERNAL_START_S
+
+    return decide(
+        layout,
+        world_size,
+        deadline_s=deadline_s,
+        committer_alive=alive,
+        committer_hint=f" (is the committer running? python -m pipeline.commit {layout.run_dir} --follow)",
+        remote=remote,
+    )
 
 
 def log_resumed(store: CheckpointStore, step: int) -> None:

@@ -4,9 +4,11 @@ Done by the committer (verify-manifest, the single task that owns ``checkpoints/
 rank and no other stage ever deletes a step. Two parts:
 
 * :func:`decide` is pure: from the committed steps, the step ``latest`` names and the policy
-  (``checkpoint.keep_last``, ``checkpoint.keep_every``) it says which steps stay, each with its reasons, and which
-  go. It never removes ``latest``'s step, never a step newer than ``latest`` (one being committed, or one the
-  committer has not vouched for yet), and nothing at all without a policy or without a ``latest``.
+  (``checkpoint.keep_last``, ``checkpoint.keep_every``, ``checkpoint.keep_best`` with the metric each step's
+  manifest records) it says which steps stay, each with its reasons, and which go. It never removes ``latest``'s
+  step, never a step newer than ``latest`` (one being committed, or one the committer has not vouched for yet),
+  never a step that did not record the best-k metric, and nothing at all without a policy or without a
+  ``latest``.
 * :func:`apply` carries a decision out in one area at a time. A step leaves in one ``rename`` into the area's
   trash dir (:data:`TRASH`, ``<area>/.deleting/``) and is deleted there; every call first empties the trash of
   what a crashed call left. So a crash at any point leaves every kept step intact and, at most, a half-deleted
@@ -59,12 +61,48 @@ class Policy(Protocol):
     def keep_every(self) -> int | None: ...
     @property
     def keep_outputs_last(self) -> int | None: ...
+    @property
+    def keep_best(self) -> int | None: ...
+    @property
+    def best_metric(self) -> str: ...
+    @property
+    def best_mode(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Best:
+    """Best-k retention: keep the ``k`` committed steps (up to ``latest``) whose ``metric`` is best.
+
+    ``scores`` holds each step that recorded the metric (``None``: its value was not finite, never best); a
+    step that did not record it stays (its reason says so), as Orbax keeps checkpoints without metrics.
+    """
+
+    k: int
+    metric: str
+    mode: str
+    scores: Mapping[int, float | None]
+
+    def chosen(self, steps: list[int], latest: int) -> set[int]:
+        """The best ``k`` of ``steps`` up to ``latest`` (ties: the newer step wins)."""
+        ranked = [(v, s) for s in steps if s <= latest and (v := self.scores.get(s)) is not None]
+        ranked.sort(key=lambda e: (e[0] if self.mode == "min" else -e[0], -e[1]))
+        return {s for _, s in ranked[: self.k]}
+
+    def reasons(self, step: int, chosen: set[int]) -> list[str]:
+        """Why this rule keeps ``step`` (it is one of the ``chosen`` best, or it recorded no value): or nothing."""
+        if step in chosen:
+            return [f"best {self.k} by {self.metric} ({self.mode})"]
+        return [no_metric(self.metric)] if step not in self.scores else []
 
 
 NO_POLICY = "no retention policy"
 NO_LATEST = "no latest"
 LATEST = "latest"
 NEWER_THAN_LATEST = "newer than latest"
+
+
+def no_metric(metric: str) -> str:
+    return f"no {metric} recorded"
 
 
 @dataclass(frozen=True)
@@ -81,34 +119,40 @@ class Decision:
         return {"kept": kept, "removed": list(self.removed)}
 
 
-def decide(committed: list[int], latest: int | None, keep_last: int | None, keep_every: int | None) -> Decision:
+def decide(
+    committed: list[int],
+    latest: int | None,
+    keep_last: int | None,
+    keep_every: int | None,
+    best: Best | None = None,
+) -> Decision:
     """Split ``committed`` into kept (with reasons) and removed steps. Pure.
 
     ``keep_last`` counts the newest steps up to ``latest`` (after a fallback, steps above ``latest`` are not the
-    history it vouches for); ``keep_every`` keeps multiples of it forever. ``latest`` and anything newer always
-    stay; with neither key set, or no ``latest``, nothing goes.
+    history it vouches for); ``keep_every`` keeps multiples of it forever; ``best`` keeps the best ``k`` by a
+    metric, and every step without it. ``latest`` and anything newer always stay; with no rule set, or no
+    ``latest``, nothing goes.
     """
     for key, value in (("keep_last", keep_last), ("keep_every", keep_every)):
         if value is not None and value < 1:
             raise ValueError(f"{key}={value} must be >= 1 or None")
     steps = sorted(set(committed))
-    if keep_last is None and keep_every is None:
+    if keep_last is None and keep_every is None and best is None:
         return Decision(kept={s: (NO_POLICY,) for s in steps}, removed=())
     if latest is None:
         return Decision(kept={s: (NO_LATEST,) for s in steps}, removed=())
     newest = set(sorted((s for s in steps if s <= latest), reverse=True)[:keep_last]) if keep_last else set()
+    chosen = best.chosen(steps, latest) if best is not None else set()
     kept: dict[int, tuple[str, ...]] = {}
     removed = []
     for s in steps:
-        reasons = []
-        if s == latest:
-            reasons.append(LATEST)
-        elif s > latest:
-            reasons.append(NEWER_THAN_LATEST)
+        reasons = [LATEST] if s == latest else [NEWER_THAN_LATEST] if s > latest else []
         if s in newest:
             reasons.append(f"newest {keep_last}")
         if keep_every is not None and s % keep_every == 0:
             reasons.append(f"multiple of {keep_every}")
+        if best is not None:
+            reasons += best.reasons(s, chosen)
         if reasons:
             kept[s] = tuple(reasons)
         else:
@@ -206,8 +250,8 @@ def read_record(layout: CheckpointLayout) -> dict[str, Any] | None:
 
 
 def apply(store: CheckpointStore, cfg: Policy, *, latest_step: int | None) -> Decision:
-    """Carry out retention for the committed steps of ``store`` (``keep_last``, ``keep_every``) and the local
-    output areas (``keep_outputs_last``); return the decision for the committed steps.
+    """Carry out retention for the committed steps of ``store`` (``keep_last``, ``keep_every``, ``keep_best``) and
+    the local output areas (``keep_outputs_last``); return the decision for the committed steps.
 
     ``latest_step`` is the step ``latest`` names now (None: no step is removed anywhere). Only the committer may
     call this. ``checkpoints/retention.json`` is rewritten when something was removed or the kept steps or
@@ -215,13 +259,18 @@ def apply(store: CheckpointStore, cfg: Policy, *, latest_step: int | None) -> De
     """
     layout = store.layout
     _sweep_record_temps(layout)
-    checkpoints = decide(store.committed(), latest_step, cfg.keep_last, cfg.keep_every)
+    committed = store.committed()
+    checkpoints = decide(committed, latest_step, cfg.keep_last, cfg.keep_every, _best(store, cfg, committed))
     store.retire(checkpoints.removed)
     outputs = {
         kind: _apply_area(area, marker, latest_step, cfg.keep_outputs_last, None)
         for kind, (area, marker) in output_areas(layout).items()
     }
-    policy = {"keep_last": cfg.keep_last, "keep_every": cfg.keep_every, "keep_outputs_last": cfg.keep_outputs_last}
+    policy: dict[str, Any] = {
+        "keep_last": cfg.keep_last, "keep_every": cfg.keep_every, "keep_outputs_last": cfg.keep_outputs_last
+    }  # fmt: skip
+    if cfg.keep_best is not None:
+        policy.update(keep_best=cfg.keep_best, best_metric=cfg.best_metric, best_mode=cfg.best_mode)
     areas = {"checkpoints": checkpoints.to_json(), **{k: d.to_json() for k, d in outputs.items()}}
     removed_any = any(d.removed for d in (checkpoints, *outputs.values()))
     recorded = read_record(layout)
@@ -231,6 +280,18 @@ def apply(store: CheckpointStore, cfg: Policy, *, latest_step: int | None) -> De
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         write_json_atomic(record_path(layout), {"time": stamp, "latest": latest_step, "policy": policy, "areas": areas})
     return checkpoints
+
+
+def _best(store: CheckpointStore, cfg: Policy, committed: list[int]) -> Best | None:
+    """The best-k rule with each committed step's recorded value of the metric (read from its manifest)."""
+    if cfg.keep_best is None:
+        return None
+    scores = {}
+    for step in committed:
+        recorded = store.step_metrics(step)
+        if cfg.best_metric in recorded:
+            scores[step] = recorded[cfg.best_metric]
+    return Best(cfg.keep_best, cfg.best_metric, cfg.best_mode, scores)
 
 
 def _recorded_state(record: dict[str, Any] | None) -> Any:

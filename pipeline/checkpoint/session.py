@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from pipeline.checkpoint import rank_save
 from pipeline.checkpoint.async_save import AsyncSaver
-from pipeline.checkpoint.manifest import Manifest, read_manifest
+from pipeline.checkpoint.manifest import Manifest, Metrics, read_manifest
 from pipeline.checkpoint.rank_save import RankTarget, SaveResult, Written
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.integrity import FileEntry
@@ -150,21 +150,25 @@ class CheckpointSession:
         state: dict[str, Any],
         groups: Mapping[str, str] | None = None,
         started: float | None = None,
+        metrics: Metrics | None = None,
     ) -> SaveResult:
         """Save the DCP state dict ``state`` as ``step`` (blocking), after settling a pending async save; returns
         this rank's result with every rank's verdict in ``ok``. ``groups``: the FQNs saved as shared pieces
-        (:mod:`pipeline.checkpoint.pieces`). ``started``: when training stopped for this save (monotonic)."""
+        (:mod:`pipeline.checkpoint.pieces`). ``started``: when training stopped for this save (monotonic).
+        ``metrics``: recorded in the step's marker (rank 0's reach the manifest)."""
         t0 = time.monotonic() if started is None else started
         self.wait()
-        result = rank_save.save_dcp(self.target, step, state, self.group, groups)
+        result = rank_save.save_dcp(self.target, step, state, self.group, groups, metrics)
         return self.agree(step, result, time.monotonic() - t0)
 
-    def save_files(self, step: int, fmt: str, write: Write, started: float | None = None) -> SaveResult:
+    def save_files(
+        self, step: int, fmt: str, write: Write, started: float | None = None, metrics: Metrics | None = None
+    ) -> SaveResult:
         """:meth:`save` for a strategy that writes its own files (``write(staged_dir)``, e.g. DeepSpeed's), in
         format ``fmt``."""
         t0 = time.monotonic() if started is None else started
         self.wait()
-        result = rank_save.save_files(self.target, step, fmt, write)
+        result = rank_save.save_files(self.target, step, fmt, write, metrics)
         return self.agree(step, result, time.monotonic() - t0)
 
     def save_async(
@@ -173,6 +177,7 @@ class CheckpointSession:
         state: dict[str, Any],
         groups: Mapping[str, str] | None = None,
         started: float | None = None,
+        metrics: Metrics | None = None,
     ) -> float:
         """Settle the previous async save, copy ``state`` into the reused staging buffer and persist it in the
         background (the same files and marker as :meth:`save`); returns the seconds training was blocked."""
@@ -180,7 +185,7 @@ class CheckpointSession:
         self.wait()
         if self.saver is None:
             self.saver = AsyncSaver(self.rank, self.group, self.async_deadline_s, self.target.writer_threads)
-        persist = rank_save.dcp_persist(self.target, step, groups)
+        persist = rank_save.dcp_persist(self.target, step, groups, metrics)
         return self.saver.start(step, state, persist, time.monotonic() - t0)
 
     @property

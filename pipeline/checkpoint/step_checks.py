@@ -95,5 +95,11 @@ def verified_manifest(step: int, markers: list[Marker], step_dir: Path, run_id: 
     check_stored(fmt, step_dir, step, markers, allow_pickle)
     first = markers[0]
     return Manifest(
-        step=step, world_size=first.world_size, format=first.format, attempt=first.attempt, run_id=run_id, files=files
+        step=step,
+        world_size=first.world_size,
+        format=first.format,
+        attempt=first.attempt,
+        run_id=run_id,
+        files=files,
+        metrics=dict(first.metrics),
     )

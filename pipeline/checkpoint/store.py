@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pipeline.checkpoint.manifest import Latest, Manifest, Marker
+from pipeline.checkpoint.manifest import Latest, Manifest, Marker, Metrics
 from pipeline.checkpoint.ownership import LeaseStore
 from pipeline.errors import PipelineError
 from pipeline.storage.layout import CheckpointLayout
@@ -107,6 +107,10 @@ class CheckpointStore(Protocol):
 
     def verify_committed(self, step: int) -> str:
         """Re-read every file of committed ``step`` against its manifest; returns the manifest's hash."""
+        ...
+
+    def step_metrics(self, step: int) -> Metrics:
+        """The metrics a committed step's manifest records (``{}`` when none, or when it cannot be read)."""
         ...
 
     def stray(self) -> list[str]:

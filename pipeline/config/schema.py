@@ -194,6 +194,14 @@ class CheckpointConfig:
     keep_every: int | None = field(default=None, metadata=MUTABLE)
     """Retention: also keep, forever, every committed step that is a multiple of this (null = no such steps).
     With ``keep_last`` null too, nothing is ever deleted."""
+    keep_best: int | None = field(default=None, metadata=MUTABLE)
+    """Retention: also keep the this many committed steps (up to ``latest``) whose ``best_metric`` is best, as
+    train recorded it in each step's manifest (null = no such rule). A step that recorded no such metric is kept."""
+    best_metric: str = field(default="loss", metadata=MUTABLE)
+    """The metric ``keep_best`` ranks by: train records ``loss`` (the mean loss of the steps since the last save,
+    over every rank) with each step."""
+    best_mode: str = field(default="min", metadata=MUTABLE)
+    """``min``: the lowest ``best_metric`` is best (a loss); ``max``: the highest (an accuracy)."""
     keep_outputs_last: int | None = field(default=None, metadata=MUTABLE)
     """Retention of ``consolidated/`` and ``export/``: keep the complete outputs of the newest this many steps up
     to ``latest`` (null = keep all); latest's output is always kept, and an older one goes only once a newer
@@ -210,6 +218,8 @@ class CheckpointConfig:
         options.check_deadline(self.async_deadline_s, "checkpoint.async_deadline_s")
         for key in ("keep_last", "keep_every", "keep_outputs_last"):
             options.check_keep(getattr(self, key), f"checkpoint.{key}")
+        names = ("checkpoint.keep_best", "checkpoint.best_metric", "checkpoint.best_mode")
+        options.check_best(self.keep_best, self.best_metric, self.best_mode, names)
 
 
 @dataclass

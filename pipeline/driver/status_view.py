@@ -62,15 +62,18 @@ def _checkpoint_lines(ck: Status) -> list[str]:
     lines = [f"checkpoints: {ck['store']}" if ck.get("store") else "checkpoints:"]
     latest = ck["latest"]
     lines.append(f"  latest: step {latest['step']}" if latest else f"  latest: {ck['latest_error'] or 'none'}")
-    rows = [["committed", "files", "size", "shared", "format", ""]]
+    names = sorted({n for c in ck["committed"] for n in c.get("metrics") or {}})
+    rows = [["committed", "files", "size", "shared", "format", *names, ""]]
     for c in ck["committed"]:
         if "error" in c:
-            rows.append([f"step {c['step']}", "", "", "", "", f"damaged: {c['error']}"])
+            rows.append([f"step {c['step']}", "", "", "", "", *([""] * len(names)), f"damaged: {c['error']}"])
         else:
             written = f"{c['format']} x{c['world_size']}"
             latest_mark = "latest" if c["latest"] else ""
             shared = format_bytes(c["shared_bytes"]) if c.get("shared_files") else "-"
-            rows.append([f"step {c['step']}", str(c["files"]), format_bytes(c["bytes"]), shared, written, latest_mark])
+            values = [_metric_text((c.get("metrics") or {}), n) for n in names]
+            row = [f"step {c['step']}", str(c["files"]), format_bytes(c["bytes"]), shared, written, *values]
+            rows.append([*row, latest_mark])
     lines += _table(rows) if len(rows) > 1 else ["  committed: none"]
     saved = ck.get("shared_saved")
     if saved:
@@ -87,6 +90,14 @@ def _checkpoint_lines(ck: Status) -> list[str]:
     if "retention" in ck:
         lines += _retention_lines(ck["retention"], ck["retention_error"])
     return lines + _resume_lines(ck.get("resumed"), ck.get("resumed_error"))
+
+
+def _metric_text(metrics: dict[str, Any], name: str) -> str:
+    """A step's recorded value of ``name`` (``-``: not recorded; ``nan``: recorded, not finite)."""
+    if name not in metrics:
+        return "-"
+    value = metrics[name]
+    return "nan" if value is None else f"{value:.4g}"
 
 
 def _resume_lines(rec: Any, error: str | None) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import pipeline.stagekit.checkpoint_store as storage
-from pipeline.checkpoint import pieces
+from pipeline.checkpoint import options, pieces
 from pipeline.checkpoint import resume as resume_rule
 from pipeline.checkpoint.async_save import stuck_writers
 from pipeline.checkpoint.manifest import Manifest
@@ -108,6 +108,9 @@ class _Run:
             continue_hint=" (checkpoint.fail_on_save_error=false)",
         )
         self.fast = fast_tier.open_tier(ctx, self.pg, deepspeed=self.trainer.engine is not None)
+        self._losses: list[float] = []
+        """Each step's loss (the mean over ranks) since the last save: the step's recorded ``loss``."""
+        self._eval: tuple[int, float] | None = None
 
     def event(self, event: str, **fields: object) -> None:
         """One line of ``metrics.jsonl``; only rank 0 writes the file."""
@@ -172,20 +175,29 @@ class _Run:
 
     # -- saves -------------------------------------------------------------------------------------------------
 
+    def step_metrics(self, step: int) -> dict[str, float | None]:
+        """What the step records in its manifest (``checkpoint.keep_best`` ranks by it, ``status`` shows it):
+        ``loss``, the mean of the steps' losses since the last save, and ``eval_loss`` when eval ran at ``step``."""
+        out = options.check_metrics({"loss": sum(self._losses) / len(self._losses)} if self._losses else {})
+        if self._eval is not None and self._eval[0] == step:
+            out |= options.check_metrics({"eval_loss": self._eval[1]})
+        self._losses = []
+        return out
+
     def save(self, step: int) -> None:
         """Save ``step`` through the session: async (DDP/FSDP2 with ``checkpoint.async_save``) or blocking."""
         started = time.monotonic()  # blocked: settling the previous save, building the state, writing or staging
-        trainer = self.trainer
+        trainer, metrics = self.trainer, self.step_metrics(step)
         if trainer.engine is not None:
             train = strategy.train_state(self.sched, self.stream, step, self.rank, self.device)
             write = saving.deepspeed_files(self.rank, trainer.engine, train)
-            self.session.save_files(step, trainer.format, write, started)
+            self.session.save_files(step, trainer.format, write, started, metrics)
             return
         state = strategy.dcp_state(trainer, self.sched, self.stream, step, self.rank)
         if self.async_save:
-            self.session.save_async(step, state, self.groups, started)
+            self.session.save_async(step, state, self.groups, started, metrics)
         else:
-            self.session.save(step, state, self.groups, started)
+            self.session.save(step, state, self.groups, started, metrics)
 
     def recorded(self, agreed: Agreed) -> None:
         """After every rank agreed on a save (the session's hook): the checkpoint event (``blocked_s``: training
@@ -224,6 +236,7 @@ class _Run:
         if self.rank == 0:
             log.info("step %d eval loss %.4f", step, loss)
         self.event("eval", step=step, loss=loss, samples=samples)
+        self._eval = (step, loss)
 
     def loop(self, resume: int) -> int:
         """Train from ``resume`` to the last step, saving at checkpoint steps; returns the last step trained
@@ -260,6 +273,7 @@ class _Run:
         lr = self.sched.get_last_lr()[0]  # the rate this step used
         self.sched.step()
         mean = strategy.global_mean(loss.detach().float(), self.world)
+        self._losses.append(mean)
         if self.rank == 0:
             log.info("step %d loss %.4f", step, mean)
         tokens *= self.world  # every rank trains on an equal batch

@@ -65,6 +65,9 @@ def policy(cfg: PipelineConfig) -> CommitPolicy:
         keep_last=ck.keep_last,
         keep_every=ck.keep_every,
         keep_outputs_last=ck.keep_outputs_last,
+        keep_best=ck.keep_best,
+        best_metric=ck.best_metric,
+        best_mode=ck.best_mode,
     )
 
 
