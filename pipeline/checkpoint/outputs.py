@@ -125,18 +125,29 @@ def consolidate_latest(
 
 
 def export_latest(
-    layout: CheckpointLayout, dtype: str = "float32", max_shard_bytes: int = 5 * 10**9, force: bool = False
+    layout: CheckpointLayout,
+    dtype: str = "float32",
+    max_shard_bytes: int = 5 * 10**9,
+    force: bool = False,
+    config: str | Path | Any | None = None,
 ) -> dict[str, Any]:
     """``latest``'s step as ``export/step_N/``: Hugging Face's sharded safetensors (``model-0000i-of-0000n``,
     at most ``max_shard_bytes`` each) and ``model.safetensors.index.json``, cast to ``dtype``, with a done-marker
     naming the step's manifest hash and the consolidated file it was made from (consolidated first if needed).
-    For a model that is not a ``transformers`` architecture: weights only, no ``config.json``."""
+
+    ``config``: the model's ``transformers`` config (a directory holding ``config.json``, the file, or a
+    ``PretrainedConfig``): the weights are checked against the model it describes (on the meta device, before
+    anything is written; a one-line error names the first tensor that differs), tied duplicates are left out, and
+    ``config.json``, ``generation_config.json`` and the directory's tokenizer files are written beside them, so
+    ``from_pretrained(export_dir)`` loads it. Without it: weights only."""
     import torch  # noqa: PLC0415 - the committer's imports stay light
 
-    from pipeline.formats.safetensors_shards import write_sharded  # noqa: PLC0415
+    from pipeline.formats.hf_model import HFConfig, tied_duplicates  # noqa: PLC0415
+    from pipeline.formats.safetensors_shards import reader, stored_shapes, write_sharded  # noqa: PLC0415
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise PipelineError(f"dtype {dtype!r}: choose float32, bfloat16 or float16")
+    hf = HFConfig.of(config) if config is not None else None
     consolidated = consolidate_latest(layout)
     step = int(consolidated["step"])
     latest = source_step(layout, verify=False)  # consolidate_latest verified it just now
@@ -147,13 +158,21 @@ def export_latest(
         "consolidated_hash": _recorded_hash(weights.parent / CONSOLIDATED_MARKER, CONSOLIDATED_WEIGHTS),
         "dtype": dtype,
         "max_shard_bytes": max_shard_bytes,
+        **({"config": hf.digest} if hf is not None else {}),
     }
     final = layout.export_step(step)
     if not force and verified_output(final, EXPORT_MARKER, source):
         return {"step": step, "out": str(final), "skipped": True}
+    plan = None
+    if hf is not None:
+        stored = stored_shapes(weights)
+        dups = tied_duplicates(hf.check_fits(stored, str(weights)))
+        plan = [(n, shape, reader(n)) for n, shape in sorted(stored.items()) if n not in dups]
     with staging_dir(layout.export, step_name(step)) as staging:
-        files = write_sharded(weights, staging, getattr(torch, dtype), max_shard_bytes)
-        finish(staging, final, EXPORT_MARKER, source, files, {"format": "safetensors-sharded"})
+        files = write_sharded(weights, staging, getattr(torch, dtype), max_shard_bytes, plan)
+        files += hf.write(staging, dtype) if hf is not None else []
+        kind = "huggingface" if hf is not None else "safetensors-sharded"
+        finish(staging, final, EXPORT_MARKER, source, files, {"format": kind})
     return {"step": step, "out": str(final), "files": len(files)}
 
 

@@ -45,7 +45,7 @@ def write_sharded(
     ``SafetensorError`` for an unreadable ``src``."""
     with safe_open(str(src), framework="pt") as f:
         if tensors is None:
-            tensors = [(n, tuple(f.get_slice(n).get_shape()), _reader(n)) for n in sorted(f.keys())]
+            tensors = [(n, tuple(f.get_slice(n).get_shape()), reader(n)) for n in sorted(f.keys())]
         readers = {name: read for name, _, read in tensors}
         specs = [TensorSpec(n, dtype, shape) for n, shape, _ in tensors]
         shards = plan_shards(specs, max_bytes if index is not None else 2**62)
@@ -66,5 +66,13 @@ def write_sharded(
     return files + [index]
 
 
-def _reader(name: str) -> Callable[[Any], torch.Tensor]:
+def reader(name: str) -> Callable[[Any], torch.Tensor]:
+    """Reads tensor ``name`` from an open safetensors file (a ``tensors`` entry of :func:`write_sharded`)."""
     return lambda f: f.get_tensor(name)
+
+
+def stored_shapes(src: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's name and shape in a safetensors file (its header only). Raises ``SafetensorError`` for an
+    unreadable file."""
+    with safe_open(str(src), framework="pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in sorted(f.keys())}

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from pipeline.checkpoint.outputs import CONSOLIDATED_WEIGHTS, finish, staging_dir
 from pipeline.config.schema import ExportConfig, ModelConfig, PipelineConfig, parse_size
 from pipeline.errors import CheckpointFormatError
+from pipeline.formats import safetensors_shards
 from pipeline.formats.safetensors_shards import write_sharded
 from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import write_json_atomic
@@ -34,8 +35,7 @@ def _unreadable(src: Path, e: SafetensorError) -> CheckpointFormatError:
 
 def stored_shapes(src: Path) -> dict[str, tuple[int, ...]]:
     try:
-        with safe_open(str(src), framework="pt") as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in sorted(f.keys())}
+        return safetensors_shards.stored_shapes(src)
     except SafetensorError as e:
         raise _unreadable(src, e) from None
 

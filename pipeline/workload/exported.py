@@ -19,6 +19,7 @@ import torch
 
 from pipeline.config.workload import ModelConfig
 from pipeline.errors import ConfigError
+from pipeline.formats.hf_model import first_misfit, tied_duplicates
 
 PEFT_PREFIX = "base_model.model."
 Reader = Callable[[Any], torch.Tensor]
@@ -30,18 +31,6 @@ class ExportTensor:
     name: str
     shape: tuple[int, ...]
     read: Reader
-
-
-def _tied_duplicates(reference: torch.nn.Module) -> dict[str, str]:
-    """Every second (third...) name of a shared parameter -> the name kept (the first, as ``state_dict`` order)."""
-    first: dict[int, str] = {}
-    dups: dict[str, str] = {}
-    for name, p in reference.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            dups[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return dups
 
 
 def _lora_layers(reference: torch.nn.Module) -> dict[str, tuple[float, bool]]:
@@ -56,23 +45,13 @@ def _lora_layers(reference: torch.nn.Module) -> dict[str, tuple[float, bool]]:
 
 def check_fits(stored: dict[str, tuple[int, ...]], reference: torch.nn.Module, where: str, model_hint: str) -> None:
     """Refuse stored tensors that the run's model cannot load (the first difference, in name order)."""
-    expected = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
-    optional = set(_tied_duplicates(reference))
-    for name in sorted(stored.keys() | expected.keys()):
-        if name not in stored and name in optional:
-            continue
-        if name not in stored:
-            problem = f"has no tensor {name}, which the run's model needs (shape {expected[name]})"
-        elif name not in expected:
-            problem = f"has tensor {name} {stored[name]}, which the run's model does not have"
-        elif stored[name] != expected[name]:
-            problem = f"has tensor {name} of shape {stored[name]}, but the run's model expects {expected[name]}"
-        else:
-            continue
+    problem = first_misfit(stored, reference, "the run's model")
+    if problem is not None:
         raise ConfigError(
-            f"{where} {problem} ({model_hint}): the weights do not fit the model this run's config describes; give "
-            "the run the model the checkpoint was trained as (model.config / model.config_dir / model.pretrained / "
-            "model._target_, in a new run or with run.overwrite=true), or export=none (the consolidated file only)"
+            f"{where} {problem} ({model_hint}): the weights do "
+            "not fit the model this run's config describes; give the run the model the checkpoint was trained as "
+            "(model.config / model.config_dir / model.pretrained / model._target_, in a new run or with "
+            "run.overwrite=true), or export=none (the consolidated file only)"
         )
 
 
@@ -102,7 +81,7 @@ def _merged(base: str, prefix: str, scaling: float, fan_in_fan_out: bool) -> Rea
 
 def export_tensors(stored: dict[str, tuple[int, ...]], reference: torch.nn.Module) -> list[ExportTensor]:
     """The export's tensors, in name order (call :func:`check_fits` first)."""
-    dups = _tied_duplicates(reference)
+    dups = tied_duplicates(reference)
     lora = _lora_layers(reference)
     out: dict[str, ExportTensor] = {}
     for name in reference.state_dict():
