@@ -60,7 +60,8 @@ def test_export_with_the_models_config_loads_in_transformers(
     before = snapshot(ck.layout.export)
     assert export_main([run, "--config", str(tmp_path / "other")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "but the model expects" in err[0] and "other/config.json describes" in err[0], err
+    assert len(err) == 1 and "but the model expects" in err[0], err
+    assert "the checkpoint's model is not the one" in err[0] and "other/config.json describes" in err[0], err
     assert snapshot(ck.layout.export) == before
 
     assert export_main([run, "--config", str(tmp_path / "missing")]) == 2
