@@ -1,1 +1,1 @@
-"""A user's own package, as the README's "Bring your own model and data" uses it (``model._target_``)."""
+"""A user's own package, as docs/your-model-and-data.md uses it (``model._target_``)."""

@@ -47,7 +47,7 @@ class StrategyConfig:
     name: str = MISSING
     """Parallelism: ``ddp`` (replicated params), ``fsdp2`` (``fully_shard`` per decoder layer + root) or
     ``deepspeed`` (ZeRO stage ``zero_stage``). The whole section may change between launches of a run: it
-    resumes through a world-size-free form (see README, "Resume anywhere")."""
+    resumes through a world-size-free form (see docs/deepspeed-and-import.md, "Resume anywhere")."""
     world_size: int = 2
     """Number of training ranks (tasks of the train job)."""
     backend: str = "gloo"
@@ -129,8 +129,8 @@ def rank_batch_size(train: TrainConfig, world_size: int) -> int:
 
 @dataclass
 class FastCheckpointConfig:
-    """The fast tier: each rank's state kept node-local and on peer nodes, for recovery in seconds (README, "Fast
-    recovery"). Not part of the run's identity: it may be turned on, off or changed at any launch."""
+    """The fast tier: each rank's state kept node-local and on peer nodes, for recovery in seconds
+    (docs/fast-recovery.md). Not part of the run's identity: it may be turned on, off or changed at any launch."""
 
     every: int | None = None
     """Keep a fast copy every this many steps (null: no fast tier). Cheap: training waits only for the copy of

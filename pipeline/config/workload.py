@@ -51,7 +51,7 @@ class ModelConfig:
     (fine-tuning); its tokenizer is used unless ``data.tokenizer`` is set."""
     _target_: str | None = None
     """A user factory, ``mypkg.models.build`` or ``mypkg.models:build``, called with ``args`` and returning an
-    ``nn.Module`` (contract in the README, "Bring your own model and data")."""
+    ``nn.Module`` (contract in docs/your-model-and-data.md)."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the ``_target_`` factory."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -213,8 +213,9 @@ class TrainConfig:
     step: HookConfig = field(default_factory=HookConfig)
     """``train.step._target_``: your loss function, ``fn(model, batch, **args) -> loss`` (batch: token ids)."""
     loop: HookConfig = field(default_factory=HookConfig, metadata=MUTABLE)
-    """``train.loop._target_``: your whole loop, ``fn(ctx, **args)`` in every rank (see README); may change between
-    launches of a run (it must train the same way: the checkpoint, data position and schedule are the run's)."""
+    """``train.loop._target_``: your whole loop, ``fn(ctx, **args)`` in every rank (docs/your-model-and-data.md);
+    may change between launches of a run (it must train the same way: the checkpoint, data position and schedule
+    are the run's)."""
     seed: int = 42
     """Base seed for the data order and per-rank RNG (rank k uses seed + k)."""
     stop_after_step: int | None = field(default=None, metadata=PER_LAUNCH)

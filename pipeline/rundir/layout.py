@@ -1,4 +1,4 @@
-"""Paths of the app's run directory: ``outputs/<experiment>/<run_id>/`` (see README, "Run layout").
+"""Paths of the app's run directory: ``outputs/<experiment>/<run_id>/`` (see docs/design.md, "Run layout").
 
 The checkpoint protocol's names are the library's (:class:`~pipeline.storage.layout.CheckpointLayout`); a run
 dir adds the app's entries around them: ``run.yaml``, the lease, stage records, logs, assets. The library never
@@ -18,7 +18,7 @@ RUN_YAML = "run.yaml"
 
 @dataclass(frozen=True)
 class RunLayout(CheckpointLayout):
-    """``outputs/<experiment>/<run_id>/`` and everything under it (see README, "Run layout")."""
+    """``outputs/<experiment>/<run_id>/`` and everything under it (see docs/design.md, "Run layout")."""
 
     @staticmethod
     def for_run(root: str | Path, experiment: str, run_id: str) -> RunLayout:

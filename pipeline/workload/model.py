@@ -2,7 +2,7 @@
 directory or pretrained weights; a user factory; or the built-in small Llama. LoRA (``peft``) on top. Nothing is
 downloaded: every path is local.
 
-The contract a model meets (the README's "Bring your own model and data"):
+The contract a model meets (docs/your-model-and-data.md):
 
 * **loss**: ``model(input_ids=batch, labels=batch)`` returns the loss, or an object with ``.loss``
   (``transformers`` models do); or ``train.step._target_`` computes it;
