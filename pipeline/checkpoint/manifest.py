@@ -4,7 +4,9 @@
   format, attempt, and each of its files (relative path, size, xxh3-128); optionally the ``metrics`` training
   reported with the step (name -> number, ``null`` for a value that was not finite).
 * ``step_N/manifest.json`` — written by verify-manifest after every file was checked; readers trust it, never
-  a directory listing. It carries rank 0's ``metrics`` (what best-k retention ranks by).
+  a directory listing. It carries rank 0's ``metrics`` (what best-k retention ranks by), checked against rank 0's
+  marker like the rest. Metrics are advisory: nothing but the rank that wrote them vouches for a marker's values,
+  and at worst they change which older steps best-k retention keeps (never ``latest``, never what is loaded).
 * ``checkpoints/latest`` — JSON naming the newest committed step and its manifest hash; replaced atomically
   only after the step directory is published.
 """
@@ -231,10 +233,10 @@ def verify_committed(step_dir: Path, step: int | None = None) -> Manifest:
     present = complete_markers(markers, None)
     if present is None:
         raise VerificationError(f"{step_dir}: {describe_incomplete(markers, None)}; its manifest cannot be checked")
-    said = (tuple(f for m in present for f in m.files), present[0].attempt, present[0].format)
-    if said != (manifest.files, manifest.attempt, manifest.format):
+    said = (tuple(f for m in present for f in m.files), present[0].attempt, present[0].format, present[0].metrics)
+    if said != (manifest.files, manifest.attempt, manifest.format, manifest.metrics):
         raise VerificationError(
-            f"{step_dir / MANIFEST} does not say what the step's markers say (files, attempt or format): "
+            f"{step_dir / MANIFEST} does not say what the step's markers say (files, attempt, format or metrics): "
             "an entry was dropped, added or changed"
         )
     verify_entries(step_dir, list(manifest.files), str(step_dir / MANIFEST))

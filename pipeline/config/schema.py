@@ -198,8 +198,8 @@ class CheckpointConfig:
     """Retention: also keep the this many committed steps (up to ``latest``) whose ``best_metric`` is best, as
     train recorded it in each step's manifest (null = no such rule). A step that recorded no such metric is kept."""
     best_metric: str = field(default="loss", metadata=MUTABLE)
-    """The metric ``keep_best`` ranks by: train records ``loss`` (the mean loss of the steps since the last save,
-    over every rank) with each step."""
+    """The metric ``keep_best`` ranks by: train records ``loss`` (the mean loss, over every rank, of the steps it
+    trained since the last save, or since it resumed) and ``eval_loss`` (when eval ran at the step)."""
     best_mode: str = field(default="min", metadata=MUTABLE)
     """``min``: the lowest ``best_metric`` is best (a loss); ``max``: the highest (an accuracy)."""
     keep_outputs_last: int | None = field(default=None, metadata=MUTABLE)

@@ -177,7 +177,8 @@ class _Run:
 
     def step_metrics(self, step: int) -> dict[str, float | None]:
         """What the step records in its manifest (``checkpoint.keep_best`` ranks by it, ``status`` shows it):
-        ``loss``, the mean of the steps' losses since the last save, and ``eval_loss`` when eval ran at ``step``."""
+        ``loss``, the mean of the losses of the steps this attempt trained since the last save (or since it
+        resumed), and ``eval_loss`` when eval ran at ``step``."""
         out = options.check_metrics({"loss": sum(self._losses) / len(self._losses)} if self._losses else {})
         if self._eval is not None and self._eval[0] == step:
             out |= options.check_metrics({"eval_loss": self._eval[1]})

@@ -86,6 +86,7 @@ from torch.distributed.checkpoint import metadata as dcp_meta
 
 from pipeline.checkpoint.manifest import (
     MANIFEST,
+    is_metrics,
     marker_path,
     read_latest,
     read_manifest,
@@ -642,14 +643,20 @@ def _entries(files: Any) -> tuple[Any, ...] | None:
     return tuple(sorted(out, key=repr))
 
 
-def meaning(obj: Any, original: dict[str, Any]) -> Any:
-    """What a record says in the protocol's terms: the original's fields, ``files`` as a multiset."""
+def meaning(obj: Any, original: dict[str, Any], advisory: frozenset[str] = frozenset()) -> Any:
+    """What a record says in the protocol's terms: the original's fields but ``advisory`` ones, ``files`` as a
+    multiset."""
     if not isinstance(obj, dict):
         return ("not an object", _canon(obj))
     return tuple(
         (k, "missing" if k not in obj else _entries(obj[k]) if k == "files" else _canon(obj[k]))
-        for k in sorted(original)
+        for k in sorted(set(original) - advisory)
     )
+
+
+MARKER_ADVISORY = frozenset({"metrics"})
+"""What a rank reported with its step (best-k retention's input): only the rank vouches for it, so a marker whose
+metrics changed commits with them (they never change what is loaded); a manifest's must equal rank 0's marker's."""
 
 
 def parse(raw: bytes) -> Any:
@@ -712,9 +719,15 @@ class RecordMutation:
     raw: bytes = b""
     kind: str = "file"
 
-    def may_be_accepted(self, original: dict[str, Any]) -> bool:
-        """A regular file whose JSON says exactly what the original says."""
-        return self.kind == "file" and meaning(parse(self.raw), original) == meaning(original, original)
+    def may_be_accepted(self, original: dict[str, Any], advisory: frozenset[str] = frozenset()) -> bool:
+        """A regular file whose JSON says exactly what the original says (``advisory`` fields aside, as long as
+        the record still parses)."""
+        if self.kind != "file":
+            return False
+        obj = parse(self.raw)
+        if advisory and isinstance(obj, dict) and not all(k not in obj or is_metrics(obj[k]) for k in advisory):
+            return False
+        return meaning(obj, original, advisory) == meaning(original, original, advisory)
 
 
 NOT_A_FILE = ("directory", "fifo", "symlink to an identical copy outside", "symlink to a copy beside it", "huge")
@@ -793,7 +806,7 @@ def test_malformed_markers_never_commit(baseline: Baseline) -> None:
             layout = make_run(baseline, root, step8="staged", latest=PREV)
             plant_record(marker_path(layout.staged_step(STEP), rank), m, root / "outside")
             out = committer(baseline, layout, published_counts=True)
-            family.judge("verify_manifest", out, may_accept=m.may_be_accepted(original), what=m)
+            family.judge("verify_manifest", out, may_accept=m.may_be_accepted(original, MARKER_ADVISORY), what=m)
 
     run_family(family, case)
 
