@@ -673,7 +673,7 @@ class NotJSON:
 
 def well_formed(obj: Any, original: dict[str, Any]) -> bool:
     """Every field of the original present with the protocol's type (ints >= 0, strings; files of
-    path/size/hash); ``format_version`` 1."""
+    path/size/hash; metrics of numbers or nulls); ``format_version`` 1."""
     if not isinstance(obj, dict) or _canon(obj.get("format_version")) != _canon(original.get("format_version")):
         return False
     for key, value in original.items():
@@ -687,6 +687,9 @@ def well_formed(obj: Any, original: dict[str, Any]) -> bool:
                 and e["size"] >= 0
             )
             if not (isinstance(v, list) and all(entry_ok(e) for e in v)):
+                return False
+        elif key == "metrics":
+            if not is_metrics(v):
                 return False
         elif key != "format_version" and not (
             (isinstance(value, str) and isinstance(v, str)) or (type(value) is int and type(v) is int and v >= 0)
