@@ -94,8 +94,8 @@ class HFConfig:
         try:
             obj = json.loads(file.read_text())
             config = CONFIG_MAPPING[obj["model_type"]].from_dict(obj) if "model_type" in obj else None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"--config {file}: not a transformers config ({str(e).splitlines()[0][:200]})") from None
+        except Exception as e:  # transformers' own errors too: one line, never a traceback
+            raise ConfigError(f"--config {file}: not a transformers config ({_first_line(e)})") from None
         if config is None:
             raise ConfigError(f"--config {file}: no model_type in it: not a transformers config.json")
         has_tokenizer = path.is_dir() and any((directory / f).is_file() for f in TOKENIZER_FILES)
@@ -120,8 +120,8 @@ class HFConfig:
                 if model_cls is not None:
                     return model_cls(self.config)
                 return transformers.AutoModelForCausalLM.from_config(self.config)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{self.where}: cannot build its model ({str(e).splitlines()[0][:200]})") from None
+        except Exception as e:  # an architecture transformers cannot build here (a missing extra, a bad value)
+            raise ConfigError(f"{self.where}: cannot build its model ({_first_line(e)})") from None
 
     def check_fits(self, stored: dict[str, tuple[int, ...]], weights: str) -> Any:
         """The meta model, once the stored weights are known to fit it; else a one-line :class:`ConfigError`."""
@@ -150,3 +150,7 @@ class HFConfig:
                 shutil.copyfile(src, out / name)
                 copied.append(name)
         return [CONFIG, "generation_config.json", *copied]
+
+
+def _first_line(e: BaseException) -> str:
+    return ((str(e) or type(e).__name__).splitlines() or [type(e).__name__])[0][:200]

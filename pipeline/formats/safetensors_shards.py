@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from pipeline.errors import CheckpointFormatError
 from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec
 from pipeline.storage.atomic import write_json_atomic
 
@@ -41,8 +42,23 @@ def write_sharded(
 ) -> list[str]:
     """Write ``src``'s tensors (cast to ``dtype``) into shards and the index under ``out_dir``; returns the
     file names written. ``tensors``: (name, shape, read from the open file) of each tensor to write instead of
-    all of them as they are; ``index`` None: one file ``<stem>.safetensors``, no index. Raises safetensors'
-    ``SafetensorError`` for an unreadable ``src``."""
+    all of them as they are; ``index`` None: one file ``<stem>.safetensors``, no index. An unreadable ``src``
+    raises :class:`CheckpointFormatError` (one line)."""
+    try:
+        return _write_sharded(src, out_dir, dtype, max_bytes, tensors, index, stem)
+    except SafetensorError as e:
+        raise unreadable(src, e) from None
+
+
+def _write_sharded(
+    src: Path,
+    out_dir: Path,
+    dtype: torch.dtype,
+    max_bytes: int,
+    tensors: Sequence[tuple[str, tuple[int, ...], Callable[[Any], torch.Tensor]]] | None,
+    index: str | None,
+    stem: str,
+) -> list[str]:
     with safe_open(str(src), framework="pt") as f:
         if tensors is None:
             tensors = [(n, tuple(f.get_slice(n).get_shape()), reader(n)) for n in sorted(f.keys())]
@@ -72,7 +88,17 @@ def reader(name: str) -> Callable[[Any], torch.Tensor]:
 
 
 def stored_shapes(src: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's name and shape in a safetensors file (its header only). Raises ``SafetensorError`` for an
-    unreadable file."""
-    with safe_open(str(src), framework="pt") as f:
-        return {name: tuple(f.get_slice(name).get_shape()) for name in sorted(f.keys())}
+    """Each tensor's name and shape in a safetensors file (its header only); an unreadable file raises
+    :class:`CheckpointFormatError` (one line)."""
+    try:
+        with safe_open(str(src), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in sorted(f.keys())}
+    except SafetensorError as e:
+        raise unreadable(src, e) from None
+
+
+def unreadable(src: Path, e: SafetensorError) -> CheckpointFormatError:
+    """A safetensors file whose header or data is malformed, as one line."""
+    return CheckpointFormatError(
+        f"{src} is not a readable safetensors file ({(str(e) or type(e).__name__).splitlines()[0][:200]})"
+    )

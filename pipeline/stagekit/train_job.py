@@ -108,8 +108,8 @@ class _Run:
             continue_hint=" (checkpoint.fail_on_save_error=false)",
         )
         self.fast = fast_tier.open_tier(ctx, self.pg, deepspeed=self.trainer.engine is not None)
-        self._losses: list[float] = []
-        """Each step's loss (the mean over ranks) since the last save: the step's recorded ``loss``."""
+        self._losses = (0.0, 0)
+        """The sum and count of the steps' losses (each the mean over ranks) since the last save."""
         self._eval: tuple[int, float] | None = None
 
     def event(self, event: str, **fields: object) -> None:
@@ -179,10 +179,11 @@ class _Run:
         """What the step records in its manifest (``checkpoint.keep_best`` ranks by it, ``status`` shows it):
         ``loss``, the mean of the losses of the steps this attempt trained since the last save (or since it
         resumed), and ``eval_loss`` when eval ran at ``step``."""
-        out = options.check_metrics({"loss": sum(self._losses) / len(self._losses)} if self._losses else {})
+        total, count = self._losses
+        out = options.check_metrics({"loss": total / count} if count else {})
         if self._eval is not None and self._eval[0] == step:
             out |= options.check_metrics({"eval_loss": self._eval[1]})
-        self._losses = []
+        self._losses = (0.0, 0)
         return out
 
     def save(self, step: int) -> None:
@@ -274,7 +275,7 @@ class _Run:
         lr = self.sched.get_last_lr()[0]  # the rate this step used
         self.sched.step()
         mean = strategy.global_mean(loss.detach().float(), self.world)
-        self._losses.append(mean)
+        self._losses = (self._losses[0] + mean, self._losses[1] + 1)
         if self.rank == 0:
             log.info("step %d loss %.4f", step, mean)
         tokens *= self.world  # every rank trains on an equal batch

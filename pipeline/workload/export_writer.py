@@ -8,14 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from pipeline.checkpoint.outputs import CONSOLIDATED_WEIGHTS, finish, staging_dir
 from pipeline.config.schema import ExportConfig, ModelConfig, PipelineConfig, parse_size
-from pipeline.errors import CheckpointFormatError
-from pipeline.formats import safetensors_shards
-from pipeline.formats.safetensors_shards import write_sharded
+from pipeline.formats.safetensors_shards import stored_shapes, write_sharded
 from pipeline.rundir.layout import RunLayout
 from pipeline.storage.atomic import write_json_atomic
 from pipeline.storage.layout import step_name
@@ -26,20 +23,6 @@ from pipeline.workload.model import base_model, build_model, factory_config, is_
 ADAPTER_DIR = "adapter"
 
 
-def _unreadable(src: Path, e: SafetensorError) -> CheckpointFormatError:
-    """A consolidated file whose header or data is malformed."""
-    return CheckpointFormatError(
-        f"{src} is not a readable safetensors file ({(str(e) or type(e).__name__).splitlines()[0][:200]})"
-    )
-
-
-def stored_shapes(src: Path) -> dict[str, tuple[int, ...]]:
-    try:
-        return safetensors_shards.stored_shapes(src)
-    except SafetensorError as e:
-        raise _unreadable(src, e) from None
-
-
 def check_fits_model(src: Path, model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
     """The run's model on the meta device, once the stored weights are known to fit it (else a one-line error)."""
     reference = build_model(model, tokenizer, meta=True)
@@ -48,11 +31,8 @@ def check_fits_model(src: Path, model: ModelConfig, tokenizer: PreTrainedTokeniz
 
 
 def write_weights(src: Path, staging: Path, export: ExportConfig, tensors: list[ExportTensor], **kw: Any) -> list[str]:
-    try:
-        plan = [(t.name, t.shape, t.read) for t in tensors]
-        return write_sharded(src, staging, getattr(torch, export.dtype), parse_size(export.max_shard_size), plan, **kw)
-    except SafetensorError as e:
-        raise _unreadable(src, e) from None
+    plan = [(t.name, t.shape, t.read) for t in tensors]
+    return write_sharded(src, staging, getattr(torch, export.dtype), parse_size(export.max_shard_size), plan, **kw)
 
 
 def _write_config(staging: Path, reference: torch.nn.Module, cfg: PipelineConfig) -> None:
