@@ -17,7 +17,7 @@ from typing import Any
 
 from pipeline.checkpoint.outputs import consolidate_latest
 from pipeline.checkpoint.stores import library_store
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, run_command
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import CheckpointLayout
 
@@ -70,4 +70,4 @@ def build_output(
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command(main, "nothing half-written was published; run it again to finish"))

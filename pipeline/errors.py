@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """``1 rank``, ``2 ranks``, ``0 files`` (``nouns`` for an irregular plural): no message says "1 ranks"."""
@@ -80,3 +83,13 @@ class CheckpointFormatError(PipelineError):
 
 class RunBusyError(PipelineError):
     """Another launch owns the run (its lease in the run dir), or the lease cannot be read safely."""
+
+
+def run_command(main: Callable[[list[str]], int], note: str) -> int:
+    """A command line's ``main`` on ``sys.argv``: a Ctrl-C ends it with one line on stderr (``note``: what is
+    left and what to do) and exit 130, never a traceback."""
+    try:
+        return main(sys.argv[1:])
+    except KeyboardInterrupt:
+        print(f"interrupted: {note}", file=sys.stderr)
+        return 130

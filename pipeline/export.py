@@ -19,7 +19,7 @@ import sys
 from pipeline.checkpoint.options import EXPORT_DTYPES
 from pipeline.checkpoint.outputs import export_latest
 from pipeline.consolidate import build_output
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, run_command
 from pipeline.formats.hf_model import HFConfig
 from pipeline.storage.sizes import parse_size
 
@@ -66,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command(main, "nothing half-written was published; run it again to finish"))

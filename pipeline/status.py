@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipeline.driver.run_status import collect, collect_checkpoints, verify_steps
 from pipeline.driver.status_view import render
-from pipeline.errors import PipelineError, RunNotFoundError
+from pipeline.errors import PipelineError, RunNotFoundError, run_command
 from pipeline.rundir.layout import RUN_YAML, RunLayout
 from pipeline.rundir.runs import DEFAULT_ROOT, locate_run, newest_runs
 from pipeline.storage.integrity import lstat_kind
@@ -102,4 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command(main, "nothing was written"))

@@ -68,3 +68,14 @@ def test_export_with_the_models_config_loads_in_transformers(
     assert capsys.readouterr().err.strip() == f"error: --config {tmp_path / 'missing'}: no config.json there " + (
         "(give the directory save_pretrained wrote)"
     )
+
+
+def test_ctrl_c_ends_a_command_line_in_one_line_with_exit_130(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.errors import run_command  # noqa: PLC0415
+
+    def interrupted(argv: list[str]) -> int:
+        raise KeyboardInterrupt
+
+    assert run_command(interrupted, "nothing half-written was published; run it again to finish") == 130
+    err = capsys.readouterr().err
+    assert err == "interrupted: nothing half-written was published; run it again to finish\n"
