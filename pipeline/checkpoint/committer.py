@@ -297,8 +297,6 @@ class Committer:
         try:
             self.commit(step, markers)
         except VerificationError as e:
-            if self.store.raced(step):
-                return False
             self._quarantine_staged(step, markers[0].attempt, e)
             return False
         except Taken as e:
@@ -366,8 +364,14 @@ class Committer:
 
     def commit(self, step: int, markers: list[Marker]) -> str:
         """Verify ``step``'s staged files against its markers and the format's own metadata, publish the step
-        with its manifest, then move ``latest``; returns the manifest's hash."""
-        manifest = self.store.verify_staged(step, markers, self.policy.allow_pickle)
+        with its manifest, then move ``latest``; returns the manifest's hash ("" when another committer
+        published this step first: the same attempt, so the same manifest; ``latest`` is its to move)."""
+        try:
+            manifest = self.store.verify_staged(step, markers, self.policy.allow_pickle)
+        except VerificationError:
+            if self.store.raced(step):  # another committer published it while this one read it: it is done
+                return ""
+            raise
         self.fence()
         manifest_hash = self.store.publish(manifest)
         if manifest_hash is None:  # another committer published this very attempt: latest is its to move

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline.checkpoint.manifest import Manifest, Marker, marker_path
-from pipeline.errors import VerificationError, plural
+from pipeline.errors import CheckpointFormatError, VerificationError, plural
 from pipeline.formats.registry import FORMATS, Format
 from pipeline.storage.integrity import FileEntry, verify_entries
 
@@ -42,7 +42,10 @@ def check_stored(fmt: Format, step_dir: Path, step: int, markers: list[Marker], 
     """The format's own metadata (verified bytes by now) names every file holding data, and how many ranks wrote
     them (read once: a DCP step's ranks follow from its file names): all listed, by the markers' world size."""
     paths = {f.path for m in markers for f in m.files}
-    stored = fmt.stored_files(step_dir, allow_pickle)
+    try:
+        stored = fmt.stored_files(step_dir, allow_pickle)
+    except CheckpointFormatError as e:  # its bytes matched the marker's hash: the rank wrote it so, or it vanished
+        raise VerificationError(f"step {step} in {step_dir}: its {fmt.name} metadata was refused: {e}") from e
     unlisted = sorted(stored - paths)
     if unlisted:
         raise VerificationError(

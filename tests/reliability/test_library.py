@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.checkpoint import Checkpointer, CommitPolicy, Committer, CommitterBusy
+from pipeline.checkpoint import Checkpointer, CommitPolicy, Committer, CommitterBusy, step_checks
 from pipeline.checkpoint.manifest import complete_markers, read_latest, step_markers, verify_committed
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import faults
@@ -185,7 +185,9 @@ def test_a_planted_symlink_step_is_never_published(one_rank: object, tmp_path: P
     assert not (layout.checkpoints / "step_2").exists() and not any(outside.iterdir())
 
 
-def test_exactly_one_committer_holds_a_dir_and_one_publishes_a_race(one_rank: object, tmp_path: Path) -> None:
+def test_exactly_one_committer_holds_a_dir_and_one_publishes_a_race(
+    one_rank: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     layout = CheckpointLayout(tmp_path)
     model, opt = _model()
     ck = Checkpointer(tmp_path, committer="thread", deadline_s=10)
@@ -225,6 +227,23 @@ def test_exactly_one_committer_holds_a_dir_and_one_publishes_a_race(one_rank: ob
     assert not layout.staged_step(3).exists() and not any(layout.quarantine.iterdir())
     verify_committed(layout.committed_step(3), 3)
     assert read_latest(layout).step == 3  # type: ignore[union-attr]
+    # The same race, its window made certain: the other committer publishes step 4 after this one hashed the files
+    # and before it reads the format's metadata (CI once saw "CheckpointFormatError: .metadata is missing" there).
+    ck = Checkpointer(tmp_path, committer="external", deadline_s=10, external_commit_wait_s=0)
+    assert ck.save(4, {"model": model, "optim": opt}).ok
+    ck.close()
+    markers = complete_markers(step_markers(layout.staged_step(4), 4, 1), None)
+    assert markers is not None
+    check_stored = step_checks.check_stored
+
+    def published_meanwhile(*args: object, **kwargs: object) -> None:
+        monkeypatch.setattr(step_checks, "check_stored", check_stored)  # the other committer's own check is plain
+        Committer(layout, CommitPolicy(world_size=1)).commit(4, markers)
+        check_stored(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(step_checks, "check_stored", published_meanwhile)
+    assert Committer(layout, CommitPolicy(world_size=1)).commit(4, markers) == ""  # left to the other: harmless
+    assert read_latest(layout).step == 4 and not any(layout.quarantine.iterdir())  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("fault", ["async_save.mid_write", "async_save.before_write@action=sleep@seconds=4"])
