@@ -1,6 +1,6 @@
 """The fast tier against the durable tier, in one script (2 ranks, ``torchrun``, gloo, this machine's 2 cores).
 
-    .venv/bin/python bench/fast_recovery.py [--mb 1100] [--steps 20] [--every 10] [--out DIR]
+    .venv/bin/python bench/fast_recovery.py [--mb 1100] [--steps 20] [--every 10] [--out DIR] [--device cuda]
 
 A DDP model of ``--mb`` MB of training state per rank (parameters + AdamW moments; 1,100 MB = the ≥ 1 GB
 example's size), each rank a "node" with a fast dir of its own in ``/dev/shm``:
@@ -19,6 +19,12 @@ example's size), each rank a "node" with a fast dir of its own in ``/dev/shm``:
    one SeaweedFS filer at ``/shared``): durable tier in ``/shared``, fast tier in each node's ``/local``, node2
    killed (``node.sh kill9``: its ``/local`` lost) and brought back empty; its shard comes from node1's replica
    over the nodes' network.
+
+``--device cuda`` trains on the GPU (both ranks on ``cuda:0`` with one GPU, DDP over gloo): the step is the GPU's
+work and the fast tier's background work (hash, write, swap with the peer) has the CPU cores to itself, as on a
+GPU node; the fast save's blocking copy is the device-to-host copy into a pinned buffer. Run it as
+``--device cuda --only overhead,local`` on a GPU machine for the overhead target (``bash bench/run.sh`` does not
+include this script: it needs 2 × (4 × ``--mb``) MB of ``/dev/shm`` and minutes).
 
 Results: ``<out>/fast_recovery.json`` and a Markdown table on stdout.
 """
@@ -44,34 +50,53 @@ WIDTH = 2048
 # -- the worker (one rank under torchrun) --------------------------------------------------------------------------
 
 
-def _worker(args: argparse.Namespace) -> None:
+def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """The DDP model of ``--mb`` MB of training state on ``--device``, its AdamW, a batch and a clock that waits
+    for the device first."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
-    from pipeline.checkpoint import Checkpointer, RankRNG  # noqa: PLC0415
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    dist.init_process_group("gloo")  # on a GPU too: with one GPU both ranks share it, which NCCL refuses
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
     layers = max(1, int(args.mb * 1e6 / 12 / (WIDTH * WIDTH)))  # params + two AdamW moments, fp32
-    net = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+    net = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))).to(device)
     model = DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(8, WIDTH)
+
+    def settled() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.monotonic()
+
+    return model, opt, torch.randn(8, WIDTH, device=device), settled
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from pipeline.checkpoint import Checkpointer, RankRNG  # noqa: PLC0415
+
+    model, opt, x, settled = _setup(args)
+    rank = dist.get_rank()
+    layers = len(model.module)
     fast_every = args.every if args.fast else None
     fast_dir = args.node_dirs if args.node_local else f"{args.node_dirs}/node{rank}"
     ckpt = Checkpointer(args.run_dir, storage=args.storage, fast_every=fast_every, deadline_s=900, fast_dir=fast_dir)
     state = {"model": model, "optim": opt, "rng": RankRNG(rank)}
     out: dict[str, Any] = {"layers": layers}
     if args.mode == "restore":
-        t0 = time.monotonic()
+        t0 = settled()
         out["step"] = ckpt.load_latest(into=state)
-        out["restore_s"] = time.monotonic() - t0
+        out["restore_s"] = settled() - t0
         out["tier"] = (ckpt.resumed or {}).get("tier", "durable")
         out["phases_s"] = (ckpt.resumed or {}).get("phases_s")
     else:
-        blocked, t0 = [], time.monotonic()
+        blocked, t0 = [], settled()
         for step in range(1, args.steps + 1):
             loss = model(x).square().mean()
             opt.zero_grad()
@@ -79,7 +104,7 @@ def _worker(args: argparse.Namespace) -> None:
             opt.step()
             if ckpt.should_save_fast(step):
                 blocked.append(ckpt.save_fast(step, state))
-        train_s = time.monotonic() - t0
+        train_s = settled() - t0
         if ckpt.fast is not None:
             ckpt.fast.wait()
             out["held_bytes"] = ckpt.fast.stats.held_bytes
@@ -103,7 +128,7 @@ def _launch(args: argparse.Namespace, mode: str, run: Path, nodes: Path, *, fast
             save: bool = False, env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", __file__,
            "--worker", mode, "--run-dir", str(run), "--node-dirs", str(nodes), "--mb", str(args.mb), "--steps",
-           str(args.steps), "--every", str(args.every)]  # fmt: skip
+           str(args.steps), "--every", str(args.every), "--device", args.device]  # fmt: skip
     cmd += ["--fast"] if fast else []
     cmd += ["--save"] if save else []
     cmd += ["--storage", storage] if storage else []
@@ -147,6 +172,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "fast_recovery"))
     p.add_argument("--only", default="overhead,local,sharedfs,s3", help="and/or cluster (root: starts scripts/cluster)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (train on the GPU; not with --only cluster)")
     p.add_argument("--worker", choices=("train", "restore"))
     p.add_argument("--run-dir", default="")
     p.add_argument("--node-dirs", default="")
@@ -162,7 +188,10 @@ def main() -> None:
     only = set(args.only.split(","))
     scratch = Path(tempfile.mkdtemp(prefix="fastbench-", dir="/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="fastbench-", dir="/dev/shm"))
-    results: dict[str, Any] = {"mb": args.mb, "steps": args.steps, "every": args.every, "cpus": os.cpu_count()}
+    if args.device != "cpu" and "cluster" in only:
+        raise SystemExit("--device cuda: the namespace cluster's nodes have no GPU; leave out --only cluster")
+    results: dict[str, Any] = {"mb": args.mb, "steps": args.steps, "every": args.every, "cpus": os.cpu_count(),
+                               "device": args.device}  # fmt: skip
     try:
         if "overhead" in only:
             results["overhead"] = _overhead(args, scratch, shm)
