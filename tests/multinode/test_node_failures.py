@@ -53,7 +53,12 @@ def test_a_node_killed_mid_train_costs_no_committed_step_and_the_run_resumes(
         _wait_for(cluster, run / "checkpoints" / "step_4" / "manifest.json", 180, launch)
         step4 = cluster.python(LOGIN, "-c", MANIFEST_HASH, str(run), "4").stdout
         # SLURM gives train the two lowest idle nodes (not pinned: its requeue must be free to take node[1,3])
-        assert "train-killed RUNNING node[1-2]" in cluster.squeue(), cluster.squeue()
+        queue = cluster.squeue()
+        if "train-killed RUNNING node[1-2]" not in queue:
+            nodes = cluster.run(LOGIN, "sinfo", "-N", "-h", "-o", "%N %t %E", check=False).stdout
+            launch.kill()
+            out = launch.communicate()[0]
+            raise AssertionError(f"train is not running on node[1-2] at step 4:\n{queue}\n{nodes}\n{out[-6000:]}")
         cluster.node("kill9", "node2")  # everything in node2 dies, its mount with it, mid-way through step 8
         out, _ = launch.communicate(timeout=600)
     finally:
