@@ -1,7 +1,8 @@
 """The library's DDP example (``examples/ddp_train.py``) with ``torchrun --nnodes 2`` (c10d rendezvous) on two
 nodes, durable saves every 8 steps and a fast tier every 2 in each node's ``/local`` (tmpfs) with a replica on the
-other node; one node killed mid-run (its ``/local`` lost with it) and both relaunched: the run resumes from the
-fast tier, the lost node's shard restored from its peer, with the losses of an uninterrupted run."""
+other node; one node killed mid-run (its ``/local`` lost with it), the other's newest copy damaged, and both
+relaunched: the run resumes from the fast tier's step before it, the lost node's shard restored from its peer,
+with the losses of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ def _losses(text: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M)}
 
 
+DAMAGE = """
+import json, sys
+from pathlib import Path
+from pipeline.checkpoint.fast.local import run_key
+tier = Path("/local/fast") / run_key(Path(sys.argv[1]))
+steps = lambda d: {int(p.stem[5:]) for p in (tier / d).glob("step_*.json")}
+both = sorted(steps("own/rank_0") & steps("replica/rank_1"))  # the steps node1 alone can restore whole
+blob = tier / "own" / "rank_0" / f"step_{both[-1]}.bin"
+data = bytearray(blob.read_bytes())
+data[len(data) // 2] ^= 0xFF
+blob.write_bytes(data)
+print(json.dumps(both))
+"""
+"""On node1: flip a byte of its own copy of the newest step it holds whole (its own shard and node2's replica);
+prints those steps."""
+
+
 def test_the_example_on_two_nodes_killed_and_relaunched_resumes_bit_identically(
     cluster: Cluster, shared_dir: Path, tmp_path: Path
 ) -> None:
@@ -65,6 +83,10 @@ def test_the_example_on_two_nodes_killed_and_relaunched_resumes_bit_identically(
             if agent.poll() is None:
                 agent.kill()
         cluster.node("up", "node2")
+    # node1's own copy of the newest step it holds whole is damaged too: found when it is checked before use,
+    # quarantined, and the restore falls back to the step before, in the same relaunch
+    whole = json.loads(cluster.python("node1", "-c", DAMAGE, str(out)).stdout)
+    assert len(whole) >= 2, whole
     agents = _two_nodes(cluster, out, second)
     try:
         for agent in agents:
@@ -81,7 +103,9 @@ def test_the_example_on_two_nodes_killed_and_relaunched_resumes_bit_identically(
     before = _losses("".join(p.read_text() for p in first.iterdir()))
     start = min(got) - 1
     resumed = json.loads(cluster.run(LOGIN, "cat", str(out / "checkpoints" / "resumed.json")).stdout)
-    assert resumed["tier"] == "fast" and resumed["step"] == start >= 12, resumed  # above durable step 8
+    assert resumed["tier"] == "fast" and resumed["step"] == start == whole[-2] >= 10, resumed  # above durable 8
+    problems = resumed["fast_problems"]
+    assert problems == [f"node1: own copy of rank 0's step {whole[-1]}: its bytes do not match the step's table"]
     from_peer = [s for s in resumed["sources"] if s["from"] != "own copy"]
     assert len(from_peer) == 1 and from_peer[0]["host"] == "node1", resumed  # node2's shard, from node1's replica
     assert got == {s: want[s] for s in range(start + 1, STEPS + 1)}, "losses differ after the resume"
