@@ -17,6 +17,7 @@ deletes shared paths; stages call these helpers. Every mutation here is announce
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -161,6 +162,8 @@ def publish_dir(staged: Path, final: Path) -> None:
     are dropped, everything is fsynced, then one rename publishes it and both parents are fsynced. A symlink
     is never published (nor followed to fsync what it points at).
     """
+    if not os.path.lexists(staged):  # moved away meanwhile (another committer published it): a race, not a link
+        raise FileNotFoundError(errno.ENOENT, "nothing to publish: it was moved or removed meanwhile", str(staged))
     if os.path.islink(staged) or not staged.is_dir():
         raise UnsafePathError(f"cannot publish {staged}: it is a symlink or not a directory; links are never published")
     if os.path.lexists(final):

@@ -15,11 +15,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from pipeline.checkpoint import Checkpointer, CommitPolicy, Committer, CommitterBusy, step_checks
+from pipeline.checkpoint import Checkpointer, CommitPolicy, Committer, CommitterBusy, posix_store, step_checks
 from pipeline.checkpoint.manifest import complete_markers, read_latest, step_markers, verify_committed
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import faults
@@ -227,23 +228,33 @@ def test_exactly_one_committer_holds_a_dir_and_one_publishes_a_race(
     assert not layout.staged_step(3).exists() and not any(layout.quarantine.iterdir())
     verify_committed(layout.committed_step(3), 3)
     assert read_latest(layout).step == 3  # type: ignore[union-attr]
-    # The same race, its window made certain: the other committer publishes step 4 after this one hashed the files
-    # and before it reads the format's metadata (CI once saw "CheckpointFormatError: .metadata is missing" there).
-    ck = Checkpointer(tmp_path, committer="external", deadline_s=10, external_commit_wait_s=0)
-    assert ck.save(4, {"model": model, "optim": opt}).ok
-    ck.close()
-    markers = complete_markers(step_markers(layout.staged_step(4), 4, 1), None)
-    assert markers is not None
-    check_stored = step_checks.check_stored
+    # The same race, its windows made certain: the other committer publishes the step after this one hashed the
+    # files and before it reads the format's metadata (CI once saw "CheckpointFormatError: .metadata is missing"),
+    # or after this one wrote the manifest and before its own rename (CI once saw "UnsafePathError: cannot
+    # publish ... not a directory").
+    for step, window in ((4, (step_checks, "check_stored")), (5, (posix_store, "inject"))):
+        ck = Checkpointer(tmp_path, committer="external", deadline_s=10, external_commit_wait_s=0)
+        assert ck.save(step, {"model": model, "optim": opt}).ok
+        ck.close()
+        markers = complete_markers(step_markers(layout.staged_step(step), step, 1), None)
+        assert markers is not None
+        monkeypatch.setattr(*window, _published_meanwhile(monkeypatch, layout, window, step, markers))
+        assert Committer(layout, CommitPolicy(world_size=1)).commit(step, markers) == "", window  # left to the other
+        assert read_latest(layout).step == step and not any(layout.quarantine.iterdir())  # type: ignore[union-attr]
 
-    def published_meanwhile(*args: object, **kwargs: object) -> None:
-        monkeypatch.setattr(step_checks, "check_stored", check_stored)  # the other committer's own check is plain
-        Committer(layout, CommitPolicy(world_size=1)).commit(4, markers)
-        check_stored(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(step_checks, "check_stored", published_meanwhile)
-    assert Committer(layout, CommitPolicy(world_size=1)).commit(4, markers) == ""  # left to the other: harmless
-    assert read_latest(layout).step == 4 and not any(layout.quarantine.iterdir())  # type: ignore[union-attr]
+def _published_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, layout: CheckpointLayout, window: tuple[Any, str], step: int, markers: Any
+) -> Callable[..., Any]:
+    """``window``'s function, which lets another committer publish ``step`` whole before it runs (once)."""
+    plain = getattr(*window)
+
+    def run(*args: object, **kwargs: object) -> Any:
+        monkeypatch.setattr(*window, plain)  # the other committer's own commit runs plain
+        Committer(layout, CommitPolicy(world_size=1)).commit(step, markers)
+        return plain(*args, **kwargs)
+
+    return run
 
 
 @pytest.mark.parametrize("fault", ["async_save.mid_write", "async_save.before_write@action=sleep@seconds=4"])
