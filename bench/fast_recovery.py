@@ -172,7 +172,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "fast_recovery"))
     p.add_argument("--only", default="overhead,local,sharedfs,s3", help="and/or cluster (root: starts scripts/cluster)")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (train on the GPU; not with --only cluster)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: train on the GPU (not with cluster)")
     p.add_argument("--worker", choices=("train", "restore"))
     p.add_argument("--run-dir", default="")
     p.add_argument("--node-dirs", default="")
@@ -186,10 +186,15 @@ def main() -> None:
         _worker(args)
         return
     only = set(args.only.split(","))
+    if args.device == "cuda" and "cluster" in only:
+        raise SystemExit("--device cuda: the namespace cluster's nodes have no GPU; leave out --only cluster")
+    if args.device == "cuda":
+        import torch  # noqa: PLC0415 - only to say so in one line before two ranks fail on it
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible here (torch.cuda.is_available() is False)")
     scratch = Path(tempfile.mkdtemp(prefix="fastbench-", dir="/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="fastbench-", dir="/dev/shm"))
-    if args.device != "cpu" and "cluster" in only:
-        raise SystemExit("--device cuda: the namespace cluster's nodes have no GPU; leave out --only cluster")
     results: dict[str, Any] = {"mb": args.mb, "steps": args.steps, "every": args.every, "cpus": os.cpu_count(),
                                "device": args.device}  # fmt: skip
     try:
