@@ -1,0 +1,588 @@
+"""One simulated world: a checkpoints root (a real directory, or a bucket in memory), a writer, a ghost, a live
+committer and a newcomer, the faults a schedule injects, and the invariants checked after every operation.
+
+The committers are the real :class:`~pipeline.checkpoint.committer.Committer` over the real stores; only the
+world around them is simulated (:mod:`tests.sim.kernel`). The invariants are what a user relies on:
+
+* **reader**: what a reader resumes from (``read_newest`` of a directory, ``verified_latest`` of a bucket)
+  names a step whose every file verifies; it fails only where a step was damaged (by the schedule);
+* **no regress**: it never goes back, except past steps that were damaged;
+* **kept**: a step that verified is never removed (nor changed) unless retention, judged at the removal,
+  lets it go; the newest step that verifies always stays;
+* **lease**: the lease's highest epoch never goes back (no ghost overwrites a newer holder's record);
+* **one holder**: a newcomer that was not appointed is refused while a holder renews its lease;
+* **rerun**: after the schedule, a committer started afresh finishes and ``latest`` names the newest step that
+  was staged, not damaged and not retired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint import bucket_store, committer, ownership, posix_store, remote, retention
+from pipeline.checkpoint.bucket_store import BucketCheckpoints
+from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
+from pipeline.checkpoint.manifest import read_newest, verify_committed
+from pipeline.checkpoint.posix_store import PosixCheckpoints
+from pipeline.checkpoint.remote import Remote
+from pipeline.errors import PipelineError, VerificationError
+from pipeline.storage import settle, waiting
+from pipeline.storage.backend import PosixStorage
+from pipeline.storage.integrity import hash_file
+from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.s3 import S3Url
+from pipeline.storage.s3_probe import StoreError
+from tests.sim.kernel import Actor, Chooser, Fault, Kernel, Killed, Proc, Stuck, patched, raise_eio
+from tests.sim.memory_s3 import MemoryBucket
+
+PATCHED = [ownership, committer, posix_store, bucket_store, retention, waiting, settle]
+FAULT_POINTS = ("io ", "s3.", "lease.", "store.")
+"""Where a fault may be injected: every operation on the store (not a sleep or a lock of the process itself)."""
+MUTATIONS = ("io ", "s3.put", "s3.delete", "s3.copy", "lease.write")
+LEASE_S = 30.0
+
+
+class Violation(AssertionError):
+    """An invariant a user relies on was broken."""
+
+
+@dataclass
+class Settings:
+    """One schedule's world: drawn from the seed (:meth:`draw`), or set by a test."""
+
+    store: str = "posix"
+    steps: tuple[int, ...] = (2, 4, 6)
+    keep_last: int = 1
+    ghost: bool = True
+    live_at: float | None = 5.0  # when the live (appointed) committer starts; None: no live committer
+    newcomer_at: float | None = None  # when a newcomer (not appointed) tries; None: none
+    write_every: float = 4.0
+    skews: dict[str, float] = field(default_factory=dict)
+    hosts: dict[str, str] = field(default_factory=dict)
+    fault_rate: float = 0.0
+    max_faults: int = 3
+    kinds: tuple[str, ...] = ("pause", "eio", "kill", "torn", "stale", "damage")
+
+    @staticmethod
+    def draw(seed: int, store: str) -> Settings:
+        import random  # noqa: PLC0415
+
+        r = random.Random(seed)
+        s = Settings(store=store)
+        s.steps = (2, 4, 6) if r.random() < 0.7 else (2, 4, 6, 8)
+        s.keep_last = r.choice((1, 1, 2))
+        s.live_at = r.choice((0.5, 3.0, 6.0, 12.0))
+        s.newcomer_at = r.choice((None, None, 2.0, 8.0, 20.0, 45.0))
+        s.write_every = r.choice((1.0, 3.0, 6.0))
+        for name in ("ghost", "live", "newcomer"):
+            s.skews[name] = r.choice((0.0, 0.0, 0.0, 45.0, -45.0, 120.0, -120.0))
+        same = r.random() < 0.2
+        s.hosts = {"ghost": "node1", "live": "node1" if same else "node2", "newcomer": "node3" if not same else "node1"}
+        s.fault_rate = r.choice((0.01, 0.03, 0.06, 0.1))
+        return s
+
+
+class World:
+    """One schedule: build, run, check (see the module docstring)."""
+
+    def __init__(self, seed: int, settings: Settings, chooser: Chooser, tmp: Path) -> None:
+        self.seed = seed
+        self.s = settings
+        self.chooser = chooser
+        self.tmp = tmp
+        self.kernel = Kernel(self._pick, self._on_point)
+        self.layout = CheckpointLayout(tmp / "run")
+        for d in (self.layout.checkpoints, self.layout.staging):
+            d.mkdir(parents=True, exist_ok=True)
+        self.bucket = MemoryBucket(self._s3_point)
+        self.remote: Remote | None = None
+        if settings.store == "bucket":
+            self.remote = Remote(root=S3Url("sim", "runs/r1"), cache_dir=self.layout.run_dir)
+        self.policy = CommitPolicy(
+            world_size=1, marker_deadline_s=5.0, poll_interval_s=2.0, keep_last=settings.keep_last, lease_s=LEASE_S
+        )
+        self.faults: list[str] = []
+        self.faults_off = False
+        self.damaged: set[int] = set()
+        self.staged_done: list[int] = []
+        self.writer_done = False
+        self.ever_ok: set[int] = set()
+        self.retired: set[int] = set()
+        self.last_ok = 0
+        self.max_epoch = 0
+        self.lease_history: list[bytes] = []
+        self.holders: dict[str, Any] = {}  # proc name -> its CommitterLease once acquired
+        self.renewed: dict[str, float] = {}  # proc name -> virtual time of its last lease write that landed
+        self.paused_until: dict[str, float] = {}
+        self.violations: list[str] = []
+        self.acts: list[str] = []
+        self.ended: dict[str, str] = {}
+        self._checked: Any = None
+        self._verified: dict[Any, bool] = {}
+
+    # -- the stores, as each actor sees them --------------------------------------------------------------------
+
+    def raw_store(self) -> Any:
+        if self.remote is not None:
+            return BucketCheckpoints(self.layout, self.remote)
+        return PosixCheckpoints(self.layout)
+
+    def store_for(self, proc: str) -> Any:
+        return _PointStore(self, self.raw_store(), proc)
+
+    def _s3_point(self, op: str, key: str) -> None:
+        at = f"{op} {key}"
+        self._apply(self.kernel.point(at), at)
+
+    def _apply(self, f: Fault | None, at: str) -> None:
+        if f is None:
+            return
+        if f.kind == "eio":
+            raise_eio(at)
+
+    # -- the actors ---------------------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        k = self.kernel
+        s = self.s
+        w = k.proc("writer", "node0")
+        k.spawn(w, "", self._writer)
+        if s.ghost:
+            g = k.proc("ghost", s.hosts.get("ghost", "node1"), s.skews.get("ghost", 0.0))
+            k.spawn(g, "", lambda: self._committer("ghost", takeover=False, start=0.0))
+        if s.live_at is not None:
+            live = k.proc("live", s.hosts.get("live", "node2"), s.skews.get("live", 0.0))
+            k.spawn(live, "", lambda: self._committer("live", takeover=True, start=s.live_at or 0.0))
+        if s.newcomer_at is not None:
+            n = k.proc("newcomer", s.hosts.get("newcomer", "node3"), s.skews.get("newcomer", 0.0))
+            k.spawn(n, "", lambda: self._committer("newcomer", takeover=False, start=s.newcomer_at or 0.0))
+
+    def _writer(self) -> None:
+        for step in self.s.steps:
+            self.kernel.sleep(self.s.write_every)
+            self.stage(step)
+            self.staged_done.append(step)
+        self.writer_done = True
+
+    def stage(self, step: int) -> None:
+        if self.remote is not None:
+            from tests.s3.helpers import stage_rank as bucket_stage  # noqa: PLC0415 - boto3 only when used
+
+            bucket_stage(self.layout, self.remote, step, 0, world=1)
+        else:
+            from tests.seed_helpers import stage_rank  # noqa: PLC0415
+
+            stage_rank(self.layout, step, 0, world=1, attempt="a1")  # type: ignore[arg-type]
+
+    def _committer(self, name: str, *, takeover: bool, start: float, passes: int | None = None) -> str:
+        if start:
+            self.kernel.sleep(start)
+        c = Committer(self.layout, self.policy, self.store_for(name))
+        try:
+            with c.hold(takeover):
+                self.holders[name] = c.lease
+                self.renewed[name] = self.kernel.now
+                if name == "newcomer":
+                    self._check_admission(name)
+                c.recover()
+                if passes is not None:
+                    for _ in range(passes):
+                        c.commit_ready()
+                else:
+                    c.follow(lambda: not self.writer_done)
+            self.ended[name] = "done"
+        except CommitterBusy:
+            self.ended[name] = "refused"
+        except CommitterLost:
+            self.ended[name] = "lost"
+        except Killed:
+            self.ended[name] = "killed"
+            raise
+        except (PipelineError, OSError) as e:
+            self.ended[name] = f"{type(e).__name__}: {e}"[:200]
+        return self.ended.get(name, "")
+
+    # -- the scheduler's choices -------------------------------------------------------------------------------
+
+    def _pick(self, k: Kernel, ready: list[Actor]) -> Actor:
+        runnable = [a for a in ready if self.paused_until.get(a.proc.name, -1.0) <= k.now or a.proc.dead]
+        if not runnable:  # every runnable actor's process is paused: time passes until one wakes
+            k.now = min(self.paused_until[a.proc.name] for a in ready)
+            runnable = ready
+        return runnable[self.chooser.choose(len(runnable))]
+
+    def _on_point(self, k: Kernel, a: Actor) -> bool:
+        if any(a.at.startswith(m) for m in MUTATIONS) or a.at == "start":
+            self.check()
+            if a.proc.name != "writer":
+                k.trace.append(f"t={k.now:.1f} {a.name}: {a.at.replace(str(self.layout.checkpoints), '')}")
+        if self.faults_off or a.proc.name == "writer" or len(self.faults) >= self.s.max_faults:
+            return True
+        if not a.at.startswith(FAULT_POINTS) or not self.chooser.chance(self.s.fault_rate):
+            return True
+        kinds = [x for x in self.s.kinds if self._applies(x, a)]
+        if not kinds:
+            return True
+        kind = kinds[self.chooser.choose(len(kinds))]
+        return self.inject(kind, a)
+
+    def _applies(self, kind: str, a: Actor) -> bool:
+        at = a.at
+        if kind in ("torn", "stale"):
+            return at.startswith("lease.read")
+        if kind == "eio":
+            return at.startswith(("io ", "s3.", "lease."))
+        if kind == "kill":
+            return not any(f.startswith("kill") for f in self.faults)
+        if kind == "damage":
+            return len(self.damaged) < 2 and bool(self.ok_steps())
+        return True
+
+    def inject(self, kind: str, a: Actor) -> bool:
+        """Inject ``kind`` where ``a`` stands; False when ``a`` does not run now (paused, killed)."""
+        k = self.kernel
+        where = f"{a.name} at {a.at}"
+        if kind == "pause":
+            d = (0.5, 1.2, 2.5)[self.chooser.choose(3)] * LEASE_S
+            self.paused_until[a.proc.name] = k.now + d
+            a.state = "blocked"
+            a.wake_at = k.now + d
+            self.faults.append(f"pause {a.proc.name} {d:g} s at t={k.now:.1f}: {where}")
+            return False
+        if kind == "kill":
+            k.kill(a.proc)
+            self.faults.append(f"kill {a.proc.name} at t={k.now:.1f}: {where}")
+            return True
+        if kind == "damage":
+            steps = self.ok_steps()
+            step = steps[self.chooser.choose(len(steps))]
+            self.damage(step)
+            self.faults.append(f"damage step {step} at t={k.now:.1f} (while {where})")
+            return True
+        a.fault = Fault(kind)
+        self.faults.append(f"{kind} at t={k.now:.1f}: {where}")
+        return True
+
+    def damage(self, step: int) -> None:
+        """Flip a byte of ``step``'s data file (a disk's or an operator's doing, not the protocol's)."""
+        self.damaged.add(step)
+        self._checked = None
+        self._verified.clear()
+        if self.remote is not None:
+            objs = self.bucket.objects.setdefault("sim", {})
+            key = f"runs/r1/step_{step}/a1/__0_0.distcp"
+            data, etag = objs[key]
+            objs[key] = (bytes([data[0] ^ 0xFF]) + data[1:], etag + "x")
+            return
+        path = self.layout.committed_step(step) / "__0_0.distcp"
+        data = path.read_bytes()
+        path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+
+    # -- the invariants ---------------------------------------------------------------------------------------
+
+    def present(self) -> list[int]:
+        try:
+            return self.raw_store().committed()
+        except (OSError, PipelineError):
+            return []
+
+    def verifies(self, step: int) -> bool:
+        key = (step, self._step_print(step))
+        if key not in self._verified:
+            try:
+                self.raw_store().verify_committed(step)
+                self._verified[key] = True
+            except (VerificationError, OSError, StoreError):
+                self._verified[key] = False
+        return self._verified[key]
+
+    def _step_print(self, step: int) -> Any:
+        if self.remote is not None:
+            prefix = f"runs/r1/step_{step}/"
+            return tuple(
+                sorted((k, v[1]) for k, v in self.bucket.objects.get("sim", {}).items() if k.startswith(prefix))
+            )
+        try:
+            d = self.layout.committed_step(step)
+            return tuple(sorted((e.name, e.inode(), e.stat(follow_symlinks=False).st_mtime_ns) for e in os.scandir(d)))
+        except OSError:
+            return None
+
+    def ok_steps(self) -> list[int]:
+        return [s for s in self.present() if self.verifies(s)]
+
+    def reader(self) -> tuple[str, int, str]:
+        """What a reader resumes from: ('ok', step), ('none', 0), or ('fail', step it took, why)."""
+        step = -1
+        try:
+            if self.remote is not None:
+                found = self.remote.verified_latest()
+                if found is None:
+                    return "none", 0, ""
+                step = found[0].step
+                self.remote.fetch_verified(found[0], None)
+                return "ok", step, ""
+            newest = read_newest(self.layout)
+            if newest is None:
+                return "none", 0, ""
+            step = newest.step
+            path = self.layout.committed_step(step)
+            verify_committed(path, step)
+            if hash_file(path / "manifest.json") != newest.manifest_hash:
+                return "fail", step, "manifest changed under latest"
+            return "ok", step, ""
+        except (VerificationError, OSError, StoreError) as e:
+            return "fail", step if step >= 0 else self._named(), str(e)[:300]
+
+    def _named(self) -> int:
+        try:
+            named = self.raw_store().latest_named()
+        except (VerificationError, OSError, StoreError):
+            return -1
+        return named if named is not None else -1
+
+    def violate(self, what: str) -> None:
+        self.violations.append(f"t={self.kernel.now:.1f}: {what}")
+        raise Violation(what)
+
+    def fingerprint(self) -> Any:
+        """What the invariants depend on, cheaply: every committed entry, ``latest`` and the lease (their inode,
+        size and mtime; in a bucket, the objects' ETags). Unchanged since the last check: nothing to check."""
+        if self.remote is not None:
+            return tuple(sorted((k, v[1]) for k, v in self.bucket.objects.get("sim", {}).items()))
+        out = []
+        stack = [self.layout.checkpoints]
+        while stack:
+            d = stack.pop()
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            for e in entries:
+                if (e.name == "staging" and d == self.layout.checkpoints) or ".tmp-" in e.name:
+                    continue  # a temp file changes nothing a reader or the lease holder sees
+                st = e.stat(follow_symlinks=False)
+                out.append((e.path, st.st_ino, st.st_size, st.st_mtime_ns))
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(Path(e.path))
+        return tuple(sorted(out))
+
+    def check(self) -> None:
+        fp = self.fingerprint()
+        if fp == self._checked:
+            return
+        self._checked = fp
+        kind, step, why = self.reader()
+        ok = self.ok_steps()
+        if kind == "fail" and step not in self.damaged:
+            self.violate(f"a reader cannot resume: {why}")
+        if kind == "none" and ok:
+            self.violate(f"a reader finds no latest, yet committed step(s) {ok} verify")
+        if kind == "ok":
+            if step < self.last_ok and not all(s in self.damaged for s in self.ever_ok if step < s <= self.last_ok):
+                self.violate(
+                    f"latest went back from step {self.last_ok} to {step}, and nothing damaged step(s) between"
+                )
+            self.last_ok = step
+        present = set(self.present())
+        newest = max(ok, default=0)
+        for s in sorted(self.ever_ok - self.damaged - self.retired):
+            if s in present:
+                if s not in ok:
+                    self.violate(
+                        f"step {s} verified, is still committed, and no longer verifies though nothing damaged it"
+                    )
+                continue
+            newer = [t for t in present if s < t <= max(newest, self.last_ok)]
+            if len(newer) < self.s.keep_last:
+                self.violate(
+                    f"step {s} verified and was removed, but retention keeps it (committed steps newer than it: "
+                    f"{newer}, keep_last={self.s.keep_last})"
+                )
+            self.retired.add(s)
+        self.ever_ok |= set(ok)
+        epoch = self._lease_epoch()
+        if epoch is not None:
+            if epoch < self.max_epoch:
+                self.violate(
+                    f"the lease went back from epoch {self.max_epoch} to {epoch} (a newer holder's record overwritten)"
+                )
+            self.max_epoch = max(self.max_epoch, epoch)
+
+    def _lease_epoch(self) -> int | None:
+        try:
+            held = ownership.CommitterLease(self.raw_store().lease_store(), LEASE_S).current()
+        except (OSError, PipelineError):
+            return None
+        return held.epoch if held is not None else None
+
+    def _check_admission(self, name: str) -> None:
+        now = self.kernel.now
+        for other, lease in self.holders.items():
+            if other == name or self.kernel.procs[other].dead:
+                continue
+            if self.paused_until.get(other, -1.0) > now:
+                continue
+            holds = lease.lost() is None and getattr(lease, "_mine", None) is not None
+            if holds and now - self.renewed.get(other, -1e9) < LEASE_S * 0.8:
+                self.violate(
+                    f"{name} was admitted as committer beside {other}, which renewed its lease "
+                    f"{now - self.renewed[other]:.1f} s ago"
+                )
+
+    # -- running it ---------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        with patched(self.kernel, self.seed, PATCHED, ownership, self._apply), _remote_store(self.bucket):
+            self.build()
+            try:
+                self.kernel.run()
+                self.check()
+                self.rerun()
+            except Violation:
+                pass
+            except Stuck as e:
+                self.violations.append(f"stuck: {e}")
+            finally:
+                self.kernel.shutdown()
+        for a in self.kernel.actors:
+            if a.error is not None and not isinstance(a.error, Violation):
+                self.violations.append(f"{a.name} failed: {type(a.error).__name__}: {a.error}")
+
+    def rerun(self) -> None:
+        """A committer started afresh, no faults: finishes, and ``latest`` names the newest step it should."""
+        self.faults_off = True
+        self.paused_until.clear()
+        k = self.kernel
+        p = k.proc("rerun", "node9")
+        k.spawn(p, "", lambda: self._committer("rerun", takeover=True, start=2 * LEASE_S, passes=2))
+        k.run()
+        self.check()
+        if self.ended.get("rerun") != "done":
+            self.violate(f"a rerun did not finish: {self.ended.get('rerun')}")
+        expected = [s for s in self.staged_done if s not in self.damaged and s not in self.retired]
+        kind, step, why = self.reader()
+        want = max(expected, default=0)
+        if (step if kind == "ok" else 0) != want:
+            self.violate(f"after a rerun a reader resumes from {kind} {step} {why}, expected step {want}")
+
+
+class _PointStore:
+    """The store as one committer sees it: each call of the store interface is a point of the scheduler."""
+
+    def __init__(self, world: World, store: Any, proc: str) -> None:
+        self._w = world
+        self._store = store
+        self._proc = proc
+
+    def lease_store(self) -> Any:
+        return _PointLease(self._w, self._store.lease_store())
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr) or name in ("opened",):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            at = f"store.{name}"
+            self._w._apply(self._w.kernel.point(at), at)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+class _PointLease:
+    """The lease record's store as a committer sees it: reads and writes are points; a read can come back torn
+    or stale, an I/O can fail."""
+
+    def __init__(self, world: World, lease: Any) -> None:
+        self._w = world
+        self._lease = lease
+        self.where = lease.where
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._lease, name)
+        if not callable(attr):
+            return attr
+        w = self._w
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            at = f"lease.{name}"
+            f = w.kernel.point(at)
+            if f is not None and f.kind == "eio":
+                raise_eio(at)
+            got = attr(*args, **kwargs)
+            if (
+                name.startswith("read")
+                and f is not None
+                and isinstance(got, tuple)
+                and got
+                and isinstance(got[0], bytes)
+            ):
+                if f.kind == "torn":
+                    return (got[0][: len(got[0]) // 2], *got[1:])
+                if f.kind == "stale" and len(w.lease_history) >= 2:
+                    return (w.lease_history[-2], *got[1:])
+            if name.startswith("write"):
+                a = w.kernel.current()
+                if a is not None and got is not False:
+                    w.renewed[a.proc.name] = w.kernel.now
+                    data = args[0] if args and isinstance(args[0], bytes) else None
+                    if data is not None:
+                        w.lease_history.append(data)
+            return got
+
+        return call
+
+
+class _remote_store:
+    """Every :class:`Remote` of the world reads and writes the bucket in memory."""
+
+    def __init__(self, bucket: MemoryBucket) -> None:
+        self.bucket = bucket
+
+    def __enter__(self) -> None:
+        self.saved = remote.S3Store, PosixStorage.exclusive
+        remote.S3Store = self.bucket.store  # type: ignore[assignment,misc]
+        PosixStorage.exclusive = _granted  # type: ignore[method-assign,assignment]  # as across two mounts
+
+    def __exit__(self, *exc: object) -> None:
+        remote.S3Store, PosixStorage.exclusive = self.saved  # type: ignore[misc,method-assign]
+
+
+@contextlib.contextmanager
+def _granted(self: Any, path: Path) -> Iterator[bool]:
+    """``flock`` as two FUSE mounts of one filesystem grant it: to everyone."""
+    yield True
+
+
+def scratch_root() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="sim-", dir=shm if shm.is_dir() else None))
+
+
+def run_one(seed: int, store: str, settings: Settings | None = None, script: list[int] | None = None,
+            root: Path | None = None) -> World:  # fmt: skip
+    """Run the schedule of ``seed`` (or of ``script``, its choices) on ``store``; the world, violations in it."""
+    base = root or scratch_root()
+    tmp = base / f"s{seed}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        w = World(seed, settings or Settings.draw(seed, store), Chooser(seed, script), tmp)
+        w.run()
+        return w
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if root is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+__all__ = ["Settings", "Violation", "World", "errno", "run_one", "Callable", "Proc"]

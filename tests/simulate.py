@@ -1,0 +1,197 @@
+"""Deterministic simulation of the commit protocol, driving the real committer code (:mod:`tests.sim`).
+
+    python -m tests.simulate --schedules 10000            # random schedules over both stores, seeds 0..N-1
+    python -m tests.simulate --replay 1234 --store posix  # one schedule again, every act printed
+    python -m tests.simulate --exhaustive 6 --store bucket # every schedule of the first 6 choices
+
+Each schedule runs a writer, a ghost (a committer that acquired first), a live committer (appointed: it takes
+over) and maybe a newcomer (not appointed), stepped by one seeded scheduler at every store operation, I/O op and
+lease read or write; faults at any of them: a pause of any length, a process killed, ``EIO``, a torn or stale
+lease read, clock skew between processes, damage to a committed file. The invariants (:mod:`tests.sim.world`)
+are checked after every operation that changes something. A failing schedule is printed as the seed that
+replays it and a minimized list of the faults that make it fail. Exit status 1 when any schedule failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import tests.conftest  # noqa: F401  (registers the test format the staged steps use)
+from tests.sim.world import Settings, World, run_one, scratch_root
+
+STORES = ("posix", "bucket")
+
+
+@dataclass
+class Tally:
+    schedules: int = 0
+    steps: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    failed: list[tuple[int, str, str]] = field(default_factory=list)  # (seed, store, first violation)
+
+
+def _quiet() -> None:
+    logging.getLogger("pipeline").setLevel(logging.CRITICAL + 1)
+
+
+def _chunk(args: tuple[str, list[int]]) -> Tally:
+    store, seeds = args
+    _quiet()
+    t = Tally()
+    root = scratch_root()
+    try:
+        for seed in seeds:
+            w = run_one(seed, store, root=root)
+            t.schedules += 1
+            t.steps += w.kernel.steps
+            for f in w.faults:
+                t.faults[f.split(" ", 1)[0]] += 1
+            if w.violations:
+                t.failed.append((seed, store, w.violations[0]))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return t
+
+
+def explore(store: str, seeds: range, workers: int) -> Tally:
+    chunks = [(store, list(seeds[i :: workers * 8])) for i in range(workers * 8)]
+    total = Tally()
+    if workers <= 1:
+        parts: Iterator[Tally] = map(_chunk, chunks)
+    else:
+        ctx = mp.get_context("fork")
+        pool = ctx.Pool(workers)
+        parts = pool.imap_unordered(_chunk, chunks)
+    for t in parts:
+        total.schedules += t.schedules
+        total.steps += t.steps
+        total.faults.update(t.faults)
+        total.failed += t.failed
+    if workers > 1:
+        pool.close()
+        pool.join()
+    total.failed.sort()
+    return total
+
+
+def exhaustive(store: str, depth: int, settings: Settings) -> tuple[int, list[tuple[list[int], str]]]:
+    """Every schedule whose first ``depth`` choices differ (later choices: the first option); returns how many
+    ran and the failing ones (their choices)."""
+    _quiet()
+    root = scratch_root()
+    failed: list[tuple[list[int], str]] = []
+    runs = 0
+    prefix: list[int] = []
+    try:
+        while True:
+            w = run_one(0, store, settings=settings, script=prefix, root=root)
+            runs += 1
+            taken = w.chooser.taken
+            if w.violations:
+                failed.append(([c for c, _ in taken], w.violations[0]))
+            # the next prefix in lexicographic order over the first `depth` choices
+            choices = [(c, n) for c, n in taken[:depth]]
+            while choices and choices[-1][0] + 1 >= choices[-1][1]:
+                choices.pop()
+            if not choices:
+                return runs, failed
+            last, n = choices.pop()
+            prefix = [c for c, _ in choices] + [last + 1]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def kind_of(violation: str) -> str:
+    """A violation without its numbers and paths: two schedules that break the same invariant alike match."""
+    words = [w for w in violation.split(":", 1)[-1].split() if not any(c.isdigit() for c in w) and "/" not in w]
+    return " ".join(words[:8])
+
+
+def minimize(seed: int, store: str) -> World:
+    """The schedule of ``seed`` with as few of its faults as still break the same invariant (each fault choice
+    turned off in turn, kept off when the schedule still fails so)."""
+    first = run_one(seed, store)
+    if not first.violations:
+        return first
+    want = kind_of(first.violations[0])
+    script = [c for c, _ in first.chooser.taken]
+    best = first
+    i = 0
+    while i < len(script):
+        if script[i] and best.chooser.taken[i][1] == 2:  # a fault drawn here: try without it
+            trial = script[:i] + [0] + script[i + 1 :]
+            w = run_one(seed, store, settings=first.s, script=trial)
+            if w.violations and kind_of(w.violations[0]) == want:
+                script = [c for c, _ in w.chooser.taken]
+                best = w
+                continue
+        i += 1
+    return best
+
+
+def report(w: World, seed: int, store: str) -> str:
+    lines = [f"seed {seed} ({store}): {w.violations[0] if w.violations else 'no violation'}"]
+    lines.append(f"  replay: python -m tests.simulate --replay {seed} --store {store}")
+    lines.append("  faults: " + ("; ".join(w.faults) or "none"))
+    lines += [f"  {a}" for a in w.kernel.trace[-12:]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedules", type=int, default=2000, help="random schedules per run, split over the stores")
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--store", choices=(*STORES, "both"), default="both")
+    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--exhaustive", type=int, metavar="DEPTH", help="every schedule of the first DEPTH choices")
+    p.add_argument("--replay", type=int, metavar="SEED", help="run one seed's schedule and print it")
+    p.add_argument("--show", type=int, default=5, help="failing schedules to minimize and print")
+    args = p.parse_args(argv)
+    _quiet()
+    stores = STORES if args.store == "both" else (args.store,)
+    if args.replay is not None:
+        for store in stores:
+            w = minimize(args.replay, store)
+            print(report(w, args.replay, store))
+        return 0
+    bad = 0
+    for store in stores:
+        start = time.monotonic()
+        if args.exhaustive is not None:
+            settings = Settings(store=store, steps=(2, 4), keep_last=1, live_at=3.0, write_every=1.0,
+                                fault_rate=0.5, max_faults=1, kinds=("pause",))  # fmt: skip
+            runs, failed = exhaustive(store, args.exhaustive, settings)
+            print(f"{store}: {runs} schedules, every one of the first {args.exhaustive} choices "
+                  f"({time.monotonic() - start:.0f} s): {len(failed)} violations")  # fmt: skip
+            for choices, what in failed[: args.show]:
+                print(f"  choices {choices[: args.exhaustive + 4]}...: {what}")
+            bad += len(failed)
+            continue
+        n = args.schedules // len(stores)
+        t = explore(store, range(args.first_seed, args.first_seed + n), args.workers)
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(t.faults.items()))
+        print(
+            f"{store}: {t.schedules} schedules, {t.steps} operations stepped ({time.monotonic() - start:.0f} s); "
+            f"faults injected: {faults}; {len(t.failed)} violations"
+        )
+        kinds = Counter(kind_of(what) for _, _, what in t.failed)
+        for what, count in kinds.most_common(10):
+            print(f"  {count} x {what}")
+        for seed, st, _ in t.failed[: args.show]:
+            print(report(minimize(seed, st), seed, st))
+        bad += len(t.failed)
+    print(f"{bad} violations")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
