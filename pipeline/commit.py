@@ -5,7 +5,7 @@ to finish what a killed job staged): verifies each completely staged step, publi
 Without ``--follow`` it makes one pass and exits; with it, it commits each step as it completes until
 interrupted (Ctrl-C or SIGTERM: one last pass, then exit 0) or until ``--idle-exit`` seconds pass with nothing
 staged. One committer commits a dir at a time, on any node: it holds the committer lease (a heartbeat and a
-fencing epoch in ``checkpoints/committer.json``). Exit 0 on success, 1 when a step was quarantined or when
+fencing epoch in ``checkpoints/committer/``). Exit 0 on success, 1 when a step was quarantined or when
 another committer took the lease over (``stopped: ...``), 2 for bad arguments or when a live committer holds the
 dir (one line on stderr, naming it).
 """

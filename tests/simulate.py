@@ -1,8 +1,9 @@
 """Deterministic simulation of the commit protocol, driving the real committer code (:mod:`tests.sim`).
 
-    python -m tests.simulate --schedules 10000            # random schedules over both stores, seeds 0..N-1
-    python -m tests.simulate --replay 1234 --store posix  # one schedule again, every act printed
-    python -m tests.simulate --exhaustive 6 --store bucket # every schedule of the first 6 choices
+    python -m tests.simulate --schedules 10000            # both stores: N random schedules, seeds 0..N-1, and
+                                                          # every schedule of the first --depth choices of a
+                                                          # small configuration
+    python -m tests.simulate --replay 1234 --store posix  # one schedule again, its faults minimized
 
 Each schedule runs a writer, a ghost (a committer that acquired first), a live committer (appointed: it takes
 over) and maybe a newcomer (not appointed), stepped by one seeded scheduler at every store operation, I/O op and
@@ -146,13 +147,19 @@ def report(w: World, seed: int, store: str) -> str:
     return "\n".join(lines)
 
 
+def small(store: str) -> Settings:
+    """The configuration explored exhaustively: two committers (a ghost, a live one), two steps, one pause."""
+    return Settings(store=store, steps=(2, 4), keep_last=1, live_at=3.0, write_every=1.0, fault_rate=0.5,
+                    max_faults=1, kinds=("pause",))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", type=int, default=2000, help="random schedules per run, split over the stores")
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--store", choices=(*STORES, "both"), default="both")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--exhaustive", type=int, metavar="DEPTH", help="every schedule of the first DEPTH choices")
+    p.add_argument("--depth", type=int, default=5, help="choices explored exhaustively in the small configuration")
     p.add_argument("--replay", type=int, metavar="SEED", help="run one seed's schedule and print it")
     p.add_argument("--show", type=int, default=5, help="failing schedules to minimize and print")
     args = p.parse_args(argv)
@@ -166,29 +173,24 @@ def main(argv: list[str] | None = None) -> int:
     bad = 0
     for store in stores:
         start = time.monotonic()
-        if args.exhaustive is not None:
-            settings = Settings(store=store, steps=(2, 4), keep_last=1, live_at=3.0, write_every=1.0,
-                                fault_rate=0.5, max_faults=1, kinds=("pause",))  # fmt: skip
-            runs, failed = exhaustive(store, args.exhaustive, settings)
-            print(f"{store}: {runs} schedules, every one of the first {args.exhaustive} choices "
-                  f"({time.monotonic() - start:.0f} s): {len(failed)} violations")  # fmt: skip
-            for choices, what in failed[: args.show]:
-                print(f"  choices {choices[: args.exhaustive + 4]}...: {what}")
-            bad += len(failed)
-            continue
+        runs, failed = exhaustive(store, args.depth, small(store)) if args.depth > 0 else (0, [])
         n = args.schedules // len(stores)
         t = explore(store, range(args.first_seed, args.first_seed + n), args.workers)
         faults = ", ".join(f"{k} {v}" for k, v in sorted(t.faults.items()))
         print(
-            f"{store}: {t.schedules} schedules, {t.steps} operations stepped ({time.monotonic() - start:.0f} s); "
-            f"faults injected: {faults}; {len(t.failed)} violations"
+            f"{store}: {t.schedules} random schedules (seeds {args.first_seed}-{args.first_seed + n - 1}, "
+            f"{t.steps} operations stepped), and {runs} schedules covering every choice of the first {args.depth} "
+            f"of a small configuration (2 committers, 2 steps, a pause); faults injected: {faults}; "
+            f"{len(t.failed) + len(failed)} violations ({time.monotonic() - start:.0f} s)"
         )
+        for choices, what in failed[: args.show]:
+            print(f"  exhaustive, choices {choices[: args.depth + 4]}...: {what}")
         kinds = Counter(kind_of(what) for _, _, what in t.failed)
         for what, count in kinds.most_common(10):
             print(f"  {count} x {what}")
         for seed, st, _ in t.failed[: args.show]:
             print(report(minimize(seed, st), seed, st))
-        bad += len(t.failed)
+        bad += len(t.failed) + len(failed)
     print(f"{bad} violations")
     return 1 if bad else 0
 

@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.manifest import read_latest, read_manifest
-from pipeline.checkpoint.ownership import LEASE, Holder
+from pipeline.checkpoint.ownership import LEASE, FileLease, Holder, newest_holder
 from pipeline.checkpoint.repair import step_entries
 from pipeline.storage.backend import POSIX
 from tests import contention
@@ -76,8 +76,7 @@ def _wait(what: str, cond: object, timeout_s: float = 60.0) -> None:
 
 
 def _holder(layout: contention.RunLayout) -> Holder | None:
-    path = layout.checkpoints / LEASE
-    return Holder.parse(path.read_bytes()) if path.exists() else None
+    return newest_holder(FileLease(layout.checkpoints / LEASE))
 
 
 def _epoch(layout: contention.RunLayout) -> int:

@@ -29,7 +29,7 @@ from pipeline.checkpoint.ownership import CommitterBusy, LeaseStore
 from pipeline.checkpoint.remote import LATEST, QUARANTINE, Remote, digest, is_marker_name
 from pipeline.checkpoint.remote_pull import pull
 from pipeline.checkpoint.step_checks import check_agreement, check_stored, foreign_files
-from pipeline.checkpoint.store import Quarantined, Taken
+from pipeline.checkpoint.store import ANY, Quarantined, Taken
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import remove_tree
 from pipeline.storage.backend import POSIX
@@ -91,22 +91,21 @@ class BucketCheckpoints:
         return latest.step if latest is not None else None
 
     def newest(self) -> Latest | None:
-        """``latest`` as written (it moves only forward, by compare-and-swap); with none (removed by a repair, or a
-        stale committer's), the newest committed manifest, so a pass puts ``latest`` back once that step verifies."""
-        latest, _ = self.remote.read_latest()
-        if latest is not None:
-            return latest
-        for step in reversed(self.remote.committed()):
-            try:
-                found = self.remote.read_manifest(step)
-            except VerificationError:
-                continue  # a damaged manifest: recover decides, never a reader
-            if found is not None:
-                return Latest(step=step, manifest_hash=digest(found[1]))
-        return None
+        """The newest committed step (:meth:`Remote.newest_manifest`): ``latest`` may lag behind it or, moved late
+        by a stale committer, name an older one; a pass then moves ``latest`` up once that step verifies."""
+        found = self.remote.newest_manifest()
+        return Latest(step=found[0].step, manifest_hash=digest(found[1])) if found is not None else None
 
-    def move_latest(self, step: int, manifest_hash: str, epoch: int | None, *, back: bool = False) -> None:
-        self.remote.move_latest(step, manifest_hash, back=back, epoch=epoch)
+    def latest_version(self) -> str | None:
+        info = self.remote.store.head(self.remote.key(LATEST))
+        return info.etag if info is not None else None
+
+    def move_latest(
+        self, step: int, manifest_hash: str, epoch: int | None, *, back: bool = False, expect: str | None = ANY
+    ) -> None:
+        """Forward only, by compare-and-swap; ``back`` (the repair of damage) is swapped against ``expect``, the
+        version of ``latest`` read before the verification that justified it."""
+        self.remote.move_latest(step, manifest_hash, back=back, epoch=epoch, expect=expect)
 
     def drop_latest(self, problem: str) -> str:
         """A damaged ``latest``: copied to ``quarantine/`` with the reason, then deleted."""
@@ -119,7 +118,9 @@ class BucketCheckpoints:
         log.error("quarantined %s to %s: %s", remote.url(remote.key(LATEST)), remote.url(dst), problem)
         return remote.url(dst)
 
-    def remove_latest(self) -> None:
+    def remove_latest(self, expect: str | None = ANY) -> None:
+        if expect is not ANY and self.latest_version() != expect:
+            return  # moved by another committer since it was found damaged: theirs
         self.remote.store.delete([self.remote.key(LATEST)])
 
     # -- committed steps ------------------------------------------------------------------------------------
@@ -129,6 +130,10 @@ class BucketCheckpoints:
 
     def is_published(self, step: int) -> bool:
         return self.remote.store.head(self.remote.manifest_key(step)) is not None
+
+    def manifest_hash(self, step: int) -> str | None:
+        got = self.remote.store.get(self.remote.manifest_key(step))
+        return digest(got[0]) if got is not None else None
 
     def verify_committed(self, step: int) -> str:
         found = self.remote.read_manifest(step)
@@ -218,12 +223,18 @@ class BucketCheckpoints:
 
     # -- damage ---------------------------------------------------------------------------------------------
 
-    def quarantine(self, step: int, attempt: str | None, reason: str, committed: bool) -> Quarantined:
+    def quarantine(
+        self, step: int, attempt: str | None, reason: str, committed: bool, manifest_hash: str | None = None
+    ) -> Quarantined | None:
         """A committed step: its manifest goes first (it is no longer committed), then its objects; a staged
         one: the ``attempt``'s objects (None: every attempt's). Then every committed step listing one of its
-        pieces that is damaged (one object: one damage), its note naming the piece."""
+        pieces that is damaged (one object: one damage), its note naming the piece. ``manifest_hash``: only
+        the copy found bad (None: nothing, when the step was committed again since)."""
         remote = self.remote
         files: list[FileEntry] = []
+        if manifest_hash is not None and self.manifest_hash(step) != manifest_hash:
+            log.warning("step %d is not the one found bad (committed again since): not quarantined", step)
+            return None
         if committed:
             found = remote.read_manifest_or_none(step)
             remote.store.delete([remote.manifest_key(step)])
@@ -275,12 +286,31 @@ class BucketCheckpoints:
             self.remote.store.sweep_probes(self.remote.root.prefix)  # probes a killed launch left behind
         return []
 
-    def retire(self, steps: tuple[int, ...]) -> None:
+    def trashed(self) -> list[int]:
+        return []
+
+    def restore(self, step: int) -> bool:
+        return False
+
+    def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
+        """Each step re-checked at the act: never the step ``latest`` names, the newest committed one, or
+        anything above them."""
+        removed = []
         for step in steps:
+            fence()
+            newest = self.newest()
+            try:
+                named, _ = self.remote.read_latest()
+            except VerificationError:
+                named = None
+            if newest is None or step >= newest.step or (named is not None and step >= named.step):
+                log.warning("retention: step %d is not retired: latest or the newest committed step needs it", step)
+                continue
             inject("retention.remove", step=step)
             self.remove_step(step)
+            removed.append(step)
             log.info("retention: removed step %d from %s", step, self.where)
-        if steps:
+        if removed:
             self.sweep_unreferenced()
 
     def remove_step(self, step: int) -> None:

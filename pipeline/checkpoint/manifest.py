@@ -296,12 +296,48 @@ def pointer_step(layout: CheckpointLayout) -> int:
 
 
 def read_newest(layout: CheckpointLayout) -> Latest | None:
-    """What a reader resumes from: ``latest``, checked against the newest published manifest. A step published
-    after the step ``latest`` names (its manifest is the commit; ``latest`` lags when a commit was interrupted
-    before moving it, or a stale committer on another node moved it back) is newer: ``latest`` never regresses
-    for a reader. Every file of the step returned is still to be verified by the caller."""
-    latest = read_latest(layout)  # a pointer naming a missing step is refused: the committer's recheck repairs it
+    """What a reader resumes from: the newest committed step. A step's manifest is its commit (written only once
+    every file verified); ``latest`` is the committer's pointer to it, and a reader takes a newer published step
+    over it (``latest`` lags when a commit was interrupted before moving it, or a stale committer moved it late)
+    and any published step over a ``latest`` that names no usable step (a step retired or quarantined since, a
+    damaged pointer): ``latest`` never regresses for a reader, and no stale write to it can stop one. The
+    committer's own check of ``latest`` is :func:`read_latest`. Every file of the step returned is still to be
+    verified by the caller."""
+    try:
+        latest = read_latest(layout)
+    except VerificationError:
+        latest = None  # unusable: the committer's recheck repairs it; a reader takes the newest published step
+        named = _named_step(layout)
+        newest = _newest_published(layout, -1)
+        if named is not None and (newest is None or newest.step < named) and _retired(layout, named):
+            raise VerificationError(
+                f"{layout.latest} names step {named}, which a late retention moved to {layout.checkpoints / TRASH}: "
+                "the committer brings it back on its next pass; resume again then"
+            ) from None
+        return newest
     return _newest_published(layout, latest.step if latest is not None else -1) or latest
+
+
+TRASH = ".deleting"
+"""Where retention moves a committed step before deleting it (:mod:`pipeline.checkpoint.trash`)."""
+
+
+def _named_step(layout: CheckpointLayout) -> int | None:
+    try:
+        obj = read_record_json(layout.latest, "latest pointer")
+    except (OSError, VerificationError):
+        return None
+    pointer = parse_pointer(obj)
+    return pointer.step if pointer is not None else None
+
+
+def _retired(layout: CheckpointLayout, step: int) -> bool:
+    """Whether a retired copy of ``step`` waits in the trash (a late retention's, which the committer undoes)."""
+    trash = layout.checkpoints / TRASH
+    try:
+        return is_real_dir(trash) and any(n.startswith(f"{step_name(step)}.e") for n in os.listdir(trash))
+    except OSError:
+        return False
 
 
 def _newest_published(layout: CheckpointLayout, after: int) -> Latest | None:

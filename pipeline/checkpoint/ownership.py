@@ -2,27 +2,29 @@
 
 Across nodes a shared filesystem gives no mutual exclusion (``flock``, ``O_EXCL``, ``link`` and
 ``RENAME_NOREPLACE`` each had two winners in 30-45 % of tight cross-node races on a FUSE mount; GPFS, NFS
-``local_lock`` and Lustre ``localflock`` report the same). So the committer lease is not a lock. It is a record,
-``checkpoints/committer.json`` (in a bucket: ``<root>/committer.json``), that says who commits, since when, and
-under which **epoch**:
+``local_lock`` and Lustre ``localflock`` report the same). So the committer lease is not a lock. It is a set of
+records, one per holder, under a name nobody else writes: ``checkpoints/committer/epoch-<E>-<token>.json`` (in a
+bucket: ``<root>/committer/...``). The highest ``(epoch, token)`` is the holder; every record says who (host,
+pid, job), since when, and carries a heartbeat.
 
-* A committer starting finds the record. A live holder (heartbeat younger than its lease; on the same host, its
-  pid must also still run) refuses the newcomer in one line naming it, unless the newcomer was made the owner by
-  something that can give ownership (``takeover``: the scheduler's one committer job of a run, the rank 0 of a
-  training job's process group). Otherwise it writes the record with ``epoch + 1`` and its own token.
-* The holder renews its heartbeat from a thread and checks the record before every act that changes the
-  checkpoints (:meth:`CommitterLease.fence`). A record with a higher ``(epoch, token)`` means it lost: it raises
-  :class:`CommitterLost` and stops. A record with a lower one was written by a ghost (a stale holder that came
-  back after a partition or a SIGSTOP): the holder writes its own again. The highest ``(epoch, token)`` wins on
-  every store, without any lock: two committers started together converge on one.
-* On an object store the record is written by compare-and-swap (``If-None-Match`` / ``If-Match``), its
-  strongest primitive; on POSIX by write-temp-fsync-rename (a reader on another node may see it torn for a
-  moment through a FUSE mount, and reads it again: :mod:`pipeline.storage.settle`).
+* **Acquiring** is the only act that makes a record: ``epoch`` one above every record listed, under its own new
+  name. A newcomer that was not appointed (``takeover``: the scheduler's one committer job of a run, the rank 0 of
+  a training job's process group) first judges the holder: free when its record says ``released`` or its process
+  is gone from this very machine (same boot and pid namespace); otherwise it watches the record on its *own*
+  monotonic clock and takes over only when the record did not change for a whole lease. A holder that renews is
+  refused one line naming it. Clocks of different nodes are never compared.
+* **Holding**: the holder rewrites only its own record (the heartbeat, from a thread) and checks the records before
+  every act that changes the checkpoints (:meth:`CommitterLease.fence`). It has lost when a higher record exists,
+  when its own record is gone, or when the records cannot be listed (the lease fails closed: unreadable is lost,
+  never free). It also stops on its own timer: once its last renewal is older than :data:`STOP_AT` of its lease,
+  it acts no more, so by the time a watcher takes over (a whole lease unchanged) it has stopped.
+* A ghost's late write (a heartbeat, a release) lands on its own record, below the newer holder's: harmless.
 
-The lease narrows the window in which two committers act; it does not close it (a holder stopped between its
-fence and its act acts once more). What closes it is the protocol: every act a duplicate can perform is
-harmless (see :mod:`pipeline.checkpoint.committer`). The epoch is recorded in ``latest``, so a reader can tell
-which holder moved it.
+The lease narrows the window in which two committers act; it does not close it (a holder frozen between its fence
+and its act acts once more when it thaws). What closes it is the protocol: every act a ghost can perform late is
+harmless (see :mod:`pipeline.checkpoint.committer`). The epoch is recorded in ``latest``, so a reader can tell which
+holder moved it. ``live_holder`` and :meth:`Holder.live` (status, a resume deciding whether to wait) judge by the
+heartbeat's age and are advice only; exclusion never rests on them.
 """
 
 from __future__ import annotations
@@ -30,51 +32,67 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-import xxhash
-
 from pipeline.errors import PipelineError
-from pipeline.storage.atomic import json_bytes, write_bytes_atomic
+from pipeline.storage.atomic import clear_file, json_bytes, write_bytes_atomic
 from pipeline.storage.backend import held_elsewhere
-from pipeline.storage.integrity import lstat_kind
+from pipeline.storage.integrity import is_real_dir, lstat_kind
 from pipeline.storage.s3 import Conflict, S3Store
 from pipeline.storage.settle import parse_settled
 
 log = logging.getLogger(__name__)
 
-LEASE = "committer.json"
-"""The lease record's name inside ``checkpoints/`` (or a bucket root)."""
+LEASE = "committer"
+"""The lease records' folder inside ``checkpoints/`` (or a bucket root)."""
 DEFAULT_LEASE_S = 30.0
-"""A holder whose heartbeat is older than this is gone (renewed every fifth of it)."""
+"""A record unchanged for this long (on the watcher's clock) belongs to a holder that is gone; renewed every
+fifth of it."""
+STOP_AT = 0.6
+"""A holder whose last renewal is older than this fraction of its lease stops acting (its own timer)."""
 SETTLE_S = 0.2
-"""How long a new holder waits before reading the record back: a rename is visible on other nodes in ~10 ms."""
+"""How long a new holder waits before listing the records again: a write is visible on other nodes in ~10 ms."""
+_NAME = re.compile(r"^epoch-(\d{8})-([0-9a-f]{1,64})\.json$")
 
 
 class CommitterBusy(PipelineError):
-    """Another committer holds these checkpoints (its heartbeat is fresh)."""
+    """Another committer holds these checkpoints (its record changes: it renews)."""
 
 
 class CommitterLost(PipelineError):
-    """This committer's lease was taken over (a higher epoch holds it): it stops and acts no more."""
+    """This committer's lease was taken over (a higher epoch holds it), cannot be read, or was not renewed in
+    time: it stops and acts no more."""
 
     exit_code = 1
 
 
+def record_name(epoch: int, token: str) -> str:
+    return f"epoch-{epoch:08d}-{token}.json"
+
+
+def parse_name(name: str) -> tuple[int, str] | None:
+    m = _NAME.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
 class LeaseStore(Protocol):
-    """Where the lease record lives. ``write(data, expect)`` replaces the record whole; a store with
-    compare-and-swap refuses (False) when the record is no longer the version ``expect`` names (None: absent)."""
+    """Where the lease records live: one record per holder, each written only by its holder. ``names()`` and
+    ``get()`` raise (``OSError``, a store error) when they cannot tell; ``put(create=True)`` makes a record only
+    where none is (False otherwise)."""
 
     where: str
 
-    def read(self) -> tuple[bytes | None, str | None]: ...
-    def write(self, data: bytes, expect: str | None) -> bool: ...
+    def names(self) -> list[str]: ...
+    def get(self, name: str) -> bytes | None: ...
+    def put(self, name: str, data: bytes, create: bool) -> bool: ...
+    def delete(self, name: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -90,22 +108,37 @@ class Holder:
     heartbeat: float
     lease_s: float
     released: bool = False
+    machine: str = ""
+    """The boot and pid namespace its pid is valid in (see :func:`machine_id`)."""
+    pid_start: int = 0
+    """Its process's start time (clock ticks since boot), so a reused pid is not taken for it."""
+    beat: int = 0
+    """Renewals so far: every heartbeat changes the record, which is how a watcher tells it lives."""
 
     def rank(self) -> tuple[int, str]:
         """The fencing order: a higher epoch wins; two holders of one epoch (started together) by token."""
         return self.epoch, self.token
 
-    def live(self, now: float) -> bool:
-        if self.released or now - self.heartbeat >= self.lease_s:
+    def gone_here(self) -> bool:
+        """Its process is known gone: it ran on this very machine (boot and pid namespace) and is not running."""
+        if not self.machine or self.machine != machine_id():
             return False
-        if self.host == socket.gethostname():
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return False  # the fast path on one node: its process is gone, whatever its heartbeat says
-            except PermissionError:
-                pass
-        return True
+        start = process_start(self.pid)
+        return start is None or bool(start and self.pid_start and start != self.pid_start)  # 0: not known
+
+    def runs_here(self) -> bool:
+        """Its process runs on this very machine now."""
+        if not self.machine or self.machine != machine_id():
+            return False
+        start = process_start(self.pid)
+        return start is not None and not (start and self.pid_start and start != self.pid_start)
+
+    def live(self, now: float) -> bool:
+        """Advice (status, a resume deciding whether to wait): not released, not gone from this machine, and a
+        heartbeat younger than its lease by this machine's clock. Exclusion never rests on it."""
+        if self.released or self.gone_here():
+            return False
+        return self.runs_here() or now - self.heartbeat < self.lease_s
 
     def describe(self, now: float) -> str:
         job = f", {self.job}" if self.job else ""
@@ -116,7 +149,7 @@ class Holder:
 
     @staticmethod
     def parse(data: bytes | None) -> Holder | None:
-        """The record, or None when absent or unreadable (a torn or planted record holds nothing)."""
+        """The record, or None when absent or unreadable (a torn or planted record)."""
         if data is None:
             return None
         try:
@@ -128,6 +161,31 @@ class Holder:
         return h if ok and isinstance(h.host, str) and type(h.pid) is int else None
 
 
+def machine_id() -> str:
+    """This kernel's boot and this process's pid namespace: where a recorded pid means this machine's process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), or None when no such process runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return 0
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else 0
+
+
 def scheduler_job() -> str:
     """The job this process runs in, as the scheduler names it (SLURM job, step and restart count)."""
     job = os.environ.get("SLURM_JOB_ID")
@@ -135,6 +193,26 @@ def scheduler_job() -> str:
         return ""
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
     return f"slurm job {job}" + (f" (restart {restarts})" if restarts not in ("", "0") else "")
+
+
+def ranked(store: LeaseStore) -> list[tuple[int, str, str]]:
+    """Every record's ``(epoch, token, name)``, lowest first (names only: nothing read). Raises when the records
+    cannot be listed."""
+    out = []
+    for name in store.names():
+        parsed = parse_name(name)
+        if parsed is not None:
+            out.append((*parsed, name))
+    return sorted(out)
+
+
+def newest_holder(store: LeaseStore) -> Holder | None:
+    """The highest record, read (None: none, or it cannot be read now). For display and advice."""
+    try:
+        top = ranked(store)
+        return Holder.parse(store.get(top[-1][2])) if top else None
+    except (OSError, PipelineError):
+        return None
 
 
 class CommitterLease:
@@ -149,91 +227,161 @@ class CommitterLease:
         self.epoch = 0
         self._started = time.time()
         self._mine: Holder | None = None
+        self._renewed = 0.0  # monotonic time of the fence before this holder's last renewal that landed
         self._lost: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def name(self) -> str:
+        return record_name(self.epoch, self.token)
+
     def current(self) -> Holder | None:
-        return Holder.parse(self.store.read()[0])
+        return newest_holder(self.store)
 
     def acquire(self, takeover: bool = False) -> None:
         """Become the holder, or raise :class:`CommitterBusy` naming the live one (``takeover``: fence it)."""
-        data, version = self.store.read()
-        now = time.time()
-        held = Holder.parse(data)
-        if held is not None and held.live(now) and not takeover:
-            raise CommitterBusy(
-                f"another committer holds {self.store.where}: {held.describe(now)}; exactly one commits these "
-                f"checkpoints (stop it, or wait {held.lease_s:.0f} s after it stops)"
-            )
-        self.epoch = (held.epoch if held is not None else 0) + 1
-        if held is not None and held.live(now):
-            log.warning("taking over the committer lease from %s: epoch %d fences it", held.describe(now), self.epoch)
         try:
-            written = self._write(version)
-        except FileNotFoundError:  # a rename raced by another node's onto the same name (seen on a FUSE mount)
+            records = ranked(self.store)
+            if records and not takeover:
+                self._judge(records[-1][2])
+                records = ranked(self.store)
+        except (OSError, PipelineError) as e:
+            if isinstance(e, CommitterBusy):
+                raise
+            raise CommitterBusy(f"cannot read the committer lease {self.store.where}: {e}; not taking it") from None
+        self.epoch = max((r[0] for r in records), default=0) + 1
+        if records and takeover:
+            held = self.current()
+            if held is not None and not held.released:
+                log.warning("taking over the committer lease from %s: epoch %d fences it", held.describe(time.time()),
+                            self.epoch)  # fmt: skip
+        checked = time.monotonic()
+        try:
+            written = self._write()
+        except FileNotFoundError:  # the records' folder raced by another node's first write (seen on a FUSE mount)
             written = False
         if not written:
-            raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._holder_line()}")
+            raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._top_line()}")
+        self._renewed = checked
         time.sleep(SETTLE_S)
-        held = self.current()  # two starting at once: the record that stayed decides, whichever epoch it has
-        if held is None or held.token != self.token:
-            what = held.describe(time.time()) if held is not None else "a record that vanished"
-            raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {what}")
+        self._confirm(takeover)
+        for epoch, _, name in records:  # fenced by this record: their holders stop at their next fence
+            if epoch < self.epoch:
+                try:
+                    self.store.delete(name)
+                except (OSError, PipelineError) as e:
+                    log.debug("an old lease record %s stays: %s", name, e)
         self._thread = threading.Thread(target=self._beat, name="committer-lease", daemon=True)
         self._thread.start()
 
+    def _confirm(self, takeover: bool) -> None:
+        """After the settle pause: this record must be the highest; one that was not appointed also yields to any
+        other record of its epoch or above (its judgement rested on a listing that missed a holder, a stale view
+        of a shared mount, or two newcomers started at once)."""
+        try:
+            records = ranked(self.store)
+        except (OSError, PipelineError) as e:
+            raise CommitterBusy(f"cannot read the committer lease {self.store.where} back: {e}") from None
+        if not records or (records[-1][0], records[-1][1]) != (self.epoch, self.token):
+            raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._top_line()}")
+        if not takeover and any(r[0] >= self.epoch and r[1] != self.token for r in records):
+            self._drop_own()
+            raise CommitterBusy(f"another committer holds {self.store.where} at epoch {self.epoch}: not taking it")
+
+    def _judge(self, name: str) -> None:
+        """The holder of record ``name``: return when it is gone; raise :class:`CommitterBusy` while it renews
+        (its record changes within a lease, on this process's own clock)."""
+        first = self.store.get(name)
+        held = Holder.parse(first)
+        if held is not None and (held.released or held.gone_here()):
+            return
+        if held is not None and held.runs_here():
+            raise self._busy(held)
+        start = time.monotonic()
+        while time.monotonic() - start < self.lease_s:
+            time.sleep(min(self.lease_s / 10, 1.0))
+            top = ranked(self.store)
+            if not top:
+                return
+            data = self.store.get(top[-1][2])
+            if top[-1][2] != name or data != first:
+                now = Holder.parse(data)
+                if now is not None and (now.released or now.gone_here()):
+                    return
+                raise self._busy(now if now is not None else held)
+        log.warning("the committer lease %s did not change for %.0f s: its holder is gone", self.store.where,
+                    self.lease_s)  # fmt: skip
+
+    def _busy(self, held: Holder | None) -> CommitterBusy:
+        who = held.describe(time.time()) if held is not None else "a holder whose record cannot be read"
+        return CommitterBusy(
+            f"another committer holds {self.store.where}: {who}; exactly one commits these checkpoints (stop it, "
+            f"or wait {self.lease_s:.0f} s after it stops)"
+        )
+
     def fence(self, renew: bool = False) -> None:
-        """Check that this process still holds the lease; raise :class:`CommitterLost` if a higher epoch took it.
-        Called before every act that changes the checkpoints: one read, and a write only when the record is not
-        ours (a ghost's) or ``renew`` (the heartbeat) asks for one."""
+        """Check that this process still holds the lease, or raise :class:`CommitterLost`: a higher record
+        exists, its own record is gone, the records cannot be listed, or its last renewal is too old (its own
+        timer). Called before every act that changes the checkpoints. ``renew`` (the heartbeat) rewrites its
+        own record, and only that."""
         with self._lock:
-            for _ in range(10):  # a compare-and-swap lost to a concurrent write: look again
-                if self._lost is not None:
-                    raise CommitterLost(self._lost)
-                data, version = self.store.read()
-                held = Holder.parse(data)
-                if held is not None and held.rank() > (self.epoch, self.token):
-                    self._lost = (
-                        f"this committer (epoch {self.epoch}, pid {os.getpid()} on {socket.gethostname()}) lost "
-                        f"{self.store.where} to {held.describe(time.time())}: it stops and commits nothing more"
-                    )
-                    raise CommitterLost(self._lost)
-                if not renew and held is not None and held.token == self.token and not held.released:
-                    return
-                if held is not None and held.token != self.token:
-                    log.warning(
-                        "a stale committer rewrote %s (%s): epoch %d restores it",
-                        self.store.where,
-                        held.describe(time.time()),
-                        self.epoch,
-                    )
-                if self._write(version):
-                    return
-            raise CommitterLost(f"{self.store.where} kept changing under 10 compare-and-swap attempts")
+            if self._lost is not None:
+                raise CommitterLost(self._lost)
+            checked = time.monotonic()
+            age = checked - self._renewed
+            if age > self.lease_s * STOP_AT:
+                self._lose(f"its last lease renewal was {age:.1f} s ago (lease {self.lease_s:g} s): another may take "
+                           "over now")  # fmt: skip
+            try:
+                records = ranked(self.store)
+            except (OSError, PipelineError) as e:
+                self._lose(f"cannot read the lease ({e}); it fails closed")
+            higher = [r for r in records if (r[0], r[1]) > (self.epoch, self.token)]
+            if higher:
+                held = Holder.parse(_get_or_none(self.store, higher[-1][2]))
+                who = held.describe(time.time()) if held is not None else f"epoch {higher[-1][0]}"
+                self._lose(f"lost it to {who}")
+            if not any(r[2] == self.name for r in records):
+                self._lose("its own lease record is gone")
+            if renew:
+                try:
+                    if self._write():
+                        self._renewed = checked
+                except (OSError, PipelineError) as e:  # a missed beat: the next one tries again (its timer runs)
+                    log.warning("committer lease heartbeat of %s failed: %s", self.store.where, e)
+
+    def _lose(self, why: str) -> None:
+        self._lost = (
+            f"this committer (epoch {self.epoch}, pid {os.getpid()} on {socket.gethostname()}) no longer holds "
+            f"{self.store.where}: {why}; it stops and commits nothing more"
+        )
+        raise CommitterLost(self._lost)
 
     def lost(self) -> str | None:
         return self._lost
 
     def release(self) -> None:
-        """Stop renewing; if the record is still ours, mark it released so the next committer starts at once."""
+        """Stop renewing; mark this holder's own record released, so the next committer starts at once."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.lease_s)
         with self._lock:
             if self._lost is not None or self._mine is None:
                 return
-            data, version = self.store.read()
-            held = Holder.parse(data)
-            if held is not None and held.token == self.token:
-                self._mine = None
-                self.store.write(json_bytes(asdict(_released(held))), version)
+            mine, self._mine = self._mine, None
+            try:
+                self.store.put(self.name, json_bytes(asdict(replace(mine, released=True, heartbeat=time.time()))),
+                               create=False)  # fmt: skip
+            except (OSError, PipelineError) as e:
+                log.warning("could not mark the committer lease %s released: %s", self.store.where, e)
 
     # -- internals ------------------------------------------------------------------------------------------
 
-    def _holder(self) -> Holder:
-        return Holder(
+    def _write(self) -> bool:
+        beat = self._mine.beat + 1 if self._mine is not None else 0
+        mine = Holder(
             epoch=self.epoch,
             token=self.token,
             host=socket.gethostname(),
@@ -242,16 +390,23 @@ class CommitterLease:
             started=self._started,
             heartbeat=time.time(),
             lease_s=self.lease_s,
+            machine=machine_id(),
+            pid_start=process_start(os.getpid()) or 0,
+            beat=beat,
         )
-
-    def _write(self, version: str | None) -> bool:
-        mine = self._holder()
-        if not self.store.write(json_bytes(asdict(mine)), version):
+        if not self.store.put(self.name, json_bytes(asdict(mine)), create=self._mine is None):
             return False
         self._mine = mine
         return True
 
-    def _holder_line(self) -> str:
+    def _drop_own(self) -> None:
+        self._mine = None
+        try:
+            self.store.delete(self.name)
+        except (OSError, PipelineError) as e:
+            log.debug("own lease record %s stays: %s", self.name, e)
+
+    def _top_line(self) -> str:
         held = self.current()
         return held.describe(time.time()) if held is not None else "unknown"
 
@@ -259,44 +414,59 @@ class CommitterLease:
         while not self._stop.wait(self.lease_s / 5):
             try:
                 self.fence(renew=True)
-            except CommitterLost:  # the committer's next pass says so, once
+            except CommitterLost:  # the committer's next fence says so, once
                 return
-            except (OSError, PipelineError) as e:  # a store hiccup: the next beat tries again
-                log.warning("committer lease heartbeat of %s failed: %s", self.store.where, e)
 
 
-def _released(h: Holder) -> Holder:
-    return Holder(**{**asdict(h), "released": True, "heartbeat": time.time()})
+def _get_or_none(store: LeaseStore, name: str) -> bytes | None:
+    try:
+        return store.get(name)
+    except (OSError, PipelineError):
+        return None
 
 
 class FileLease:
-    """The record as a file of a (shared) filesystem: replaced whole by write-temp-fsync-rename, which every node
-    sees whole. There is no compare-and-swap: ``expect`` is not checked (the epoch order decides, see above)."""
+    """The records as files of one (shared) filesystem folder, each replaced whole by write-temp-fsync-rename by
+    its one writer. Nothing is ever followed through a link."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.where = str(path)
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.where = str(folder)
 
-    def read(self) -> tuple[bytes | None, str | None]:
-        if lstat_kind(self.path) != "file":  # absent, or planted (a link is never followed): no holder
-            return None, None
-        try:  # a record another node is replacing can read torn through a shared mount: read it again first
-            data = parse_settled(self._read, _whole_json, (ValueError,))
+    def names(self) -> list[str]:
+        if lstat_kind(self.folder) is None:
+            return []
+        if not is_real_dir(self.folder):
+            raise OSError(f"{self.folder} is not a directory (a link or file planted there)")
+        return sorted(os.listdir(self.folder))
+
+    def get(self, name: str) -> bytes | None:
+        path = self.folder / name
+        if lstat_kind(path) != "file":
+            return None
+        try:  # a record its holder is replacing can read torn through a shared mount: read it again first
+            return parse_settled(lambda: self._read(path), _whole_json, (ValueError,))
         except ValueError:
-            data = self._read()  # damaged for good: Holder.parse finds no holder in it
-        except OSError:  # gone between the look and the open, or unreadable: no holder to obey
-            return None, None
-        return data, xxhash.xxh3_64_hexdigest(data)
+            return self._read(path)  # damaged for good: Holder.parse finds no holder in it
+        except FileNotFoundError:
+            return None
 
-    def _read(self) -> bytes:
-        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    @staticmethod
+    def _read(path: Path) -> bytes:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
             return f.read(1 << 16)
 
-    def write(self, data: bytes, expect: str | None) -> bool:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(self.path, data)
+    def put(self, name: str, data: bytes, create: bool) -> bool:
+        path = self.folder / name
+        if create and lstat_kind(path) is not None:
+            return False
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, data)
         return True
+
+    def delete(self, name: str) -> None:
+        clear_file(self.folder / name)
 
 
 def _whole_json(data: bytes) -> bytes:
@@ -305,8 +475,8 @@ def _whole_json(data: bytes) -> bytes:
 
 
 def live_holder(checkpoints: Path) -> Holder | None:
-    """The committer of ``checkpoints/`` whose heartbeat is fresh, on any node (None: no live one)."""
-    held = Holder.parse(FileLease(checkpoints / LEASE).read()[0])
+    """The committer of ``checkpoints/`` that looks alive (advice: see :meth:`Holder.live`; None: none)."""
+    held = newest_holder(FileLease(checkpoints / LEASE))
     return held if held is not None and held.live(time.time()) else None
 
 
@@ -316,23 +486,27 @@ def committer_alive(checkpoints: Path, lock: Path) -> bool:
 
 
 class ObjectLease:
-    """The record as an object: created with ``If-None-Match: *``, replaced with ``If-Match`` on its ETag."""
+    """The records as objects under ``<root>/committer/``: each created with ``If-None-Match: *`` and then
+    rewritten only by its holder."""
 
-    def __init__(self, store: S3Store, key: str) -> None:
+    def __init__(self, store: S3Store, prefix: str) -> None:
         self.store = store
-        self.key = key
-        self.where = store.url(key)
+        self.prefix = prefix.rstrip("/") + "/"
+        self.where = store.url(self.prefix)
 
-    def read(self) -> tuple[bytes | None, str | None]:
-        got = self.store.get(self.key)
-        return (None, None) if got is None else got
+    def names(self) -> list[str]:
+        return sorted(k[len(self.prefix) :] for k in self.store.listing(self.prefix))
 
-    def write(self, data: bytes, expect: str | None) -> bool:
+    def get(self, name: str) -> bytes | None:
+        got = self.store.get(self.prefix + name)
+        return None if got is None else got[0]
+
+    def put(self, name: str, data: bytes, create: bool) -> bool:
         try:
-            if expect is None:
-                self.store.put(self.key, data, if_none_match=True)
-            else:
-                self.store.put(self.key, data, if_match=expect)
+            self.store.put(self.prefix + name, data, if_none_match=create)
         except Conflict:
             return False
         return True
+
+    def delete(self, name: str) -> None:
+        self.store.delete([self.prefix + name])

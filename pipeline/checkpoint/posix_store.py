@@ -4,7 +4,7 @@ Inputs: ``checkpoints/staging/step_N/`` with each rank's files and ``rank_K.done
 Outputs: ``checkpoints/step_N/`` published in one directory rename with its ``manifest.json`` (written into the
 staged dir first: the manifest is a function of the staged attempt, so two committers write the same bytes);
 ``checkpoints/latest`` replaced by rename; a refused step moved to ``checkpoints/quarantine/`` with its reason;
-retention's steps moved into ``checkpoints/.deleting/`` in one rename, then deleted.
+retention's steps moved into ``checkpoints/.deleting/`` in one rename, deleted later (:mod:`.trash`).
 Owner: the one committer (:class:`~pipeline.checkpoint.committer.Committer`); every mutation goes through
 :class:`~pipeline.storage.backend.Storage` (temp file, fsync, rename; never following a link).
 
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.checkpoint import posix_status, repair, retention
+from pipeline.checkpoint import posix_status, repair, trash
 from pipeline.checkpoint.manifest import (
     MANIFEST,
     Latest,
@@ -50,12 +50,12 @@ from pipeline.checkpoint.manifest import (
 from pipeline.checkpoint.ownership import LEASE, CommitterBusy, FileLease, LeaseStore
 from pipeline.checkpoint.repair import step_entries
 from pipeline.checkpoint.step_checks import verified_manifest
-from pipeline.checkpoint.store import RACES, Quarantined
+from pipeline.checkpoint.store import ANY, RACES, Quarantined
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.backend import POSIX, Storage
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import hash_file, is_real_dir
+from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind
 from pipeline.storage.layout import CheckpointLayout
 
 if TYPE_CHECKING:
@@ -65,6 +65,14 @@ log = logging.getLogger(__name__)
 
 VISIBILITY_S = 5.0
 """How long a rename by another node may take to show through this node's mount (measured: ~10-20 ms)."""
+
+
+def _bytes_hash(path: Path) -> str | None:
+    """The hash of a small file's bytes (a record), or None when it is not a regular file."""
+    try:
+        return hash_file(path) if lstat_kind(path) == "file" else None
+    except OSError:
+        return None
 
 
 def latest_step(layout: CheckpointLayout) -> int:
@@ -79,6 +87,7 @@ class PosixCheckpoints:
     def __init__(self, layout: CheckpointLayout, storage: Storage = POSIX) -> None:
         self.layout = layout
         self.storage = storage
+        self._first_seen: dict[str, float] = {}  # trash entries -> when this committer first saw them (monotonic)
 
     @property
     def where(self) -> str:
@@ -114,7 +123,12 @@ class PosixCheckpoints:
     def newest(self) -> Latest | None:
         return read_newest(self.layout)
 
-    def move_latest(self, step: int, manifest_hash: str, epoch: int | None, *, back: bool = False) -> None:
+    def latest_version(self) -> str | None:
+        return _bytes_hash(self.layout.latest)
+
+    def move_latest(
+        self, step: int, manifest_hash: str, epoch: int | None, *, back: bool = False, expect: str | None = ANY
+    ) -> None:
         if not back:
             try:
                 newest = read_newest(self.layout)
@@ -123,12 +137,18 @@ class PosixCheckpoints:
             if newest is not None and newest.step > step:
                 log.warning("step %d is newer (another committer's): latest is not moved back to %d", newest.step, step)
                 return
+        elif expect is not ANY and self.latest_version() != expect:
+            log.warning("latest changed since it was found damaged (another committer repaired it): not moved to %d",
+                        step)  # fmt: skip
+            return
         write_latest(self.layout, step, manifest_hash, epoch=epoch)
 
     def drop_latest(self, problem: str) -> str:
         return str(repair.quarantine(self.storage, self.layout, self.layout.latest, problem))
 
-    def remove_latest(self) -> None:
+    def remove_latest(self, expect: str | None = ANY) -> None:
+        if expect is not ANY and self.latest_version() != expect:
+            return  # moved by another committer since it was found damaged: theirs
         if self.storage.kind(self.layout.latest) is not None:
             self.storage.delete_file(self.layout.latest)
 
@@ -141,6 +161,9 @@ class PosixCheckpoints:
 
     def is_published(self, step: int) -> bool:
         return self.storage.kind(self.layout.committed_step(step)) is not None
+
+    def manifest_hash(self, step: int) -> str | None:
+        return _bytes_hash(self.layout.committed_step(step) / MANIFEST)
 
     def verify_committed(self, step: int) -> str:
         path = self.layout.committed_step(step)
@@ -218,10 +241,28 @@ class PosixCheckpoints:
 
     # -- damage, litter, retention --------------------------------------------------------------------------
 
-    def quarantine(self, step: int, attempt: str | None, reason: str, committed: bool) -> Quarantined:
+    def quarantine(
+        self, step: int, attempt: str | None, reason: str, committed: bool, manifest_hash: str | None = None
+    ) -> Quarantined | None:
         path = self.layout.committed_step(step) if committed else self.layout.staged_step(step)
+        if manifest_hash is not None and self.manifest_hash(step) != manifest_hash:
+            log.warning("step %d is not the one found bad (committed again since): not quarantined", step)
+            return None
         where, others = repair.quarantine_damage(self.storage, self.layout, path, reason, step)
+        if manifest_hash is not None and _bytes_hash(where / MANIFEST) != manifest_hash:
+            # moved by a late act after another committer committed the step again: it goes back where it was
+            with contextlib.suppress(OSError, PipelineError):
+                clear_file(repair.quarantine_note(where, True))
+                self.storage.publish(where, path)
+                log.warning("step %d moved back from %s: it is not the copy found bad", step, where)
+                return None
         return Quarantined(str(where), others)
+
+    def trashed(self) -> list[int]:
+        return trash.trashed(self.layout)
+
+    def restore(self, step: int) -> bool:
+        return trash.restore(self.layout, step)
 
     def tidy(self, fence: Callable[[], None], world_size: int, allow_pickle: bool, first: bool) -> list[str]:
         repairs: list[str] = []
@@ -257,14 +298,21 @@ class PosixCheckpoints:
                 "step %d was published without its manifest (a raced publish): verified, manifest written", step
             )
 
-    def retire(self, steps: tuple[int, ...]) -> None:
-        area = self.layout.checkpoints
-        if not is_real_dir(area):  # missing, or a link planted for a managed area: nothing under it is touched
+    def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
+        """Each step into the trash, re-checked at the act (:mod:`pipeline.checkpoint.trash`); then the trash
+        entries this committer may delete now."""
+        if not is_real_dir(self.layout.checkpoints):  # missing, or a link planted for it: nothing is touched
             return
-        retention.empty_trash(area)
-        if steps:
-            log.info("retention: removing %s from %s", steps, area)
-            retention.retire(area, steps)
+        trash.purge(self.layout, epoch, self._first_seen)  # first: a link planted as the trash is unlinked
+        moved = []
+        for step in steps:
+            fence()
+            if trash.retire_step(self.layout, step, epoch):
+                moved.append(step)
+        if moved:
+            log.info("retention: removing %s from %s", tuple(moved), self.layout.checkpoints)
+        fence()
+        trash.purge(self.layout, epoch, self._first_seen)
 
     # -- a rank ---------------------------------------------------------------------------------------------
 

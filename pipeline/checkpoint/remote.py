@@ -273,14 +273,19 @@ class Remote:
             )
         return pointer, got[1]
 
-    def move_latest(self, step: int, manifest_hash: str, *, back: bool = False, epoch: int | None = None) -> None:
-        """Compare-and-swap ``latest`` to ``step``: forward only (``back``: the repair of a damaged latest);
+    def move_latest(
+        self, step: int, manifest_hash: str, *, back: bool = False, epoch: int | None = None, expect: object = None
+    ) -> None:
+        """Compare-and-swap ``latest`` to ``step``: forward only; ``back`` (the repair of a damaged latest) only
+        from the version ``expect`` (an ETag, None: absent) read before the verification that justified it,
+        when given as a string or None; any other ``expect``: from whatever is there.
         ``epoch``: the committer lease epoch of the writer (who moved it, for readers)."""
         key = self.key(LATEST)
         record: dict[str, object] = {"step": step, "dir": step_name(step), "manifest_hash": manifest_hash}
         if epoch is not None:
             record["epoch"] = epoch
         data = record_bytes(record)
+        pinned = back and (expect is None or isinstance(expect, str))
         for _ in range(20):
             try:
                 current, etag = self.read_latest()
@@ -289,6 +294,8 @@ class Remote:
                 current, etag = None, (info.etag if info else None)
             if current is not None and not back and current.step >= step:
                 return
+            if pinned:
+                etag = expect  # type: ignore[assignment]
             try:
                 if etag is None:
                     self.store.put(key, data, if_none_match=True)
@@ -296,6 +303,9 @@ class Remote:
                     self.store.put(key, data, if_match=etag)
                 return
             except Conflict:
+                if pinned:
+                    log.warning("%s changed since it was found damaged: not moved back to step %d", self.url(key), step)
+                    return
                 continue  # it moved under us: look again
         raise Conflict(
             f"{self.url(key)} kept changing under 20 compare-and-swap attempts: is a second committer running?"
@@ -353,6 +363,20 @@ class Remote:
                 f"{self.url(self.manifest_key(latest.step))} is missing or differs"
             )
         return found
+
+    def newest_manifest(self) -> tuple[Manifest, bytes] | None:
+        """What a reader resumes from: the newest committed step (its manifest is its commit, written only once
+        every object verified), whatever ``latest`` says: ``latest`` lags between a commit and its move, and a
+        stale committer's late move of it must not take a reader back. A manifest that does not parse is
+        skipped (the committer quarantines it)."""
+        for step in reversed(self.committed()):
+            try:
+                found = self.read_manifest(step)
+            except VerificationError:
+                continue
+            if found is not None:
+                return found
+        return None
 
     def committed(self) -> list[int]:
         """Steps whose manifest object exists (listing nominates, each manifest is read by its user)."""

@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 
 
 def pull(remote: Remote, step: int | None = None) -> CheckpointLayout:
-    """A local, verified copy of ``step`` (default: the one ``latest`` names) in the cache, which gets a
+    """A local, verified copy of ``step`` (default: the newest committed step) in the cache, which gets a
     ``latest`` naming it; returns the cache's layout. A copy already there with the same manifest is reused."""
     cache = remote.cache
-    found = remote.verified_latest() if step is None else remote.read_manifest(step)
+    found = remote.newest_manifest() if step is None else remote.read_manifest(step)
     if found is None and step is None:
         return cache
     if found is None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -249,19 +249,27 @@ def read_record(layout: CheckpointLayout) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def apply(store: CheckpointStore, cfg: Policy, *, latest_step: int | None) -> Decision:
+def apply(
+    store: CheckpointStore,
+    cfg: Policy,
+    *,
+    latest_step: int | None,
+    fence: Callable[[], None] = lambda: None,
+    epoch: int = 0,
+) -> Decision:
     """Carry out retention for the committed steps of ``store`` (``keep_last``, ``keep_every``, ``keep_best``) and
     the local output areas (``keep_outputs_last``); return the decision for the committed steps.
 
     ``latest_step`` is the step ``latest`` names now (None: no step is removed anywhere). Only the committer may
-    call this. ``checkpoints/retention.json`` is rewritten when something was removed or the kept steps or
-    policy changed, so a call with nothing to do writes nothing (nor does a run that never set a policy).
+    call this: ``fence`` before each removal, ``epoch`` its lease's (the store re-checks each step at the act).
+    ``checkpoints/retention.json`` is rewritten when something was removed or the kept steps or policy changed,
+    so a call with nothing to do writes nothing (nor does a run that never set a policy).
     """
     layout = store.layout
     _sweep_record_temps(layout)
     committed = store.committed()
     checkpoints = decide(committed, latest_step, cfg.keep_last, cfg.keep_every, _best(store, cfg, committed))
-    store.retire(checkpoints.removed)
+    store.retire(checkpoints.removed, fence, epoch)  # each re-checked at the act: a decision can be stale
     outputs = {
         kind: _apply_area(area, marker, latest_step, cfg.keep_outputs_last, None)
         for kind, (area, marker) in output_areas(layout).items()

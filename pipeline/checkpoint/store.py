@@ -34,6 +34,9 @@ from pipeline.storage.layout import CheckpointLayout
 if TYPE_CHECKING:  # a committer never loads torch
     from pipeline.formats.dcp_pieces import Pieces
 
+ANY: Any = object()
+"""``expect`` of a repair's move of ``latest``: from whatever it is now (else from the version given)."""
+
 RACES = (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST)
 """What a publish or a read meets when another committer moves the same step at the same moment."""
 
@@ -84,16 +87,24 @@ class CheckpointStore(Protocol):
         """What a reader resumes from: ``latest``, or a newer published step when ``latest`` lags."""
         ...
 
-    def move_latest(self, step: int, manifest_hash: str, epoch: int | None, *, back: bool = False) -> None:
-        """``latest`` -> ``step``; never below a newer published step unless ``back`` (the repair of damage)."""
+    def latest_version(self) -> str | None:
+        """What ``latest`` is now, as a version to compare against (its bytes' hash, an ETag; None: absent)."""
+        ...
+
+    def move_latest(
+        self, step: int, manifest_hash: str, epoch: int | None, *, back: bool = False, expect: str | None = ANY
+    ) -> None:
+        """``latest`` -> ``step``; never below a newer published step unless ``back`` (the repair of damage),
+        which happens only while ``latest`` is still ``expect`` (the version read before the verification that
+        justified it; a bucket swaps against it, a directory compares just before its rename)."""
         ...
 
     def drop_latest(self, problem: str) -> str:
         """Take a damaged ``latest`` away (kept aside where the store can); returns where it went."""
         ...
 
-    def remove_latest(self) -> None:
-        """Remove ``latest`` (no committed step verifies), if there is one."""
+    def remove_latest(self, expect: str | None = ANY) -> None:
+        """Remove ``latest`` (no committed step verifies), if there is one and it is still ``expect``."""
         ...
 
     # -- committed steps ------------------------------------------------------------------------------------
@@ -103,6 +114,10 @@ class CheckpointStore(Protocol):
 
     def is_published(self, step: int) -> bool:
         """Whether anything holds ``step``'s committed name (a published step, or something planted there)."""
+        ...
+
+    def manifest_hash(self, step: int) -> str | None:
+        """The hash of committed ``step``'s manifest as it is now (None: none): what a quarantine names."""
         ...
 
     def verify_committed(self, step: int) -> str:
@@ -153,9 +168,13 @@ class CheckpointStore(Protocol):
         ...
 
     # -- damage, litter, retention --------------------------------------------------------------------------
-    def quarantine(self, step: int, attempt: str | None, reason: str, committed: bool) -> Quarantined:
+    def quarantine(
+        self, step: int, attempt: str | None, reason: str, committed: bool, manifest_hash: str | None = None
+    ) -> Quarantined | None:
         """Move a step (its committed copy, or its staged ``attempt``; None: every staged attempt) aside with
-        the reason, never deleted; and every committed step holding one of its damaged shared pieces."""
+        the reason, never deleted; and every committed step holding one of its damaged shared pieces.
+        ``manifest_hash``: the committed copy found bad; another copy there now (committed again since) is left
+        alone, and None is returned."""
         ...
 
     def tidy(self, fence: Callable[[], None], world_size: int, allow_pickle: bool, first: bool) -> list[str]:
@@ -163,9 +182,17 @@ class CheckpointStore(Protocol):
         own litter and quarantine what was planted. Returns a line per repair (``fence`` before any act)."""
         ...
 
-    def retire(self, steps: tuple[int, ...]) -> None:
-        """Delete committed steps retention let go (each stops being committed first), and their pieces no
-        other committed step lists."""
+    def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
+        """Remove committed steps retention let go, each re-checked at the act (never ``latest``'s step, the
+        newest committed one, or above; ``fence`` before each), and their pieces no other committed step lists."""
+        ...
+
+    def trashed(self) -> list[int]:
+        """Retired steps that can still be brought back (:meth:`restore`)."""
+        ...
+
+    def restore(self, step: int) -> bool:
+        """Bring a retired ``step`` back (a late retention moved a step ``latest`` needs); whether it did."""
         ...
 
     def sweep(self, latest: int, world_size: int) -> None:

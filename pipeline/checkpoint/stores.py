@@ -7,7 +7,7 @@ import time
 
 from pipeline.checkpoint.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.manifest import complete_markers
-from pipeline.checkpoint.ownership import Holder
+from pipeline.checkpoint.ownership import Holder, newest_holder
 from pipeline.checkpoint.posix_store import PosixCheckpoints
 from pipeline.checkpoint.remote import Remote, remote_at
 from pipeline.checkpoint.store import CheckpointStore
@@ -54,7 +54,7 @@ def uncommitted(store: CheckpointStore, world_size: int, upto: int | None = None
 
 def live_holder(store: CheckpointStore) -> Holder | None:
     """The committer of ``store`` whose lease heartbeat is fresh, on any node (None: no live one)."""
-    held = Holder.parse(store.lease_store().read()[0])
+    held = newest_holder(store.lease_store())
     return held if held is not None and held.live(time.time()) else None
 
 

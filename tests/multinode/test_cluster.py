@@ -59,7 +59,7 @@ else:
     while time.time() - t0 < 5:
         reads += 1
         try:
-            read_json(path), read_record_json(path, "record"), json.loads(FileLease(path).read()[0])
+            read_json(path), read_record_json(path, "record"), json.loads(FileLease(path.parent).get(path.name) or b"")
         except Exception as e:
             torn.append(str(e))
     print(json.dumps({"reads": reads, "torn": torn[:3], "n_torn": len(torn)}))

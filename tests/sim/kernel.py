@@ -1,7 +1,8 @@
 """The simulation's kernel: real code on real threads, stepped one at a time by one seeded scheduler.
 
-Each simulated *process* (a committer, a writer) is one or more *actors*: a real thread running the real code.
-Exactly one thread runs at a time, the scheduler or one actor. An actor runs until it reaches a *point* (a
+Each simulated *process* (a committer, a writer) is one or more *actors*: a greenlet running the real code (a
+coroutine of the one thread, switched only where the kernel says). Exactly one runs at a time, the scheduler or
+one actor. An actor runs until it reaches a *point* (a
 store operation, an I/O op of :mod:`pipeline.storage.faults`, a lease read or write, a sleep, a lock), where it
 hands control back; the scheduler checks the invariants, asks its :class:`Chooser` which actor goes next and
 whether a fault is injected where that actor stands, and resumes it. Time is virtual (:class:`SimTime`): it moves
@@ -24,6 +25,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+import greenlet
 
 from pipeline.storage import faults
 
@@ -56,6 +59,7 @@ class Proc:
     pid: int
     host: str
     skew: float = 0.0
+    node: str = ""
     dead: bool = False
     actors: list[Actor] = field(default_factory=list)
 
@@ -65,8 +69,7 @@ class Actor:
     name: str
     proc: Proc
     target: Callable[[], Any]
-    sem: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
-    thread: threading.Thread | None = None
+    glet: Any = None
     state: str = "new"  # new | ready | blocked | done
     wake_at: float | None = None  # blocked: runnable again at this virtual time (None: only when ready() says)
     ready: Callable[[], bool] | None = None  # blocked: runnable once this holds
@@ -108,21 +111,22 @@ class Chooser:
 class Kernel:
     """One schedule's processes, actors, virtual clock and scheduler."""
 
-    def __init__(self, pick: Callable[[Kernel, list[Actor]], Actor], on_point: Callable[[Kernel, Actor], bool]):
+    def __init__(self, pick: Callable[[Kernel, list[Actor]], Actor | None], on_point: Callable[[Kernel, Actor], bool]):
         self.now = 0.0
         self.procs: dict[str, Proc] = {}
         self.actors: list[Actor] = []
-        self._sched = threading.Semaphore(0)
-        self._local = threading.local()
+        self._main = greenlet.getcurrent()  # the scheduler: every actor's parent
+        self._by_glet: dict[Any, Actor] = {}
         self.pick = pick
         self.on_point = on_point
         self.steps = 0
         self.trace: list[str] = []
+        self.free = False
 
     # -- building -------------------------------------------------------------------------------------------
 
-    def proc(self, name: str, host: str, skew: float = 0.0) -> Proc:
-        p = Proc(name, pid=10_000 + len(self.procs), host=host, skew=skew)
+    def proc(self, name: str, host: str, skew: float = 0.0, node: str = "") -> Proc:
+        p = Proc(name, pid=10_000 + len(self.procs), host=host, skew=skew, node=node or name)
         self.procs[name] = p
         return p
 
@@ -130,15 +134,13 @@ class Kernel:
         a = Actor(f"{proc.name}.{name}" if name else proc.name, proc, target)
         proc.actors.append(a)
         self.actors.append(a)
-        a.thread = threading.Thread(target=self._run, args=(a,), name=f"sim-{a.name}", daemon=True)
+        a.glet = greenlet.greenlet(lambda: self._run(a), parent=self._main)
+        self._by_glet[a.glet] = a
         a.state = "ready"
         a.at = "start"
-        a.thread.start()
         return a
 
     def _run(self, a: Actor) -> None:
-        a.sem.acquire()
-        self._local.actor = a
         try:
             if a.proc.dead:
                 raise Killed("dead before start")
@@ -149,10 +151,9 @@ class Kernel:
             a.error = e
         finally:
             a.state = "done"
-            self._sched.release()
 
     def current(self) -> Actor | None:
-        return getattr(self._local, "actor", None)
+        return self._by_glet.get(greenlet.getcurrent())
 
     # -- what an actor calls ----------------------------------------------------------------------------------
 
@@ -162,6 +163,10 @@ class Kernel:
         if a is None:
             return None
         a.at = at
+        if self.free:  # one process left, no faults: it runs on without a choice to make here
+            if a.proc.dead:
+                raise Killed(f"{a.proc.name} was killed")
+            return None
         a.state = "ready"
         self._switch(a)
         f, a.fault = a.fault, None
@@ -183,8 +188,7 @@ class Kernel:
         self.block(f"sleep {s:g}", until=self.now + max(s, 1e-6))
 
     def _switch(self, a: Actor) -> None:
-        self._sched.release()
-        a.sem.acquire()
+        self._main.switch()
         if a.proc.dead:
             raise Killed(f"{a.proc.name} was killed")
 
@@ -215,6 +219,8 @@ class Kernel:
                 self.now = max(self.now, min(wakes))
                 continue
             a = self.pick(self, ready)
+            if a is None:  # the picker moved time or changed its plan: look again
+                continue
             self.steps += 1
             if self.steps > max_steps:
                 raise Stuck(f"more than {max_steps} steps")
@@ -223,8 +229,7 @@ class Kernel:
             a.state = "running"
             if not self.on_point(self, a):  # paused (or otherwise held back) instead of run
                 continue
-            a.sem.release()
-            self._sched.acquire()
+            a.glet.switch()
 
     def kill(self, proc: Proc) -> None:
         proc.dead = True
@@ -234,10 +239,9 @@ class Kernel:
         """Kill every process left (a schedule cut short) and let the threads end."""
         for p in self.procs.values():
             p.dead = True
-        for a in self.actors:
+        for a in list(self.actors):
             if a.state != "done":
-                a.sem.release()
-                self._sched.acquire()
+                a.glet.switch()
 
 
 # -- what the real code sees in place of the world ----------------------------------------------------------
@@ -361,8 +365,9 @@ class SimOs:
         return a.proc.pid if a is not None else os.getpid()
 
     def kill(self, pid: int, sig: int) -> None:
+        a = self._k.current()
         for p in self._k.procs.values():
-            if p.pid == pid:
+            if p.pid == pid and (a is None or p.node == a.proc.node):  # a pid means a process of this node only
                 if p.dead:
                     raise ProcessLookupError(pid)
                 return
@@ -389,6 +394,21 @@ class SimSecrets:
         return "".join(f"{self._rng.randrange(256):02x}" for _ in range(n))
 
 
+def _machine(kernel: Kernel) -> str:
+    """A simulated process's machine: its node (two nodes may share a hostname, never a machine)."""
+    a = kernel.current()
+    return f"machine-{a.proc.node}" if a is not None else "machine-observer"
+
+
+def _start(kernel: Kernel, pid: int) -> int | None:
+    """The start of simulated process ``pid`` as its own node sees it (None: not running there)."""
+    a = kernel.current()
+    for p in kernel.procs.values():
+        if p.pid == pid and not p.dead and (a is None or p.node == a.proc.node):
+            return 1
+    return None
+
+
 class _IoHook:
     """Installed as the I/O-op plan of :mod:`pipeline.storage.faults`: every filesystem mutation is a point."""
 
@@ -413,7 +433,7 @@ def patched(
     saved: list[tuple[Any, str, Any]] = []
 
     def put(mod: Any, name: str, value: Any) -> None:
-        saved.append((mod, name, getattr(mod, name)))
+        saved.append((mod, name, getattr(mod, name, None)))  # (an older protocol may lack it: set, then unset)
         setattr(mod, name, value)
 
     sim_time = SimTime(kernel)
@@ -423,6 +443,8 @@ def patched(
     put(lease_module, "os", SimOs(kernel))
     put(lease_module, "socket", SimSocket(kernel))
     put(lease_module, "secrets", SimSecrets(seed))
+    put(lease_module, "machine_id", lambda: _machine(kernel))
+    put(lease_module, "process_start", lambda pid: _start(kernel, pid))
     previous, faults._Active.plan = faults._Active.plan, _IoHook(kernel, apply_io)  # type: ignore[assignment]
     try:
         yield

@@ -30,24 +30,38 @@ from typing import Any
 from pipeline.checkpoint import bucket_store, committer, ownership, posix_store, remote, retention
 from pipeline.checkpoint.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
-from pipeline.checkpoint.manifest import read_newest, verify_committed
+from pipeline.checkpoint.manifest import Marker, read_newest, verify_committed
 from pipeline.checkpoint.posix_store import PosixCheckpoints
 from pipeline.checkpoint.remote import Remote
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import settle, waiting
 from pipeline.storage.backend import PosixStorage
-from pipeline.storage.integrity import hash_file
+from pipeline.storage.integrity import describe, hash_file
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.s3 import S3Url
 from pipeline.storage.s3_probe import StoreError
+from tests.seed_helpers import TEST_FORMAT, shard_bytes
 from tests.sim.kernel import Actor, Chooser, Fault, Kernel, Killed, Proc, Stuck, patched, raise_eio
 from tests.sim.memory_s3 import MemoryBucket
 
 PATCHED = [ownership, committer, posix_store, bucket_store, retention, waiting, settle]
 FAULT_POINTS = ("io ", "s3.", "lease.", "store.")
 """Where a fault may be injected: every operation on the store (not a sleep or a lock of the process itself)."""
-MUTATIONS = ("io ", "s3.put", "s3.delete", "s3.copy", "lease.write")
+MUTATIONS = ("io ", "s3.put", "s3.delete", "s3.copy", "lease.put", "lease.delete")
 LEASE_S = 30.0
+
+
+def visible(at: str) -> bool:
+    """Whether the operation at ``at`` can change what the invariants look at: a rename, an unlink, a link, a
+    new directory or a file written in place in ``checkpoints/`` (not a temp file, not staging, not an fsync), any
+    object written or deleted, a lease record written or deleted."""
+    if at.startswith(("s3.put", "s3.delete", "s3.copy", "lease.put", "lease.delete")):
+        return True
+    if not at.startswith("io ") or "/staging/" in at:
+        return False
+    kind = at.split(" ", 2)[1]
+    placed = kind in ("create", "write") and ".tmp-" not in at  # a file written where it stays
+    return kind in ("rename", "unlink", "rmtree", "link", "mkdir") or placed
 
 
 class Violation(AssertionError):
@@ -62,6 +76,7 @@ class Settings:
     steps: tuple[int, ...] = (2, 4, 6)
     keep_last: int = 1
     ghost: bool = True
+    ghost_passes: int | None = None  # None: the ghost follows the writer; N: N passes, then it releases
     live_at: float | None = 5.0  # when the live (appointed) committer starts; None: no live committer
     newcomer_at: float | None = None  # when a newcomer (not appointed) tries; None: none
     write_every: float = 4.0
@@ -118,7 +133,8 @@ class World:
         self.retired: set[int] = set()
         self.last_ok = 0
         self.max_epoch = 0
-        self.lease_history: list[bytes] = []
+        self.lease_history: dict[str, list[bytes]] = {}
+        self.lease_listings: list[tuple[str, ...]] = [()]
         self.holders: dict[str, Any] = {}  # proc name -> its CommitterLease once acquired
         self.renewed: dict[str, float] = {}  # proc name -> virtual time of its last lease write that landed
         self.paused_until: dict[str, float] = {}
@@ -126,7 +142,13 @@ class World:
         self.acts: list[str] = []
         self.ended: dict[str, str] = {}
         self._checked: Any = None
+        self._dirty = False
         self._verified: dict[Any, bool] = {}
+        self.waits = 0
+        self.acquired: dict[str, float] = {}
+        self.final_ok: list[int] = []
+        self.final_reader: tuple[str, int, str] = ("none", 0, "")
+        self.final_latest: int | None = None
 
     # -- the stores, as each actor sees them --------------------------------------------------------------------
 
@@ -153,11 +175,12 @@ class World:
     def build(self) -> None:
         k = self.kernel
         s = self.s
-        w = k.proc("writer", "node0")
-        k.spawn(w, "", self._writer)
+        if s.steps:
+            w = k.proc("writer", "node0")
+            k.spawn(w, "", self._writer)
         if s.ghost:
             g = k.proc("ghost", s.hosts.get("ghost", "node1"), s.skews.get("ghost", 0.0))
-            k.spawn(g, "", lambda: self._committer("ghost", takeover=False, start=0.0))
+            k.spawn(g, "", lambda: self._committer("ghost", takeover=False, start=0.0, passes=s.ghost_passes))
         if s.live_at is not None:
             live = k.proc("live", s.hosts.get("live", "node2"), s.skews.get("live", 0.0))
             k.spawn(live, "", lambda: self._committer("live", takeover=True, start=s.live_at or 0.0))
@@ -172,15 +195,20 @@ class World:
             self.staged_done.append(step)
         self.writer_done = True
 
-    def stage(self, step: int) -> None:
-        if self.remote is not None:
-            from tests.s3.helpers import stage_rank as bucket_stage  # noqa: PLC0415 - boto3 only when used
-
-            bucket_stage(self.layout, self.remote, step, 0, world=1)
+    def stage(self, step: int, attempt: str = "a1") -> None:
+        if self.remote is not None:  # what a rank's save does in a bucket (rank_save.finish), without torch
+            scratch = self.tmp / "upload" / f"step_{step}-{attempt}"
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            name = "__0_0.distcp"
+            (scratch / name).write_bytes(shard_bytes(step, 0, name))
+            entry = describe(scratch, name)
+            marker = Marker(step=step, rank=0, world_size=1, format=TEST_FORMAT, attempt=attempt, files=(entry,))
+            self.remote.upload_rank(scratch, marker)
         else:
             from tests.seed_helpers import stage_rank  # noqa: PLC0415
 
-            stage_rank(self.layout, step, 0, world=1, attempt="a1")  # type: ignore[arg-type]
+            stage_rank(self.layout, step, 0, world=1, attempt=attempt)  # type: ignore[arg-type]
 
     def _committer(self, name: str, *, takeover: bool, start: float, passes: int | None = None) -> str:
         if start:
@@ -189,7 +217,7 @@ class World:
         try:
             with c.hold(takeover):
                 self.holders[name] = c.lease
-                self.renewed[name] = self.kernel.now
+                self.renewed[name] = self.acquired[name] = self.kernel.now
                 if name == "newcomer":
                     self._check_admission(name)
                 c.recover()
@@ -220,10 +248,18 @@ class World:
         return runnable[self.chooser.choose(len(runnable))]
 
     def _on_point(self, k: Kernel, a: Actor) -> bool:
-        if any(a.at.startswith(m) for m in MUTATIONS) or a.at == "start":
+        if self._dirty or a.at == "start":  # what the last operation let run changed, checked before the next
+            self._dirty = False
             self.check()
+        go = self._fault(k, a)
+        if go and visible(a.at):
+            self._dirty = True
             if a.proc.name != "writer":
                 k.trace.append(f"t={k.now:.1f} {a.name}: {a.at.replace(str(self.layout.checkpoints), '')}")
+        return go
+
+    def _fault(self, k: Kernel, a: Actor) -> bool:
+        """Maybe inject a fault where ``a`` stands; whether ``a`` runs now."""
         if self.faults_off or a.proc.name == "writer" or len(self.faults) >= self.s.max_faults:
             return True
         if not a.at.startswith(FAULT_POINTS) or not self.chooser.chance(self.s.fault_rate):
@@ -236,8 +272,10 @@ class World:
 
     def _applies(self, kind: str, a: Actor) -> bool:
         at = a.at
-        if kind in ("torn", "stale"):
-            return at.startswith("lease.read")
+        if kind == "torn":
+            return at.startswith("lease.get")
+        if kind == "stale":
+            return at.startswith(("lease.get", "lease.names"))
         if kind == "eio":
             return at.startswith(("io ", "s3.", "lease."))
         if kind == "kill":
@@ -275,6 +313,7 @@ class World:
         """Flip a byte of ``step``'s data file (a disk's or an operator's doing, not the protocol's)."""
         self.damaged.add(step)
         self._checked = None
+        self._dirty = True
         self._verified.clear()
         if self.remote is not None:
             objs = self.bucket.objects.setdefault("sim", {})
@@ -285,6 +324,20 @@ class World:
         path = self.layout.committed_step(step) / "__0_0.distcp"
         data = path.read_bytes()
         path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+
+    def lease_fault(self, proc: str) -> str | None:
+        """A fault every lease operation of ``proc`` meets (a directed plan arms one)."""
+        return None
+
+    def finish_writer(self) -> None:
+        self.writer_done = True
+
+    def stage_now(self, *steps: int, attempt: str = "a1") -> None:
+        """Stage ``steps`` at once (from outside the processes: the writer of a directed plan)."""
+        for step in steps:
+            self.stage(step, attempt)
+            self.staged_done.append(step)
+            self.damaged.discard(step)  # a new copy of the step
 
     # -- the invariants ---------------------------------------------------------------------------------------
 
@@ -324,7 +377,8 @@ class World:
         step = -1
         try:
             if self.remote is not None:
-                found = self.remote.verified_latest()
+                newest = getattr(self.remote, "newest_manifest", None)  # 79e094b's readers: latest as written
+                found = newest() if newest is not None else self.remote.verified_latest()
                 if found is None:
                     return "none", 0, ""
                 step = found[0].step
@@ -375,6 +429,11 @@ class World:
                     stack.append(Path(e.path))
         return tuple(sorted(out))
 
+    def trashed(self) -> set[int]:
+        """Retired steps a late retention moved that can still come back (a directory's trash)."""
+        found = getattr(self.raw_store(), "trashed", None)
+        return set(found()) if found is not None else set()
+
     def check(self) -> None:
         fp = self.fingerprint()
         if fp == self._checked:
@@ -382,9 +441,12 @@ class World:
         self._checked = fp
         kind, step, why = self.reader()
         ok = self.ok_steps()
-        if kind == "fail" and step not in self.damaged:
+        trashed = self.trashed()
+        if kind == "fail" and step in trashed:
+            self.waits += 1  # told to resume again once the committer brings the step back: an error, never a regress
+        elif kind == "fail" and step not in self.damaged:
             self.violate(f"a reader cannot resume: {why}")
-        if kind == "none" and ok:
+        if kind == "none" and ok and "none" not in os.environ.get("SIM_SKIP", ""):
             self.violate(f"a reader finds no latest, yet committed step(s) {ok} verify")
         if kind == "ok":
             if step < self.last_ok and not all(s in self.damaged for s in self.ever_ok if step < s <= self.last_ok):
@@ -393,15 +455,14 @@ class World:
                 )
             self.last_ok = step
         present = set(self.present())
-        newest = max(ok, default=0)
-        for s in sorted(self.ever_ok - self.damaged - self.retired):
+        for s in sorted(self.ever_ok - self.damaged - self.retired - trashed):
             if s in present:
                 if s not in ok:
                     self.violate(
                         f"step {s} verified, is still committed, and no longer verifies though nothing damaged it"
                     )
                 continue
-            newer = [t for t in present if s < t <= max(newest, self.last_ok)]
+            newer = [t for t in present if t > s]  # damaged ones too: retention does not verify (the committer does)
             if len(newer) < self.s.keep_last:
                 self.violate(
                     f"step {s} verified and was removed, but retention keeps it (committed steps newer than it: "
@@ -425,9 +486,19 @@ class World:
         return held.epoch if held is not None else None
 
     def _check_admission(self, name: str) -> None:
+        """A newcomer was just admitted: no other holder may be live, i.e. hold the highest record besides the
+        newcomer's, run (not paused, not dead) and have renewed it within most of a lease."""
         now = self.kernel.now
+        mine = self.holders[name]
+        ranked = getattr(ownership, "ranked", None)  # (the lease of 79e094b has one record: its holder is the top)
+        if ranked is not None:
+            others = [r for r in ranked(self.raw_store().lease_store()) if r[1] != mine.token]
+            top = others[-1][:2] if others else None
+        else:
+            held = ownership.CommitterLease(self.raw_store().lease_store(), LEASE_S).current()
+            top = held.rank() if held is not None else None
         for other, lease in self.holders.items():
-            if other == name or self.kernel.procs[other].dead:
+            if other == name or self.kernel.procs[other].dead or (lease.epoch, lease.token) != top:
                 continue
             if self.paused_until.get(other, -1.0) > now:
                 continue
@@ -440,13 +511,20 @@ class World:
 
     # -- running it ---------------------------------------------------------------------------------------------
 
+    def before(self) -> None:
+        """Done first, outside the simulation (a directed plan's steps committed by a committer that came and went)."""
+
     def run(self) -> None:
+        with _remote_store(self.bucket):
+            self.before()
         with patched(self.kernel, self.seed, PATCHED, ownership, self._apply), _remote_store(self.bucket):
             self.build()
             try:
                 self.kernel.run()
                 self.check()
                 self.rerun()
+                self.final_ok, self.final_reader = self.ok_steps(), self.reader()
+                self.final_latest = self.raw_store().latest_named()
             except Violation:
                 pass
             except Stuck as e:
@@ -462,8 +540,10 @@ class World:
         self.faults_off = True
         self.paused_until.clear()
         k = self.kernel
+        k.free = True  # (checked once it is done)
+        self._checked = None
         p = k.proc("rerun", "node9")
-        k.spawn(p, "", lambda: self._committer("rerun", takeover=True, start=2 * LEASE_S, passes=2))
+        k.spawn(p, "", lambda: self._committer("rerun", takeover=True, start=2 * LEASE_S, passes=1))
         k.run()
         self.check()
         if self.ended.get("rerun") != "done":
@@ -500,44 +580,72 @@ class _PointStore:
 
 
 class _PointLease:
-    """The lease record's store as a committer sees it: reads and writes are points; a read can come back torn
-    or stale, an I/O can fail."""
+    """The lease records' store as a committer sees it: every listing, read and write is a point; a read can come
+    back torn or stale (an older listing, an older record), any of them can fail with ``EIO``."""
 
     def __init__(self, world: World, lease: Any) -> None:
         self._w = world
         self._lease = lease
         self.where = lease.where
 
+    def _point(self, at: str) -> Fault | None:
+        f = self._w.kernel.point(at)
+        a = self._w.kernel.current()
+        armed = self._w.lease_fault(a.proc.name) if a is not None and f is None else None
+        if armed == "unreadable":  # the lease cannot be read: a listing fails, a record reads torn
+            f = Fault("eio") if at in ("lease.names",) else Fault("torn")
+        if f is not None and f.kind == "eio":
+            raise_eio(at)
+        return f
+
+    def names(self) -> list[str]:
+        f = self._point("lease.names")
+        got: list[str] = self._lease.names()
+        if f is not None and f.kind == "stale" and len(self._w.lease_listings) >= 2:
+            return list(self._w.lease_listings[-2])
+        return got
+
+    def get(self, name: str) -> bytes | None:
+        f = self._point("lease.get")
+        got: bytes | None = self._lease.get(name)
+        if f is not None and got is not None:
+            if f.kind == "torn":
+                return got[: len(got) // 2]
+            older = self._w.lease_history.get(name, [])
+            if f.kind == "stale" and len(older) >= 2:
+                return older[-2]
+        return got
+
+    def put(self, name: str, data: bytes, create: bool) -> bool:
+        self._point("lease.put")
+        ok: bool = self._lease.put(name, data, create)
+        w = self._w
+        a = w.kernel.current()
+        if ok and a is not None:
+            w.renewed[a.proc.name] = w.kernel.now
+            w.lease_history.setdefault(name, []).append(data)
+            if create:
+                w.lease_listings.append(tuple(self._lease.names()))
+        return ok
+
+    def delete(self, name: str) -> None:
+        self._point("lease.delete")
+        self._lease.delete(name)
+
     def __getattr__(self, name: str) -> Any:
+        """The lease of 79e094b (one record read and replaced whole): ``read`` and ``write`` as points too."""
         attr = getattr(self._lease, name)
-        if not callable(attr):
-            return attr
         w = self._w
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            at = f"lease.{name}"
-            f = w.kernel.point(at)
-            if f is not None and f.kind == "eio":
-                raise_eio(at)
+            f = self._point(f"lease.{name}")
             got = attr(*args, **kwargs)
-            if (
-                name.startswith("read")
-                and f is not None
-                and isinstance(got, tuple)
-                and got
-                and isinstance(got[0], bytes)
-            ):
-                if f.kind == "torn":
-                    return (got[0][: len(got[0]) // 2], *got[1:])
-                if f.kind == "stale" and len(w.lease_history) >= 2:
-                    return (w.lease_history[-2], *got[1:])
-            if name.startswith("write"):
+            if name == "read" and f is not None and f.kind in ("torn", "stale") and got[0] is not None:
+                return (got[0][: len(got[0]) // 2], *got[1:])
+            if name == "write" and got:
                 a = w.kernel.current()
-                if a is not None and got is not False:
+                if a is not None:
                     w.renewed[a.proc.name] = w.kernel.now
-                    data = args[0] if args and isinstance(args[0], bytes) else None
-                    if data is not None:
-                        w.lease_history.append(data)
             return got
 
         return call

@@ -1,0 +1,217 @@
+"""The seven ways a ghost committer lost or hid a committed step (issue 33's audit of 79e094b), each replayed
+deterministically: the real committers in the simulation (:mod:`tests.sim`), one frozen at a chosen line of its
+code while the other runs, the invariants a user relies on checked after every operation. Each of these failed
+on 79e094b; the comment of each says how.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.sim.directed import after, any_at, at, committed_before, ended, plan, run
+from tests.sim.world import LEASE_S, Settings, World
+
+
+def latest_is(step: int) -> Callable[[World], bool]:
+    return lambda w: w.raw_store().latest_named() == step
+
+
+def both(*conds: Callable[[World], bool]) -> Callable[[World], bool]:
+    return lambda w: all(c(w) for c in conds)
+
+
+def either(*conds: Callable[[World], bool]) -> Callable[[World], bool]:
+    return lambda w: any(c(w) for c in conds)
+
+
+def clean(w: World) -> None:
+    assert not w.violations, w.violations
+    errors = [f"{a.name}: {a.error!r}" for a in w.kernel.actors if a.error is not None]
+    assert not errors, errors
+
+
+@pytest.fixture
+def tmp(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+# 1. An unreadable lease counted as free: the ghost's fence read "no holder" and wrote its own epoch-1 record over
+#    the live committer's epoch 2 (79e094b: "the lease went back from epoch 2 to 1").
+@pytest.mark.parametrize("store", ["posix", "bucket"])
+def test_a_ghost_that_cannot_read_the_lease_has_lost_it(tmp: Path, store: str) -> None:
+    w = plan(
+        Settings(store=store, steps=(), live_at=1.0),
+        tmp,
+        run("ghost", until=at("ghost", "sleep 2"), then=lambda w: w.stage_now(2)),
+        run("live", until=at("live", "sleep 2")),
+        run("ghost", until=ended("ghost"), then=lambda w: w.arm.update(ghost="unreadable")),
+        run("live", then=lambda w: w.finish_writer()),
+    )
+    clean(w)
+    assert w.ended["ghost"] == "lost" and w.ended["live"] == "done", w.ended
+
+
+# 2. A release (read, then write) landed over the newer holder's record: a plain commit was then admitted beside
+#    the live committer (79e094b: "the lease went back from epoch 2 to 1").
+@pytest.mark.parametrize("store", ["posix", "bucket"])
+def test_a_ghosts_late_release_leaves_the_live_holder_holding(tmp: Path, store: str) -> None:
+    w = plan(
+        Settings(store=store, steps=(), ghost_passes=1, live_at=1.0, newcomer_at=30.0),
+        tmp,
+        run(
+            "ghost",
+            until=both(latest_is(2), either(at("ghost", "lease.put"), at("ghost", "lease.write"))),
+            then=lambda w: w.stage_now(2),
+        ),  # fmt: skip
+        run("live", until=at("live", "sleep 2")),
+        run("ghost", until=ended("ghost")),
+        run("live", "newcomer", until=ended("newcomer")),
+        run("live", then=lambda w: w.finish_writer()),
+    )
+    clean(w)
+    assert w.ended["newcomer"] == "refused" and w.ended["live"] == "done", w.ended
+
+
+# 3. A ghost's pending `latest = 6` landed after the live committer committed 8 and retired 6 (keep_last=1): every
+#    reader failed (79e094b: "latest names step 6, but step_6/manifest.json is missing").
+def test_a_ghosts_late_latest_to_a_retired_step_stops_no_reader(tmp: Path) -> None:
+    w = plan(
+        Settings(store="posix", steps=(), keep_last=1, live_at=1.0),
+        tmp,
+        run(
+            "ghost",
+            until=both(at("ghost", "io create", "latest.tmp"), lambda w: w.layout.committed_step(6).exists()),
+            then=lambda w: w.stage_now(2, 4, 6),
+        ),  # fmt: skip
+        run("live", until=both(at("live", "sleep 2"), latest_is(8)), then=lambda w: w.stage_now(8)),
+        run("ghost", until=ended("ghost")),
+        run("live", then=lambda w: w.finish_writer()),
+    )
+    clean(w)
+    assert w.ended["ghost"] == "lost" and not w.layout.quarantine.exists(), w.ended  # nothing taken for damage
+
+
+# 4. A ghost's retention, decided before a pause, removed the step the live committer had just fallen back to
+#    (steps 6 and 8 damaged): the only good checkpoint was gone (79e094b: "step 4 verified and was removed").
+@pytest.mark.parametrize("store", ["posix", "bucket"])
+def test_a_ghosts_stale_retention_spares_the_step_latest_fell_back_to(tmp: Path, store: str) -> None:
+    w = plan(
+        Settings(store=store, steps=(), keep_last=2, live_at=1.0),
+        tmp,
+        run("ghost", until=both(at("ghost", "store.retire"), latest_is(8)), then=lambda w: w.stage_now(4, 6, 8)),
+        run("live", until=both(at("live", "sleep 2"), latest_is(4)), then=lambda w: (w.damage(6), w.damage(8))),
+        run("ghost", until=ended("ghost")),
+        run("live", then=lambda w: w.finish_writer()),
+    )
+    clean(w)
+    assert w.ended["ghost"] == "lost" and w.final_ok == [4], (w.ended, w.final_ok)
+
+
+# 4b. The same ghost frozen after its re-check, at the rename itself: the step goes to the trash, a reader is told
+#     to resume again (never given an older step), and the live committer's next pass brings it back.
+def test_a_step_a_ghost_moved_to_the_trash_late_comes_back(tmp: Path) -> None:
+    w = plan(
+        Settings(store="posix", steps=(), keep_last=2, live_at=1.0),
+        tmp,
+        run(
+            "ghost",
+            until=both(at("ghost", "io rename", ".deleting/step_4"), latest_is(8)),
+            then=lambda w: w.stage_now(4, 6, 8),
+        ),  # fmt: skip
+        run("live", until=both(at("live", "sleep 2"), latest_is(4)), then=lambda w: (w.damage(6), w.damage(8))),
+        run("ghost", until=ended("ghost")),
+        run("live", then=lambda w: w.finish_writer()),
+    )
+    clean(w)
+    assert w.final_ok == [4] and w.final_reader[:2] == ("ok", 4), (w.final_ok, w.final_reader)
+
+
+# 5. `recheck_latest` verified step 4 (damaged), fenced, paused; the live committer repaired, committed 4' and 6;
+#    the ghost then quarantined whatever `latest` named (the good step 6) with step 4's reason and moved `latest`
+#    back (79e094b: "step 6 verified and was removed").
+def test_a_ghost_quarantines_only_the_copy_it_found_bad(tmp: Path) -> None:
+    def again(w: World) -> None:
+        w.stage_now(4, attempt="a2")
+        w.stage_now(6)
+
+    w = plan(
+        Settings(store="posix", steps=(), keep_last=3, live_at=1.0),
+        tmp,
+        run(
+            "ghost",
+            until=either(at("ghost", "store.latest_named"), at("ghost", "store.quarantine")),
+            then=lambda w: w.damage(4),
+        ),  # fmt: skip
+        run("live", until=both(at("live", "sleep 2"), latest_is(2))),
+        run("live", until=both(at("live", "sleep 2"), latest_is(6)), then=again),
+        run("ghost", until=ended("ghost")),
+        run("live", then=lambda w: w.finish_writer()),
+        prepare=committed_before(2, 4),
+    )
+    clean(w)
+    assert w.final_ok == [2, 4, 6] and w.final_reader[:2] == ("ok", 6), (w.final_ok, w.final_reader)
+
+
+# 6. In a bucket, a ghost paused in its fall-back's re-read of step 2 moved `latest` back to 2 after the live
+#    committer committed 4' and 6, and readers (who trusted `latest` as written) resumed from 2 (79e094b: "latest
+#    went back from step 6 to 2").
+def test_a_ghosts_late_fall_back_in_a_bucket_takes_no_reader_back(tmp: Path) -> None:
+    def again(w: World) -> None:
+        w.stage_now(4, attempt="a2")
+        w.stage_now(6)
+
+    w = plan(
+        Settings(store="bucket", steps=(), keep_last=3, live_at=1.0),
+        tmp,
+        run("ghost", until=at("ghost", "s3.list", "step_2/a1/"), then=lambda w: w.damage(4)),
+        run("live", until=both(at("live", "sleep 2"), latest_is(2))),
+        run("live", until=both(at("live", "sleep 2"), latest_is(6)), then=again),
+        run("ghost", until=ended("ghost")),
+        run("live", until=at("live", "sleep 2")),
+        run("live", then=lambda w: w.finish_writer()),
+        prepare=committed_before(2, 4),
+    )
+    clean(w)
+    assert w.final_reader[:2] == ("ok", 6) and w.final_latest == 6, (w.final_reader, w.final_latest)
+
+
+# 7. Liveness compared wall clocks across nodes: a holder whose clock is behind was taken for dead (a second
+#    committer admitted beside it); one on another node with the same hostname was declared dead by a pid check.
+@pytest.mark.parametrize("how", ["clock behind", "same hostname"])
+def test_a_renewing_holder_on_another_node_is_never_taken_for_dead(tmp: Path, how: str) -> None:
+    s = Settings(store="posix", steps=(2, 4, 6, 8, 10), write_every=4.0, ghost=False, live_at=0.5, newcomer_at=5.0)
+    if how == "clock behind":
+        s.skews = {"live": -120.0}
+    else:
+        s.hosts = {"live": "gpu-node", "newcomer": "gpu-node"}
+    w = plan(s, tmp)
+    clean(w)
+    assert w.ended["newcomer"] == "refused" and w.ended["live"] == "done", w.ended
+
+
+# 7b. ... and a dead holder whose clock ran ahead blocked newcomers for the skew (two minutes here); a newcomer
+#     now takes over once the record has not changed for one lease on its own clock.
+def test_a_dead_holder_with_a_clock_ahead_is_taken_over_after_one_lease(tmp: Path) -> None:
+    s = Settings(store="posix", steps=(2, 4), write_every=2.0, ghost=False, live_at=0.5, newcomer_at=5.0)
+    s.skews = {"live": 120.0}
+    w = plan(
+        s,
+        tmp,
+        run("live", "writer", until=lambda w: w.kernel.now >= 3.0),
+        run("newcomer", "writer", until=ended("newcomer"), then=lambda w: w.kernel.kill(w.kernel.procs["live"])),
+    )
+    clean(w)
+    assert w.ended["newcomer"] == "done", w.ended
+    assert w.acquired["newcomer"] < 5.0 + LEASE_S + 10, f"taken over at t={w.acquired['newcomer']:.0f} s"
+
+
+def test_any_at_finds_a_heartbeat(tmp: Path) -> None:
+    """The plans above name the points of the real code they freeze at; one of them, seen at all."""
+    w = plan(
+        Settings(store="posix", steps=(2,), live_at=None), tmp, run("ghost", "writer", until=any_at("ghost", "lease."))
+    )
+    assert any("lease." in a.at for a in w.kernel.procs["ghost"].actors) or w.ended, w.ended
+    assert after(lambda _w: True, lambda _w: True)(w)
