@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +169,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     for key, value in report.user_properties:
         if key == "reliability_row":
             _RELIABILITY_ROWS.append(value)
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPS.append(Skip(report.nodeid, _skip_reason(report), "gpu" in report.keywords))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -180,6 +185,156 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         tr.write_line(f"{'ok  ' if ok else 'FAIL'} {scenario:<{width}}  {figure}")
         for note in notes[:5]:
             tr.write_line(f"       {note}")
+
+
+# --- skips for want of an environment piece --------------------------------------------------------------------
+# A test that needs a piece of the machine skips where the machine lacks it, with a reason that starts with the
+# piece in the words of ENVIRONMENT_REASONS. After pytest's own summary every skip is listed, grouped by reason,
+# and the session fails (exit status 1) when a test skipped for want of a piece that this machine should have:
+# a Debian package where this machine can install packages (root, apt-get, an apt source that answers:
+# ``scripts/system-packages.sh --can-install``), or a part of the project's own setup. Allowed: a piece this
+# machine cannot have (not root, no /dev/fuse, a kernel that refuses FUSE, namespaces or a tmpfs mount, no way to
+# install packages), except under CI (``$CI`` set and not false/0), where only gpu-marked and opt-in tests skip.
+
+SYSTEM_PACKAGES = ROOT / "scripts" / "system-packages.sh"
+MACHINE, PACKAGE, SETUP = "machine", "package", "setup"
+"""What a test lacks: a piece this machine cannot have; a Debian package; a part of ``scripts/setup.sh``."""
+ENVIRONMENT_REASONS: tuple[tuple[re.Pattern[str], str, str | None], ...] = (
+    (re.compile(r"(needs root|not root)\b"), MACHINE, "root"),
+    (re.compile(r"(no /dev/fuse|the kernel refuses|cannot mount a tmpfs here)\b"), MACHINE, None),
+    (re.compile(r"missing Debian packages? "), PACKAGE, None),
+    (re.compile(r"missing "), SETUP, None),
+    # reasons of tests that name the piece otherwise
+    (re.compile(r"submitit writes SLURM scripts only where srun is\b"), PACKAGE, "missing Debian package slurm-client"),
+    (re.compile(r"no mount command here\b"), PACKAGE, "missing Debian package mount"),
+)
+"""How a skip's reason starts when the test skipped for want of a piece of the machine, which kind of piece, and
+what to call it (None: the reason up to its first ``: ``)."""
+OPT_IN_REASONS = re.compile(r"set PIPELINE_TEST_\w+=1|DeepSpeed's async_io op cannot be built")
+"""Skips of opt-in tests (not asked for, or asked for where they cannot run): allowed, also under CI."""
+LISTED_TESTS = 4
+
+
+@dataclass(frozen=True)
+class Skip:
+    nodeid: str
+    reason: str
+    gpu: bool
+
+
+_SKIPS: list[Skip] = []
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = str(longrepr[2]) if isinstance(longrepr, tuple | list) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def _kind(skip: Skip) -> str:
+    if skip.gpu:
+        return "gpu"
+    if OPT_IN_REASONS.search(skip.reason):
+        return "opt-in"
+    return next((kind for pattern, kind, _ in ENVIRONMENT_REASONS if pattern.match(skip.reason)), "other")
+
+
+def _piece(reason: str) -> str:
+    """What a skip for want of an environment piece lacked, in a few words."""
+    label = next((label for pattern, _, label in ENVIRONMENT_REASONS if pattern.match(reason)), None)
+    return label or reason.split(": ", 1)[0]
+
+
+def _under_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@functools.cache
+def _cannot_install() -> str | None:
+    """Why this machine cannot install Debian packages (``scripts/system-packages.sh --can-install``), or None."""
+    try:
+        done = subprocess.run(["bash", str(SYSTEM_PACKAGES), "--can-install"], capture_output=True, text=True,
+                              timeout=120, check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 3:
+        return None
+    return (done.stderr.strip().splitlines() or ["?"])[-1].split(": ", 1)[-1]
+
+
+def _skips_verdict(write: Callable[..., None]) -> bool:
+    """Writes every skip, grouped by reason, then one line on those for want of an environment piece; True when
+    the session must fail for them."""
+    order = ["other", "opt-in", "gpu", MACHINE, PACKAGE, SETUP]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for skip in _SKIPS:
+        groups.setdefault((_kind(skip), skip.reason.splitlines()[0] if skip.reason else ""), []).append(skip.nodeid)
+    why_not = _cannot_install() if any(kind == PACKAGE for kind, _ in groups) else None
+    should = {(k, r) for k, r in groups if k == SETUP or (k == PACKAGE and why_not is None)}
+    ci = _under_ci()
+    label = {
+        "other": "not for want of the machine",
+        "opt-in": "allowed: opt-in",
+        "gpu": "allowed: gpu-marked",
+        MACHINE: "this machine cannot have it",
+        PACKAGE: f"this machine cannot install packages: {why_not}",
+    }
+    for kind, reason in sorted(groups, key=lambda g: (order.index(g[0]), g[1])):
+        ids = sorted(groups[kind, reason])
+        bad = (kind, reason) in should or (ci and kind in (MACHINE, PACKAGE))
+        if (kind, reason) in should:
+            text = "not allowed: this machine should have it"
+        elif kind in (MACHINE, PACKAGE):
+            text = f"{'not allowed under CI' if ci else 'allowed'}: {label[kind]}"
+        else:
+            text = label[kind]
+        write(f"{len(ids)} skipped ({text}): {reason}", red=bad)
+        for nodeid in ids[:LISTED_TESTS]:
+            write(f"    {nodeid}")
+        if len(ids) > LISTED_TESTS:
+            write(f"    and {len(ids) - LISTED_TESTS} more")
+    env = {g: ids for g, ids in groups.items() if g[0] in (MACHINE, PACKAGE, SETUP)}
+    count = sum(len(ids) for ids in env.values())
+    pieces = "; ".join(sorted({_piece(r) for _, r in env}))
+    tests = f"{count} test{'s' if count != 1 else ''}"
+    if should:
+        n = sum(len(env[g]) for g in should)
+        needs = sorted({_piece(r) for _, r in should})
+        fix = "run as root with apt sources: bash scripts/system-packages.sh"
+        if any(k == SETUP for k, _ in should):
+            fix = "bash scripts/setup.sh" if all(k == SETUP for k, _ in should) else f"{fix}; bash scripts/setup.sh"
+        write(f"FAILED: {n} test{'s' if n != 1 else ''} skipped for want of an environment piece that this machine "
+              f"should have: {'; '.join(needs)} ({fix})", red=True, bold=True)  # fmt: skip
+        return True
+    if env and ci:
+        write(f"FAILED: {tests} skipped for want of an environment piece, and CI is set (CI={os.environ['CI']}): "
+              f"under CI only gpu-marked and opt-in tests may skip: {pieces}", red=True, bold=True)  # fmt: skip
+        return True
+    if env:
+        write(f"{tests} skipped for want of an environment piece this machine cannot have ({pieces}): allowed "
+              "here, a failure under CI", yellow=True, bold=True)  # fmt: skip
+    else:
+        write("no test skipped for want of an environment piece", green=True)
+    return False
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[None, object, object]:
+    """After pytest's own summary (its last line too): the skips by reason, and the verdict on them (last)."""
+    result = yield
+    if hasattr(session.config, "workerinput") or not _SKIPS:  # an xdist worker: the controller reports
+        return result
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def write(line: str, **markup: bool) -> None:
+        if reporter is not None:
+            reporter.write_line(line, **markup)
+
+    if reporter is not None:
+        reporter.write_sep("=", "skipped tests, by reason (tests/conftest.py)")
+    if _skips_verdict(write) and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,10 @@ def _kernel_refuses_fuse() -> str | None:
 def skip_reason() -> str | None:
     """One line saying why FUSE mounts cannot work here (tests skip with it), or None when they can.
 
-    Installs fuse3 with ``scripts/fuse/install.sh`` when ``fusermount3`` is missing."""
+    Installs fuse3 with ``scripts/fuse/install.sh`` when ``fusermount3`` is missing. The line starts with the
+    piece this machine lacks, in the words ``tests/conftest.py`` sorts skips by: ``no /dev/fuse``, ``not root``
+    and ``the kernel refuses`` (a machine that cannot have it), ``missing Debian package fuse3`` (one that can,
+    unless it cannot install packages at all), ``missing weed`` (``scripts/setup.sh`` installs it)."""
     if not Path("/dev/fuse").exists():
         return "no /dev/fuse: the kernel's FUSE device is missing (containers need --device /dev/fuse)"
     if os.geteuid() != 0:
@@ -90,15 +93,19 @@ def skip_reason() -> str | None:
         try:
             done = subprocess.run(["bash", str(INSTALL)], capture_output=True, text=True, timeout=900, check=False)
             last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            last = re.sub(r"^\[[\w/.-]+\]\s+(\d\d:\d\d:\d\d\s+)?(ERROR:\s+)?", "", last)  # the script's tag, time
         except (OSError, subprocess.SubprocessError) as e:
             last = f"{type(e).__name__}: {e}"
         if shutil.which("fusermount3") is None:
-            return f"no fusermount3 after scripts/fuse/install.sh: {last}"
+            return f"missing Debian package fuse3 (fusermount3) after scripts/fuse/install.sh: {last}"
     try:
         weed_binary()
+    except RuntimeError as e:
+        return f"missing weed: {e}"
+    try:
         return _kernel_refuses_fuse()
-    except (RuntimeError, OSError) as e:
-        return f"{type(e).__name__}: {e}"
+    except OSError as e:
+        return f"the kernel refuses a FUSE mount: {type(e).__name__}: {e}"
 
 
 def _ports(n: int) -> list[int]:

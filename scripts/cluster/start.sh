@@ -20,7 +20,8 @@
 #         bash scripts/cluster/stop.sh                         (everything down, nothing left behind)
 # Knobs:  see common.sh. Extra: MN_KEEP_STATE=1 keeps slurmctld state, the database and the shared FS data
 #         across restarts [0: all start empty], MN_SKIP_INSTALL=1 never calls apt-get.
-# Exit status: 0 up, 3 packages missing and not installable, 4 no network namespaces or FUSE here, 1 other errors.
+# Exit status: 0 up, 3 packages missing and not installed (its last line says why), 4 no network namespaces or
+# FUSE here, 1 other errors.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$HERE/common.sh"
@@ -41,24 +42,18 @@ if [ $# -gt 0 ]; then
 fi
 
 # ------------------------------------------------------------------ packages and kernel features
-# Exit status 3: packages missing and not installable; 4: the kernel refuses network namespaces or FUSE.
+# Exit status 3: packages missing and not installed; 4: the kernel refuses network namespaces or FUSE.
 # tests/multinode/conftest.py turns both into a one-line skip.
 if [ "${MN_SKIP_INSTALL:-0}" != 1 ]; then
   need=0
-  for b in slurmctld slurmd slurmdbd sinfo munged mariadbd mariadb-install-db fusermount3 nsenter unshare bc curl; do
+  for b in slurmctld slurmd slurmdbd sinfo munged mariadbd mariadb-install-db fusermount3 nsenter unshare ip bc curl; do
     command -v $b >/dev/null 2>&1 || need=1
   done
+  # one apt at a time, waiting for the dpkg lock of any other apt (scripts/test.sh runs it once for all the tests;
+  # pytest-xdist workers may start both clusters at once). Its last line says what could not be installed and why.
   if [ $need = 1 ]; then
-    log "apt-get install slurm-wlm slurmdbd mariadb-server munge fuse3 util-linux bc curl"
-    export DEBIAN_FRONTEND=noninteractive
-    made_policy=0   # keep postinst scripts from starting the default-port daemons
-    if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; made_policy=1; fi
-    ok=1
-    timeout 600 apt-get update -qq || ok=0
-    [ $ok = 1 ] && { timeout 900 apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client slurmdbd \
-      mariadb-server munge fuse3 util-linux bc curl >/dev/null || ok=0; }
-    [ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
-    [ $ok = 1 ] || { log "ERROR: cannot install the packages (no Debian bookworm apt sources?)"; exit 3; }
+    bash "$HERE/../system-packages.sh" slurmctld slurmd slurm-client slurmdbd mariadb-server munge fuse3 \
+      util-linux iproute2 bc curl || exit 3
   fi
 fi
 for b in slurmctld slurmd slurmdbd sinfo munged mariadbd fusermount3 nsenter unshare ip bc curl; do

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # scripts/slurm/start.sh - the project's own single-node SLURM cluster, for tests, CI and trying the
-# pipeline's SLURM launcher on one machine. Installs (if needed) and starts SLURM 22.05 from Debian
-# bookworm packages, without systemd: munged + slurmctld + slurmd (+ mariadbd + slurmdbd, so that
-# sacct works and submitit learns about cancelled/killed jobs).
+# pipeline's SLURM launcher on one machine. Installs (if needed, through scripts/system-packages.sh) and
+# starts SLURM 22.05 from Debian bookworm packages, without systemd: munged + slurmctld + slurmd (+ mariadbd
+# + slurmdbd, so that sacct works and submitit learns about cancelled/killed jobs).
 #
 #   sudo bash scripts/slurm/start.sh     # ~15 s fresh (plus apt-get the first time); then `sinfo`
 #   sudo bash scripts/slurm/stop.sh      # cancels jobs, stops the daemons
@@ -28,7 +28,8 @@
 #   SLURM_EXTRA_CONF  extra slurm.conf lines, e.g. "DependencyParameters=kill_invalid_depend"
 #   SLURM_SKIP_INSTALL=1  never call apt-get
 #
-# Exit status: 0 up, 3 packages missing and not installable (the test fixture skips then), 1 other errors.
+# Exit status: 0 up, 3 packages missing and not installed (its last line says why; the test fixture skips
+# then), 1 other errors.
 set -euo pipefail
 
 SLURM_ROOT=${SLURM_ROOT:-/tmp/pipeline-slurm}
@@ -79,27 +80,16 @@ ctld_ok() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
 
 # ------------------------------------------------------------------ install
 need_pkgs=()
-for b in slurmctld slurmd sbatch munged; do command -v $b >/dev/null 2>&1 || need_pkgs=(slurmctld slurmd slurm-client munge); done
+for b in slurmctld slurmd sbatch munged pgrep; do command -v $b >/dev/null 2>&1 || need_pkgs=(slurmctld slurmd slurm-client munge procps); done
 if [ "$SLURM_ACCOUNTING" = 1 ]; then
   command -v slurmdbd >/dev/null 2>&1 && command -v mariadbd >/dev/null 2>&1 || need_pkgs+=(slurmdbd mariadb-server)
 fi
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   [ "${SLURM_SKIP_INSTALL:-0}" = 1 ] && { log "ERROR: missing packages and SLURM_SKIP_INSTALL=1: ${need_pkgs[*]}"; exit 3; }
-  log "apt-get install ${need_pkgs[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  made_policy=0   # keep postinst scripts from trying to start services
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; made_policy=1
-  fi
-  install_failed() {
-    [ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
-    log "ERROR: cannot install ${need_pkgs[*]} (no network or no Debian bookworm apt sources?)"; exit 3
-  }
-  apt-get update -qq || install_failed   # stale lists would 404 on superseded security updates
-  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge \
-      $( [ "$SLURM_ACCOUNTING" = 1 ] && echo slurmdbd mariadb-server ) >/dev/null || install_failed
-  [ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d
-  log "install done"
+  # one apt at a time, waiting for the dpkg lock of any other apt (scripts/test.sh runs it once for all the tests;
+  # pytest-xdist workers may start both clusters at once). Its last line says what could not be installed and why.
+  bash "$HERE/../system-packages.sh" slurmctld slurmd slurm-client munge procps \
+      $( [ "$SLURM_ACCOUNTING" = 1 ] && echo slurmdbd mariadb-server ) || exit 3
 fi
 
 # ------------------------------------------------------------------ hostname must resolve

@@ -7,7 +7,9 @@ cut its network, heal it). Every test here is marked ``multinode``.
 
 The first test session (xdist worker) to need the cluster starts it, the last one out stops it, so nothing is
 left behind (mounts, namespaces, bridge, daemons). Needs root; skipped with a one-line reason where the packages
-cannot be installed or the kernel refuses namespaces or FUSE.
+are missing and were not installed (``missing Debian packages ...``) or the kernel refuses namespaces or FUSE
+(``the kernel refuses ...``); ``tests/conftest.py`` fails the session after the first where this machine could
+have installed them, and after either under CI.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -38,8 +41,10 @@ SHARED = Path("/shared")
 TINY = ("+experiment=tiny", "launcher=slurm", "launcher.wait=true", "run.create=true")
 """The embedded experiment on the cluster's SLURM, the launcher watching (as a user at the login node)."""
 PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else "python3"
-SKIP_CODES = {3: "the cluster's packages (SLURM, MariaDB, munge, fuse3) cannot be installed here",
-              4: "this kernel refuses network namespaces or FUSE"}  # fmt: skip
+SKIP_CODES = {3: "missing Debian packages slurmctld slurmd slurm-client slurmdbd mariadb-server munge fuse3 util-linux "
+                 "iproute2 bc curl",
+              4: "the kernel refuses network namespaces or FUSE here"}  # fmt: skip
+"""start.sh's exit statuses that skip, and the start of the reason (``tests/conftest.py`` sorts skips by it)."""
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -145,7 +150,9 @@ def cluster() -> Iterator[Cluster]:
             started = time.monotonic()
             result = _script("start.sh", 600)
             if result.returncode in SKIP_CODES:
-                pytest.skip(f"{SKIP_CODES[result.returncode]}: {result.stdout.strip().splitlines()[-1]}")
+                last = (result.stdout.strip().splitlines() or ["no output"])[-1]
+                why = re.sub(r"^\[[\w/.-]+\]\s+(\d\d:\d\d:\d\d\s+)?(ERROR:\s+)?", "", last)
+                pytest.skip(f"{SKIP_CODES[result.returncode]}: {why}")
             if result.returncode != 0:  # nothing half-up is left: stop what the start brought up
                 _script("stop.sh", 180)
                 tail = "\n".join(result.stdout.splitlines()[-20:])

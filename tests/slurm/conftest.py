@@ -5,14 +5,17 @@ is and never stopped: starting the script with another ``SLURM_ROOT`` would gene
 restart, or refuse to touch, a cluster other people may be using. Otherwise the fixture starts one with
 ``SLURM_ROOT=/tmp/pipeline-slurm`` (or ``$SLURM_ROOT``) and stops it at the end of the session.
 
-Needs root. Skipped when not root or when the packages cannot be installed; any other failure to start is an
-error under CI (``$CI`` set) and a skip elsewhere. Every test under ``tests/slurm`` is marked ``slurm``.
+Needs root. Skipped when not root (``needs root: ...``) or when the packages are missing and were not installed
+(``missing Debian packages ...: `` and why, from ``scripts/system-packages.sh``); ``tests/conftest.py`` fails the
+session after such a skip where this machine could have installed them, or under CI. Any other failure to
+start is an error. Every test under ``tests/slurm`` is marked ``slurm``.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import subprocess
 import time
 import warnings
@@ -34,7 +37,9 @@ DEFAULT_SLURM_ROOT = Path("/tmp/pipeline-slurm")
 START_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 120
 INSTALL_FAILED = 3
-"""start.sh's exit status when packages are missing and cannot be installed."""
+"""start.sh's exit status when packages are missing and were not installed (its last line says why)."""
+PACKAGES = "slurmctld slurmd slurm-client munge procps slurmdbd mariadb-server"
+"""The Debian packages start.sh installs (with accounting, as the fixture starts it)."""
 USABLE_NODE_STATES = frozenset({"idle", "mix", "alloc"})
 OUTPUT_TAIL_LINES = 15
 
@@ -86,9 +91,13 @@ def running_cluster() -> SlurmCluster | None:
 
 
 def _cannot_start(reason: str, output: str, *, skip: bool) -> NoReturn:
-    tail = "\n".join(output.rstrip().splitlines()[-OUTPUT_TAIL_LINES:])
-    message = f"{reason}\n--- last lines of {START_SCRIPT.relative_to(ROOT)} ---\n{tail}"
-    if skip or not os.environ.get("CI"):
+    """Skip (the packages are missing: ``reason`` names them first, for ``tests/conftest.py``) or fail, with the
+    script's last lines; the first line of the reason ends with the script's own last line, why."""
+    lines = output.rstrip().splitlines()
+    why = re.sub(r"^\[[\w/.-]+\]\s+(\d\d:\d\d:\d\d\s+)?(ERROR:\s+)?", "", lines[-1]) if lines else "no output"
+    tail = "\n".join(lines[-OUTPUT_TAIL_LINES:])
+    message = f"{reason}: {why}\n--- last lines of {START_SCRIPT.relative_to(ROOT)} ---\n{tail}"
+    if skip:
         pytest.skip(message)
     pytest.fail(message, pytrace=False)
 
@@ -143,7 +152,7 @@ def _start(slurm_root: Path, env: dict[str, str]) -> SlurmCluster:
             break
         time.sleep(5)
     if result.returncode == INSTALL_FAILED:
-        _cannot_start("the SLURM packages cannot be installed here", result.stdout, skip=True)
+        _cannot_start(f"missing Debian packages {PACKAGES}", result.stdout, skip=True)
     if result.returncode != 0:
         # no stop.sh after a failed start: start.sh may have refused a cluster of another SLURM_ROOT, whose
         # jobs and shared daemons (munged, mariadbd) stop.sh would take down; start.sh cleans up half-up ones
