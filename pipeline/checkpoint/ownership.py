@@ -17,7 +17,8 @@ pid, job), since when, and carries a heartbeat.
   every act that changes the checkpoints (:meth:`CommitterLease.fence`). It has lost when a higher record exists,
   when its own record is gone, or when the records cannot be listed (the lease fails closed: unreadable is lost,
   never free). It also stops on its own timer: once its last renewal is older than :data:`STOP_AT` of its lease,
-  it acts no more, so by the time a watcher takes over (a whole lease unchanged) it has stopped.
+  it acts no more, so by the time a watcher takes over (a whole lease unchanged) it has stopped. A fence that
+  finds the heartbeat overdue renews (a heartbeat thread starved on a busy node does not stop the holder).
 * A ghost's late write (a heartbeat, a release) lands on its own record, below the newer holder's: harmless.
 
 The lease narrows the window in which two committers act; it does not close it (a holder frozen between its fence
@@ -41,21 +42,21 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.checkpoint.lease_records import FileLease, ObjectLease
 from pipeline.errors import PipelineError
-from pipeline.storage.atomic import clear_file, json_bytes, write_bytes_atomic
+from pipeline.storage.atomic import json_bytes
 from pipeline.storage.backend import held_elsewhere
-from pipeline.storage.integrity import is_real_dir, lstat_kind
-from pipeline.storage.s3 import Conflict, S3Store
-from pipeline.storage.settle import parse_settled
 
 log = logging.getLogger(__name__)
+
+__all__ = ["CommitterBusy", "CommitterLease", "CommitterLost", "FileLease", "Holder", "LeaseStore", "ObjectLease"]
 
 LEASE = "committer"
 """The lease records' folder inside ``checkpoints/`` (or a bucket root)."""
 DEFAULT_LEASE_S = 30.0
 """A record unchanged for this long (on the watcher's clock) belongs to a holder that is gone; renewed every
 fifth of it."""
-STOP_AT = 0.6
+STOP_AT = 0.7
 """A holder whose last renewal is older than this fraction of its lease stops acting (its own timer)."""
 SETTLE_S = 0.2
 """How long a new holder waits before listing the records again: a write is visible on other nodes in ~10 ms."""
@@ -269,26 +270,30 @@ class CommitterLease:
         self._confirm(takeover)
         for epoch, _, name in records:  # fenced by this record: their holders stop at their next fence
             if epoch < self.epoch:
-                try:
-                    self.store.delete(name)
-                except (OSError, PipelineError) as e:
-                    log.debug("an old lease record %s stays: %s", name, e)
+                self.store.delete(name)  # an I/O error fails the acquisition in one line, as every other does
         self._thread = threading.Thread(target=self._beat, name="committer-lease", daemon=True)
         self._thread.start()
 
     def _confirm(self, takeover: bool) -> None:
-        """After the settle pause: this record must be the highest; one that was not appointed also yields to any
-        other record of its epoch or above (its judgement rested on a listing that missed a holder, a stale view
-        of a shared mount, or two newcomers started at once)."""
+        """After the settle pause: this record must be the highest (two started at once: the token orders them);
+        one that was not appointed also yields to a record of a higher epoch, or of its own epoch that has renewed
+        (its judgement rested on a listing that missed a holder: a stale view of a shared mount)."""
         try:
             records = ranked(self.store)
         except (OSError, PipelineError) as e:
             raise CommitterBusy(f"cannot read the committer lease {self.store.where} back: {e}") from None
         if not records or (records[-1][0], records[-1][1]) != (self.epoch, self.token):
             raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._top_line()}")
-        if not takeover and any(r[0] >= self.epoch and r[1] != self.token for r in records):
+        if not takeover and any(r[0] > self.epoch or (r[0] == self.epoch and self._renewed_before(r[2]))
+                                for r in records if r[1] != self.token):  # fmt: skip
             self._drop_own()
             raise CommitterBusy(f"another committer holds {self.store.where} at epoch {self.epoch}: not taking it")
+
+    def _renewed_before(self, name: str) -> bool:
+        """Whether the record ``name`` of this epoch has renewed at least once: it held the lease before this one
+        (missed by a stale listing), not a newcomer started at the same moment (which only the token orders)."""
+        held = Holder.parse(_get_or_none(self.store, name))
+        return held is None or held.beat > 0
 
     def _judge(self, name: str) -> None:
         """The holder of record ``name``: return when it is gone; raise :class:`CommitterBusy` while it renews
@@ -297,9 +302,7 @@ class CommitterLease:
         held = Holder.parse(first)
         if held is not None and (held.released or held.gone_here()):
             return
-        if held is not None and held.runs_here():
-            raise self._busy(held)
-        start = time.monotonic()
+        start = time.monotonic()  # a process that runs may still be frozen (SIGSTOP): only its record tells
         while time.monotonic() - start < self.lease_s:
             time.sleep(min(self.lease_s / 10, 1.0))
             top = ranked(self.store)
@@ -331,9 +334,6 @@ class CommitterLease:
                 raise CommitterLost(self._lost)
             checked = time.monotonic()
             age = checked - self._renewed
-            if age > self.lease_s * STOP_AT:
-                self._lose(f"its last lease renewal was {age:.1f} s ago (lease {self.lease_s:g} s): another may take "
-                           "over now")  # fmt: skip
             try:
                 records = ranked(self.store)
             except (OSError, PipelineError) as e:
@@ -345,7 +345,10 @@ class CommitterLease:
                 self._lose(f"lost it to {who}")
             if not any(r[2] == self.name for r in records):
                 self._lose("its own lease record is gone")
-            if renew:
+            if age > self.lease_s * STOP_AT:
+                self._lose(f"its last lease renewal was {age:.1f} s ago (lease {self.lease_s:g} s): another may take "
+                           "over now")  # fmt: skip
+            if renew or age > self.lease_s / 5:  # the heartbeat, or a fence that finds it overdue (a starved thread)
                 try:
                     if self._write():
                         self._renewed = checked
@@ -371,11 +374,8 @@ class CommitterLease:
             if self._lost is not None or self._mine is None:
                 return
             mine, self._mine = self._mine, None
-            try:
-                self.store.put(self.name, json_bytes(asdict(replace(mine, released=True, heartbeat=time.time()))),
-                               create=False)  # fmt: skip
-            except (OSError, PipelineError) as e:
-                log.warning("could not mark the committer lease %s released: %s", self.store.where, e)
+            released = replace(mine, released=True, heartbeat=time.time())
+            self.store.put(self.name, json_bytes(asdict(released)), create=False)  # its own record only
 
     # -- internals ------------------------------------------------------------------------------------------
 
@@ -425,55 +425,6 @@ def _get_or_none(store: LeaseStore, name: str) -> bytes | None:
         return None
 
 
-class FileLease:
-    """The records as files of one (shared) filesystem folder, each replaced whole by write-temp-fsync-rename by
-    its one writer. Nothing is ever followed through a link."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.where = str(folder)
-
-    def names(self) -> list[str]:
-        if lstat_kind(self.folder) is None:
-            return []
-        if not is_real_dir(self.folder):
-            raise OSError(f"{self.folder} is not a directory (a link or file planted there)")
-        return sorted(os.listdir(self.folder))
-
-    def get(self, name: str) -> bytes | None:
-        path = self.folder / name
-        if lstat_kind(path) != "file":
-            return None
-        try:  # a record its holder is replacing can read torn through a shared mount: read it again first
-            return parse_settled(lambda: self._read(path), _whole_json, (ValueError,))
-        except ValueError:
-            return self._read(path)  # damaged for good: Holder.parse finds no holder in it
-        except FileNotFoundError:
-            return None
-
-    @staticmethod
-    def _read(path: Path) -> bytes:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            return f.read(1 << 16)
-
-    def put(self, name: str, data: bytes, create: bool) -> bool:
-        path = self.folder / name
-        if create and lstat_kind(path) is not None:
-            return False
-        self.folder.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(path, data)
-        return True
-
-    def delete(self, name: str) -> None:
-        clear_file(self.folder / name)
-
-
-def _whole_json(data: bytes) -> bytes:
-    json.loads(data)
-    return data
-
-
 def live_holder(checkpoints: Path) -> Holder | None:
     """The committer of ``checkpoints/`` that looks alive (advice: see :meth:`Holder.live`; None: none)."""
     held = newest_holder(FileLease(checkpoints / LEASE))
@@ -483,30 +434,3 @@ def live_holder(checkpoints: Path) -> Holder | None:
 def committer_alive(checkpoints: Path, lock: Path) -> bool:
     """Whether a committer of ``checkpoints/`` runs: the node-local lock held here, or a live lease anywhere."""
     return held_elsewhere(lock) or live_holder(checkpoints) is not None
-
-
-class ObjectLease:
-    """The records as objects under ``<root>/committer/``: each created with ``If-None-Match: *`` and then
-    rewritten only by its holder."""
-
-    def __init__(self, store: S3Store, prefix: str) -> None:
-        self.store = store
-        self.prefix = prefix.rstrip("/") + "/"
-        self.where = store.url(self.prefix)
-
-    def names(self) -> list[str]:
-        return sorted(k[len(self.prefix) :] for k in self.store.listing(self.prefix))
-
-    def get(self, name: str) -> bytes | None:
-        got = self.store.get(self.prefix + name)
-        return None if got is None else got[0]
-
-    def put(self, name: str, data: bytes, create: bool) -> bool:
-        try:
-            self.store.put(self.prefix + name, data, if_none_match=create)
-        except Conflict:
-            return False
-        return True
-
-    def delete(self, name: str) -> None:
-        self.store.delete([self.prefix + name])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -46,11 +47,11 @@ class CheckpointLayout:
     def run_id(self) -> str:
         return self.run_dir.name
 
-    @property
+    @cached_property  # the committer asks for these at every step of its passes
     def checkpoints(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    @property
+    @cached_property
     def staging(self) -> Path:
         return self.checkpoints / "staging"
 
