@@ -15,6 +15,7 @@ a step exactly one commits it.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import tempfile
 import time
@@ -82,6 +83,15 @@ class BucketCheckpoints:
     def read_latest(self) -> Latest | None:
         found = self.remote.verified_latest()
         return Latest(step=found[0].step, manifest_hash=digest(found[1])) if found is not None else None
+
+    def latest_epoch(self) -> int | None:
+        got = self.remote.store.get(self.remote.key(LATEST))
+        try:
+            obj = json.loads(got[0]) if got is not None else None
+        except ValueError:
+            return None
+        epoch = obj.get("epoch") if isinstance(obj, dict) else None
+        return epoch if type(epoch) is int else None
 
     def latest_named(self) -> int | None:
         try:

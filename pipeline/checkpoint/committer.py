@@ -255,7 +255,9 @@ class Committer:
             if self.store.restore(named):
                 return []  # retired by a late act; verified by the next recheck
         newest = self.store.newest()
-        if named is not None and newest is not None and newest.step >= named:
+        written = self.store.latest_epoch()
+        stale = written is not None and self.epoch is not None and written < self.epoch  # a ghost's late write
+        if named is not None and newest is not None and (newest.step > named or (newest.step == named and stale)):
             try:
                 manifest_hash = self.store.verify_committed(newest.step)
             except VerificationError as e:

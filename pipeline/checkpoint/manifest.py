@@ -299,17 +299,23 @@ def read_newest(layout: CheckpointLayout) -> Latest | None:
     """What a reader resumes from: the newest committed step. A step's manifest is its commit (written only once
     every file verified); ``latest`` is the committer's pointer to it, and a reader takes a newer published step
     over it (``latest`` lags when a commit was interrupted before moving it, or a stale committer moved it late)
-    and any published step over a ``latest`` that names no usable step (a step retired or quarantined since, a
-    damaged pointer): ``latest`` never regresses for a reader, and no stale write to it can stop one. The
+    and any published step over a well-formed ``latest`` that names no usable step (a step retired, quarantined
+    or committed again since): ``latest`` never regresses for a reader, and no stale write to it can stop one. A
+    ``latest`` that is no pointer at all (garbage, a link) is refused: no committer writes one. The
     committer's own check of ``latest`` is :func:`read_latest`. Every file of the step returned is still to be
     verified by the caller."""
     try:
         latest = read_latest(layout)
     except VerificationError:
-        latest = None  # unusable: the committer's recheck repairs it; a reader takes the newest published step
         named = _named_step(layout)
-        newest = _newest_published(layout, -1)
-        if named is not None and (newest is None or newest.step < named) and _retired(layout, named):
+        if named is None:
+            raise  # not a pointer at all (garbage, a link): no committer wrote it; the committer repairs it loudly
+        newest = _newest_published(layout, -1)  # a pointer behind newer steps, or to a step gone: not damage
+        if newest is not None and newest.step > named:
+            return newest
+        if lstat_kind(layout.committed_step(named)) is not None:
+            raise  # its step is there with another manifest: damage until the committer says otherwise
+        if _retired(layout, named):
             raise VerificationError(
                 f"{layout.latest} names step {named}, which a late retention moved to {layout.checkpoints / TRASH}: "
                 "the committer brings it back on its next pass; resume again then"

@@ -55,7 +55,7 @@ from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.backend import POSIX, Storage
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind
+from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind, read_record_json
 from pipeline.storage.layout import CheckpointLayout
 
 if TYPE_CHECKING:
@@ -119,6 +119,14 @@ class PosixCheckpoints:
 
     def latest_named(self) -> int | None:
         return repair.latest_step_name(self.layout)
+
+    def latest_epoch(self) -> int | None:
+        try:
+            obj = read_record_json(self.layout.latest, "latest pointer")
+        except (OSError, VerificationError):
+            return None
+        epoch = obj.get("epoch") if isinstance(obj, dict) else None
+        return epoch if type(epoch) is int else None
 
     def newest(self) -> Latest | None:
         return read_newest(self.layout)

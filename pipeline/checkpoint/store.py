@@ -83,6 +83,10 @@ class CheckpointStore(Protocol):
         """The step a (possibly damaged) ``latest`` names; only to decide what to quarantine."""
         ...
 
+    def latest_epoch(self) -> int | None:
+        """The lease epoch of the committer that wrote ``latest`` (None: unknown)."""
+        ...
+
     def newest(self) -> Latest | None:
         """What a reader resumes from: ``latest``, or a newer published step when ``latest`` lags."""
         ...
