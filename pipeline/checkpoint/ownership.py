@@ -127,19 +127,12 @@ class Holder:
         start = process_start(self.pid)
         return start is None or bool(start and self.pid_start and start != self.pid_start)  # 0: not known
 
-    def runs_here(self) -> bool:
-        """Its process runs on this very machine now."""
-        if not self.machine or self.machine != machine_id():
-            return False
-        start = process_start(self.pid)
-        return start is not None and not (start and self.pid_start and start != self.pid_start)
-
     def live(self, now: float) -> bool:
         """Advice (status, a resume deciding whether to wait): not released, not gone from this machine, and a
         heartbeat younger than its lease by this machine's clock. Exclusion never rests on it."""
         if self.released or self.gone_here():
             return False
-        return self.runs_here() or now - self.heartbeat < self.lease_s
+        return now - self.heartbeat < self.lease_s
 
     def describe(self, now: float) -> str:
         job = f", {self.job}" if self.job else ""
@@ -184,6 +177,8 @@ def process_start(pid: int) -> int | None:
             pass
         return 0
     fields = stat[stat.rfind(")") + 2 :].split()
+    if fields and fields[0] in ("Z", "X"):
+        return None  # a zombie (killed, not reaped yet) runs no more
     return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else 0
 
 
