@@ -60,6 +60,8 @@ STOP_AT = 0.7
 """A holder whose last renewal is older than this fraction of its lease stops acting (its own timer)."""
 SETTLE_S = 0.2
 """How long a new holder waits before listing the records again: a write is visible on other nodes in ~10 ms."""
+_HELD: set[str] = set()
+"""Tokens of the leases this process holds now (an in-process committer that crashed holds none)."""
 _NAME = re.compile(r"^epoch-(\d{8})-([0-9a-f]{1,64})\.json$")
 
 
@@ -124,6 +126,8 @@ class Holder:
         """Its process is known gone: it ran on this very machine (boot and pid namespace) and is not running."""
         if not self.machine or self.machine != machine_id():
             return False
+        if self.pid == os.getpid():  # this very process: gone unless one of its leases still holds that record
+            return self.token not in _HELD
         start = process_start(self.pid)
         return start is None or bool(start and self.pid_start and start != self.pid_start)  # 0: not known
 
@@ -266,6 +270,7 @@ class CommitterLease:
         for epoch, _, name in records:  # fenced by this record: their holders stop at their next fence
             if epoch < self.epoch:
                 self.store.delete(name)  # an I/O error fails the acquisition in one line, as every other does
+        _HELD.add(self.token)
         self._thread = threading.Thread(target=self._beat, name="committer-lease", daemon=True)
         self._thread.start()
 
@@ -351,6 +356,7 @@ class CommitterLease:
                     log.warning("committer lease heartbeat of %s failed: %s", self.store.where, e)
 
     def _lose(self, why: str) -> None:
+        _HELD.discard(self.token)
         self._lost = (
             f"this committer (epoch {self.epoch}, pid {os.getpid()} on {socket.gethostname()}) no longer holds "
             f"{self.store.where}: {why}; it stops and commits nothing more"
@@ -363,6 +369,7 @@ class CommitterLease:
     def release(self) -> None:
         """Stop renewing; mark this holder's own record released, so the next committer starts at once."""
         self._stop.set()
+        _HELD.discard(self.token)
         if self._thread is not None:
             self._thread.join(self.lease_s)
         with self._lock:
