@@ -27,6 +27,12 @@ def either(*conds: Callable[[World], bool]) -> Callable[[World], bool]:
     return lambda w: any(c(w) for c in conds)
 
 
+def again(w: World) -> None:
+    """The writer after a repair: step 4 saved again (a new attempt), then step 6."""
+    w.stage_now(4, attempt="a2")
+    w.stage_now(6)
+
+
 def clean(w: World) -> None:
     assert not w.violations, w.violations
     errors = [f"{a.name}: {a.error!r}" for a in w.kernel.actors if a.error is not None]
@@ -133,10 +139,6 @@ def test_a_step_a_ghost_moved_to_the_trash_late_comes_back(tmp: Path) -> None:
 #    the ghost then quarantined whatever `latest` named (the good step 6) with step 4's reason and moved `latest`
 #    back (79e094b: "step 6 verified and was removed").
 def test_a_ghost_quarantines_only_the_copy_it_found_bad(tmp: Path) -> None:
-    def again(w: World) -> None:
-        w.stage_now(4, attempt="a2")
-        w.stage_now(6)
-
     w = plan(
         Settings(store="posix", steps=(), keep_last=3, live_at=1.0),
         tmp,
@@ -159,10 +161,6 @@ def test_a_ghost_quarantines_only_the_copy_it_found_bad(tmp: Path) -> None:
 #    committer committed 4' and 6, and readers (who trusted `latest` as written) resumed from 2 (79e094b: "latest
 #    went back from step 6 to 2").
 def test_a_ghosts_late_fall_back_in_a_bucket_takes_no_reader_back(tmp: Path) -> None:
-    def again(w: World) -> None:
-        w.stage_now(4, attempt="a2")
-        w.stage_now(6)
-
     w = plan(
         Settings(store="bucket", steps=(), keep_last=3, live_at=1.0),
         tmp,
