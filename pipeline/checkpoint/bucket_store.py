@@ -19,24 +19,23 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.checkpoint import remote_pieces
+from pipeline.checkpoint.bucket_removal import BucketRemoval
 from pipeline.checkpoint.bucket_status import remote_checkpoints
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker, Metrics
 from pipeline.checkpoint.ownership import CommitterBusy, LeaseStore
 from pipeline.checkpoint.remote import LATEST, QUARANTINE, Remote, digest, is_marker_name
 from pipeline.checkpoint.remote_pull import pull
 from pipeline.checkpoint.step_checks import check_agreement, check_stored, foreign_files
-from pipeline.checkpoint.store import ANY, Quarantined, Taken
+from pipeline.checkpoint.store import ANY, Taken
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import remove_tree
 from pipeline.storage.backend import POSIX
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import FileEntry
-from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
+from pipeline.storage.layout import CheckpointLayout, step_name
 from pipeline.storage.s3 import Conflict
 
 if TYPE_CHECKING:
@@ -45,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class BucketCheckpoints:
+class BucketCheckpoints(BucketRemoval):
     """The checkpoints root ``remote`` (``s3://bucket/prefix``), with ``layout`` its local side (the committer's
     lock and temporary files, the retention record)."""
 
@@ -230,152 +229,6 @@ class BucketCheckpoints:
 
     def holes(self, upto: int) -> list[int]:
         return []  # the commit point is one conditional write: a raced publish leaves no half-published step
-
-    # -- damage ---------------------------------------------------------------------------------------------
-
-    def quarantine(
-        self, step: int, attempt: str | None, reason: str, committed: bool, manifest_hash: str | None = None
-    ) -> Quarantined | None:
-        """A committed step: its manifest goes first (it is no longer committed), then its objects; a staged
-        one: the ``attempt``'s objects (None: every attempt's). Then every committed step listing one of its
-        pieces that is damaged (one object: one damage), its note naming the piece. ``manifest_hash``: only
-        the copy found bad (None: nothing, when the step was committed again since)."""
-        remote = self.remote
-        files: list[FileEntry] = []
-        if manifest_hash is not None and self.manifest_hash(step) != manifest_hash:
-            log.warning("step %d is not the one found bad (committed again since): not quarantined", step)
-            return None
-        if committed:
-            found = remote.read_manifest_or_none(step)
-            remote.store.delete([remote.manifest_key(step)])
-            files = list(found.files) if found is not None else []
-        attempts = [attempt] if attempt is not None else remote.attempts(step)
-        for a in attempts if not committed else []:
-            with contextlib.suppress(VerificationError):
-                files += [f for m in remote.markers(step, a, 1) if m for f in m.files]
-        wheres = [self._move_to_quarantine(step, a, reason) for a in attempts]
-        return Quarantined(
-            ", ".join(wheres) or remote.url(remote.step_prefix(step)), self._holders(files, step, reason)
-        )
-
-    def _holders(self, files: list[FileEntry], step: int, reason: str) -> dict[int, str]:
-        """Every committed step listing a piece of ``files`` (``step``'s) that is damaged goes to quarantine too.
-        Only pieces another committed step lists are re-read."""
-        remote = self.remote
-        others = remote_pieces.holders(remote, remote.piece_keys(tuple(files)), step)
-        bad = remote_pieces.damaged(remote, files, {k for keys in others.values() for k in keys})
-        out: dict[int, str] = {}
-        for other, keys in ((s, [k for k in ks if k in bad]) for s, ks in others.items()):
-            if not keys:
-                continue
-            names = ", ".join(f"{remote.url(k)} ({bad[k].path})" for k in keys)
-            why = f"lists damaged piece {names}, as step {step} does: {reason}"
-            remote.store.delete([remote.manifest_key(other)])
-            wheres = [self._move_to_quarantine(other, a, why) for a in remote.attempts(other)]
-            out[other] = f"step {other}: {why} (moved to {', '.join(wheres)})"
-        return out
-
-    def _move_to_quarantine(self, step: int, attempt: str, reason: str) -> str:
-        remote = self.remote
-        src = remote.attempt_prefix(step, attempt)
-        dst = remote.key(QUARANTINE, f"step_{step}-{attempt}-{int(time.time())}") + "/"
-        keys = list(remote.store.listing(src))
-        for k in keys:
-            remote.store.copy(k, dst + k[len(src) :])
-        remote.store.put(
-            dst + "reason.txt", (reason + "\n" + remote_pieces.quarantine_note(remote, step, attempt, keys)).encode()
-        )
-        remote.store.delete(keys)
-        log.error("quarantined step %d (attempt %s) to %s: %s", step, attempt, remote.url(dst), reason)
-        return remote.url(dst)
-
-    # -- litter, retention and the sweep --------------------------------------------------------------------
-
-    def tidy(self, fence: Callable[[], None], world_size: int, allow_pickle: bool, first: bool) -> list[str]:
-        if first:
-            self.remote.store.sweep_probes(self.remote.root.prefix)  # probes a killed launch left behind
-        return []
-
-    def trashed(self) -> list[int]:
-        return []
-
-    def restore(self, step: int) -> bool:
-        return False
-
-    def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
-        """Each step re-checked at the act: never the step ``latest`` names, the newest committed one, or
-        anything above them."""
-        removed = []
-        for step in steps:
-            fence()
-            newest = self.newest()
-            try:
-                named, _ = self.remote.read_latest()
-            except VerificationError:
-                named = None
-            if newest is None or step >= newest.step or (named is not None and step >= named.step):
-                log.warning("retention: step %d is not retired: latest or the newest committed step needs it", step)
-                continue
-            inject("retention.remove", step=step)
-            self.remove_step(step)
-            removed.append(step)
-            log.info("retention: removed step %d from %s", step, self.where)
-        if removed:
-            self.sweep_unreferenced()
-
-    def remove_step(self, step: int) -> None:
-        """Delete a committed step: its manifest first (it stops being committed), then its objects, then the
-        shared pieces it listed that no committed manifest still lists. A crash in between leaves objects no
-        manifest references, which :meth:`sweep_unreferenced` removes."""
-        remote = self.remote
-        found = remote.read_manifest_or_none(step)
-        remote.store.delete([remote.manifest_key(step)])
-        inject("retention.after_manifest", step=step)
-        remote.store.delete(sorted(remote.store.listing(remote.step_prefix(step))))
-        if found is not None:
-            remote_pieces.drop(remote, remote.piece_keys(found.files))
-
-    def sweep(self, latest: int, world_size: int) -> None:
-        self.sweep_unreferenced()
-        remote_pieces.sweep(self.remote, world_size)
-
-    def sweep_unreferenced(self) -> list[str]:
-        """Delete objects no committed manifest references, at or below ``latest`` only (a step above it may be
-        uploading now): other attempts of a committed step, and every attempt of a step that has no manifest;
-        abort incomplete multipart uploads there too. Returns the deleted keys."""
-        remote = self.remote
-        latest = self.latest_step()
-        committed = set(remote.committed())
-        deleted: list[str] = []
-        for step in remote.steps():
-            if step > latest:
-                continue
-            keep = None
-            if step in committed:
-                found = remote.read_manifest_or_none(step)
-                if found is None:
-                    continue  # unreadable manifest: recover decides, not the sweep
-                keep = remote.attempt_prefix(step, found.attempt)
-            prefix = remote.step_prefix(step)
-            doomed = [
-                k
-                for k in remote.store.listing(prefix)
-                if not (keep and k.startswith(keep)) and k != remote.manifest_key(step)
-            ]
-            if doomed:
-                remote.store.delete(doomed)
-                deleted += doomed
-        if deleted:
-            log.info("sweep: deleted %d unreferenced object(s) under %s", len(deleted), remote.root)
-        root = remote.root.prefix + "/"
-
-        def dead(key: str) -> bool:  # an upload of a step at or below latest: no live writer uploads there
-            step = parse_step(key[len(root) :].split("/", 1)[0])
-            return step is not None and step <= latest
-
-        for up in remote.store.abort_uploads(root, dead):
-            log.warning("aborted an incomplete upload of a dead writer: %s", remote.url(up))
-        return deleted
 
     # -- a rank ---------------------------------------------------------------------------------------------
 

@@ -1,16 +1,164 @@
-"""Where the committer lease's records live (:mod:`pipeline.checkpoint.ownership`): a folder of a (shared)
-filesystem, or a prefix of a bucket. One record per holder, each written only by its holder."""
+"""The committer lease's records (:mod:`pipeline.checkpoint.ownership`): one per holder, named
+``epoch-<E>-<token>.json`` and written only by its holder, saying who holds (host, pid, job, the machine its pid
+is valid on) with a heartbeat; and where they live: a folder of a (shared) filesystem, or a prefix of a bucket."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+from pipeline.errors import PipelineError
 from pipeline.storage.atomic import clear_file, write_bytes_atomic
 from pipeline.storage.integrity import is_real_dir, lstat_kind
 from pipeline.storage.s3 import Conflict, S3Store
 from pipeline.storage.settle import parse_settled
+
+HELD: set[str] = set()
+"""Tokens of the leases this process holds now (an in-process committer that crashed holds none)."""
+_NAME = re.compile(r"^epoch-(\d{8})-([0-9a-f]{1,64})\.json$")
+
+
+def record_name(epoch: int, token: str) -> str:
+    return f"epoch-{epoch:08d}-{token}.json"
+
+
+def parse_name(name: str) -> tuple[int, str] | None:
+    m = _NAME.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+class LeaseStore(Protocol):
+    """Where the lease records live: one record per holder, each written only by its holder. ``names()`` and
+    ``get()`` raise (``OSError``, a store error) when they cannot tell; ``put(create=True)`` makes a record only
+    where none is (False otherwise)."""
+
+    where: str
+
+    def names(self) -> list[str]: ...
+    def get(self, name: str) -> bytes | None: ...
+    def put(self, name: str, data: bytes, create: bool) -> bool: ...
+    def delete(self, name: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One committer's lease record."""
+
+    epoch: int
+    token: str
+    host: str
+    pid: int
+    job: str
+    started: float
+    heartbeat: float
+    lease_s: float
+    released: bool = False
+    machine: str = ""
+    """The boot and pid namespace its pid is valid in (see :func:`machine_id`)."""
+    pid_start: int = 0
+    """Its process's start time (clock ticks since boot), so a reused pid is not taken for it."""
+    beat: int = 0
+    """Renewals so far: every heartbeat changes the record, which is how a watcher tells it lives."""
+
+    def rank(self) -> tuple[int, str]:
+        """The fencing order: a higher epoch wins; two holders of one epoch (started together) by token."""
+        return self.epoch, self.token
+
+    def gone_here(self) -> bool:
+        """Its process is known gone: it ran on this very machine (boot and pid namespace) and is not running."""
+        if not self.machine or self.machine != machine_id():
+            return False
+        if self.pid == os.getpid():  # this very process: gone unless one of its leases still holds that record
+            return self.token not in HELD
+        start = process_start(self.pid)
+        return start is None or bool(start and self.pid_start and start != self.pid_start)  # 0: not known
+
+    def live(self, now: float) -> bool:
+        """Advice (status, a resume deciding whether to wait): not released, not gone from this machine, and a
+        heartbeat younger than its lease by this machine's clock. Exclusion never rests on it."""
+        if self.released or self.gone_here():
+            return False
+        return now - self.heartbeat < self.lease_s
+
+    def describe(self, now: float) -> str:
+        job = f", {self.job}" if self.job else ""
+        return (
+            f"pid {self.pid} on {self.host}{job}, epoch {self.epoch}, heartbeat {max(0.0, now - self.heartbeat):.1f} s "
+            "ago"
+        )
+
+    @staticmethod
+    def parse(data: bytes | None) -> Holder | None:
+        """The record, or None when absent or unreadable (a torn or planted record)."""
+        if data is None:
+            return None
+        try:
+            obj = json.loads(data)
+            h = Holder(**obj)
+        except (ValueError, TypeError):
+            return None
+        ok = type(h.epoch) is int and isinstance(h.token, str) and isinstance(h.heartbeat, int | float)
+        return h if ok and isinstance(h.host, str) and type(h.pid) is int else None
+
+
+def machine_id() -> str:
+    """This kernel's boot and this process's pid namespace: where a recorded pid means this machine's process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), or None when no such process runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return 0
+    fields = stat[stat.rfind(")") + 2 :].split()
+    if fields and fields[0] in ("Z", "X"):
+        return None  # a zombie (killed, not reaped yet) runs no more
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else 0
+
+
+def scheduler_job() -> str:
+    """The job this process runs in, as the scheduler names it (SLURM job, step and restart count)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return ""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return f"slurm job {job}" + (f" (restart {restarts})" if restarts not in ("", "0") else "")
+
+
+def ranked(store: LeaseStore) -> list[tuple[int, str, str]]:
+    """Every record's ``(epoch, token, name)``, lowest first (names only: nothing read). Raises when the records
+    cannot be listed."""
+    out = []
+    for name in store.names():
+        parsed = parse_name(name)
+        if parsed is not None:
+            out.append((*parsed, name))
+    return sorted(out)
+
+
+def newest_holder(store: LeaseStore) -> Holder | None:
+    """The highest record, read (None: none, or it cannot be read now). For display and advice."""
+    try:
+        top = ranked(store)
+        return Holder.parse(store.get(top[-1][2])) if top else None
+    except (OSError, PipelineError):
+        return None
 
 
 class FileLease:

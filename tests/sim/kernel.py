@@ -440,11 +440,13 @@ def patched(
     for mod in modules:
         put(mod, "time", sim_time)
     put(lease_module, "threading", SimThreading(kernel))
-    put(lease_module, "os", SimOs(kernel))
     put(lease_module, "socket", SimSocket(kernel))
     put(lease_module, "secrets", SimSecrets(seed))
-    put(lease_module, "machine_id", lambda: _machine(kernel))
-    put(lease_module, "process_start", lambda pid: _start(kernel, pid))
+    records = getattr(lease_module, "lease_records", None)  # where Holder lives (the lease of 79e094b: itself)
+    for mod in {id(m): m for m in (lease_module, records or lease_module)}.values():
+        put(mod, "os", SimOs(kernel))
+        put(mod, "machine_id", lambda: _machine(kernel))
+        put(mod, "process_start", lambda pid: _start(kernel, pid))
     previous, faults._Active.plan = faults._Active.plan, _IoHook(kernel, apply_io)  # type: ignore[assignment]
     try:
         yield

@@ -217,7 +217,8 @@ class World:
         try:
             with c.hold(takeover):
                 self.holders[name] = c.lease
-                self.renewed[name] = self.acquired[name] = self.kernel.now
+                self.acquired[name] = self.kernel.now  # (renewed: when its last write of its record began)
+                self.renewed.setdefault(name, self.kernel.now)
                 if name == "newcomer":
                     self._check_admission(name)
                 c.recover()
@@ -614,12 +615,13 @@ class _PointLease:
         return got
 
     def put(self, name: str, data: bytes, create: bool) -> bool:
+        began = self._w.kernel.now  # a write frozen on its way lands late: its holder renewed when it began
         self._point("lease.put")
         ok: bool = self._lease.put(name, data, create)
         w = self._w
         a = w.kernel.current()
         if ok and a is not None:
-            w.renewed[a.proc.name] = w.kernel.now
+            w.renewed[a.proc.name] = began
             w.lease_history.setdefault(name, []).append(data)
             if create:
                 w.lease_listings.append(tuple(self._lease.names()))
