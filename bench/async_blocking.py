@@ -4,7 +4,7 @@
 One process (a world-size-1 gloo group), a state of ``--size-mb`` (fp32 tensors of 8 MiB, on ``--device``: with
 ``cuda`` the async staging buffer is pinned). Per round and mode, training is "blocked" for:
 
-* ``sync``: ``pipeline.checkpoint.rank_save.save_dcp`` (the library's and shard-save's save: DCP write with
+* ``sync``: ``pipeline.checkpoint.save.rank_save.save_dcp`` (the library's and shard-save's save: DCP write with
   fsync + hashes + done-marker), all of it;
 * ``async``: settling the previous save (``AsyncSaver.wait``) plus staging the state into the reused buffer
   (``AsyncSaver.start`` with ``rank_save.dcp_persist``); the writer then runs while "training" (a sleep of
@@ -43,8 +43,8 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, when run as bench/<name>.py
 
-from pipeline.checkpoint import rank_save  # noqa: E402
-from pipeline.checkpoint.async_save import AsyncSaver  # noqa: E402
+from pipeline.checkpoint.save import rank_save  # noqa: E402
+from pipeline.checkpoint.save.async_save import AsyncSaver  # noqa: E402
 from pipeline.storage.layout import CheckpointLayout  # noqa: E402
 
 MiB = 1 << 20

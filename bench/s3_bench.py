@@ -38,11 +38,11 @@ import boto3  # noqa: E402
 import torch  # noqa: E402
 from boto3.s3.transfer import TransferConfig  # noqa: E402
 
-from pipeline.checkpoint.bucket_store import BucketCheckpoints  # noqa: E402
-from pipeline.checkpoint.committer import CommitPolicy, Committer  # noqa: E402
 from pipeline.checkpoint.manifest import Marker  # noqa: E402
-from pipeline.checkpoint.remote import Remote  # noqa: E402
-from pipeline.checkpoint.remote_pull import pull  # noqa: E402
+from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer  # noqa: E402
+from pipeline.checkpoint.stores.bucket_store import BucketCheckpoints  # noqa: E402
+from pipeline.checkpoint.stores.remote import Remote  # noqa: E402
+from pipeline.checkpoint.stores.remote_pull import pull  # noqa: E402
 from pipeline.formats.registry import FORMATS, Format, _dcp_owner  # noqa: E402
 from pipeline.storage import s3  # noqa: E402
 from pipeline.storage.integrity import describe  # noqa: E402
@@ -167,8 +167,8 @@ def commit_scale(tmp: Path, bucket: str, sizes: list[int]) -> dict[str, object]:
 def consolidation(tmp: Path, bucket: str, mb: int, rounds: int) -> dict[str, object]:
     import torch.distributed as dist  # noqa: PLC0415
 
-    from pipeline.checkpoint import rank_save  # noqa: PLC0415
-    from pipeline.checkpoint.rank_save import RankTarget  # noqa: PLC0415
+    from pipeline.checkpoint.save import rank_save  # noqa: PLC0415
+    from pipeline.checkpoint.save.rank_save import RankTarget  # noqa: PLC0415
     from pipeline.formats.registry import get_format  # noqa: PLC0415
 
     if not dist.is_initialized():

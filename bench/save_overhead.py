@@ -8,7 +8,7 @@ entries, as ``pipeline/stages/train.py:_state``), then times the same state, in 
 * ``dcp sync``: ``dcp.save(state, storage_writer=FileSystemWriter(dir, sync_files=True))`` into a fresh dir: the
   peer, and the denominator of every ratio;
 * ``dcp nosync``: the same with ``sync_files=False`` (no durability; a lower bound);
-* ``shard_save``: ``pipeline.checkpoint.rank_save.save_dcp(target, step, state, pg)`` (what shard-save and the
+* ``shard_save``: ``pipeline.checkpoint.save.rank_save.save_dcp(target, step, state, pg)`` (what shard-save and the
   library run) into a fresh step of a checkpoint dir:
   DCP write with fsync (``RecordingWriter``) + xxh3-128 of the rank's own files + atomic done-marker;
 * ``hash own``: ``pipeline.integrity.hash_file`` over the files the rank's marker lists, right after
@@ -151,7 +151,7 @@ class Bench:
     """One rank's side of the measurement; rank 0 also cleans up and records the results."""
 
     def __init__(self, rank: int, scratch: Path, opts: dict[str, Any], pg: Any, state: dict[str, Any]) -> None:
-        from pipeline.checkpoint.rank_save import RankTarget, auto_writer_threads
+        from pipeline.checkpoint.save.rank_save import RankTarget, auto_writer_threads
         from pipeline.storage.layout import CheckpointLayout
 
         self.rank, self.scratch, self.opts, self.pg, self.state = rank, scratch, opts, pg, state
@@ -226,8 +226,8 @@ class Bench:
     def pipeline_then_hash(self, rnd: int) -> None:
         import torch.distributed as dist
 
-        from pipeline.checkpoint import rank_save
         from pipeline.checkpoint.manifest import read_marker, write_marker
+        from pipeline.checkpoint.save import rank_save
         from pipeline.storage.integrity import hash_file
 
         self.step += 4

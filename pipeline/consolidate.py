@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.outputs import consolidate_latest
-from pipeline.checkpoint.stores import library_store
+from pipeline.checkpoint.stores.stores import library_store
 from pipeline.errors import PipelineError, run_command
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import CheckpointLayout

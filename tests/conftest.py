@@ -136,7 +136,7 @@ def one_rank(tmp_path: Path) -> Iterator[Any]:
     under an async writer that still runs (its daemon thread ends with the process)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from pipeline.checkpoint.async_save import stuck_writers  # noqa: PLC0415
+    from pipeline.checkpoint.save.async_save import stuck_writers  # noqa: PLC0415
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this test process")
@@ -157,7 +157,7 @@ def no_lease_settle(monkeypatch: pytest.MonkeyPatch) -> None:
     reach other nodes before it reads the record back, which decides between committers that start at the same
     moment. For tests in which one committer at a time takes the lease, hundreds of times (a hypothesis example
     or a crash point each), it is only a sleep; the racing-committer tests keep it."""
-    from pipeline.checkpoint import ownership  # noqa: PLC0415
+    from pipeline.checkpoint.protocol import ownership  # noqa: PLC0415
 
     monkeypatch.setattr(ownership, "SETTLE_S", 0.0)
 

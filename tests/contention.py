@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import tests.conftest  # noqa: F401  (registers TEST_FORMAT)
-from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
 from pipeline.checkpoint.manifest import complete_markers, read_latest, read_manifest, read_newest, step_markers
-from pipeline.checkpoint.repair import step_entries
+from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
+from pipeline.checkpoint.stores.repair import step_entries
 from pipeline.errors import VerificationError
 from pipeline.rundir.layout import RunLayout
 from pipeline.storage.backend import POSIX

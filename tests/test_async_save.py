@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.checkpoint.async_save import AsyncSaver, Progress
 from pipeline.checkpoint.manifest import read_latest, read_manifest
+from pipeline.checkpoint.save.async_save import AsyncSaver, Progress
 from pipeline.config.compose import load_config
 from pipeline.errors import ConfigError
 from pipeline.formats.dcp import read_metadata_safe

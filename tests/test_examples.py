@@ -24,7 +24,7 @@ import pytest
 from safetensors.torch import load_file
 
 from pipeline.checkpoint.manifest import read_latest, verify_committed
-from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.stores.remote import Remote
 from pipeline.errors import VerificationError
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.s3 import S3Url

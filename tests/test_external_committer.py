@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.checkpoint import Checkpointer, external_wait, stores
+from pipeline.checkpoint import Checkpointer
 from pipeline.checkpoint.manifest import Latest, read_latest, verify_committed
+from pipeline.checkpoint.save import external_wait
+from pipeline.checkpoint.stores import stores
 from pipeline.storage.layout import CheckpointLayout
 from tests.conftest import ROOT
 

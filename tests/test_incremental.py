@@ -1,4 +1,4 @@
-"""Incremental saves (``pipeline/checkpoint/pieces.py``): what does not train is written once, every step complete.
+"""Incremental saves (``pipeline/checkpoint/save/pieces.py``): what does not train is written once, every step complete.
 
 * A fine-tune with 1.2% of its parameters trainable (a frozen base, a small adapter) writes per save no more than
   1.05 x (trainable weights + their optimizer state + train state), at least 20x less than the same saves without
@@ -24,15 +24,16 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 
-from pipeline.checkpoint import Checkpointer, pieces, rank_save
-from pipeline.checkpoint.bucket_status import remote_checkpoints
-from pipeline.checkpoint.committer import CommitPolicy, Committer
+from pipeline.checkpoint import Checkpointer
 from pipeline.checkpoint.manifest import read_latest, verify_committed
-from pipeline.checkpoint.ownership import LEASE
-from pipeline.checkpoint.rank_save import RankTarget
-from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.remote_pull import pull
-from pipeline.checkpoint.retention import retire
+from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer
+from pipeline.checkpoint.protocol.ownership import LEASE
+from pipeline.checkpoint.protocol.retention import retire
+from pipeline.checkpoint.save import pieces, rank_save
+from pipeline.checkpoint.save.rank_save import RankTarget
+from pipeline.checkpoint.stores.bucket_status import remote_checkpoints
+from pipeline.checkpoint.stores.remote import Remote
+from pipeline.checkpoint.stores.remote_pull import pull
 from pipeline.driver.run_status import collect_checkpoints
 from pipeline.formats.dcp_names import is_piece
 from pipeline.rundir.layout import RunLayout

@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.checkpoint import Checkpointer, options, retention
+from pipeline.checkpoint import Checkpointer, options
 from pipeline.checkpoint.manifest import MANIFEST, Manifest, read_latest, read_manifest, verify_committed
-from pipeline.checkpoint.policy import CommitPolicy
-from pipeline.checkpoint.posix_store import PosixCheckpoints
-from pipeline.checkpoint.retention import Best, decide
+from pipeline.checkpoint.protocol import retention
+from pipeline.checkpoint.protocol.policy import CommitPolicy
+from pipeline.checkpoint.protocol.retention import Best, decide
+from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
 from pipeline.config.schema import CheckpointConfig
 from pipeline.errors import ConfigError, VerificationError
 from pipeline.rundir.layout import RunLayout

@@ -149,7 +149,8 @@ def test_a_rerun_composes_and_plans_once_and_hashes_the_committed_step_once(
     ddp_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from pipeline import cli
-    from pipeline.checkpoint import manifest, posix_store
+    from pipeline.checkpoint import manifest
+    from pipeline.checkpoint.stores import posix_store
     from pipeline.config import compose
     from pipeline.driver import plan, runner
 

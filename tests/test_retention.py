@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint import retention
 from pipeline.checkpoint.manifest import MANIFEST
 from pipeline.checkpoint.outputs import CONSOLIDATED_MARKER
-from pipeline.checkpoint.posix_store import PosixCheckpoints
-from pipeline.checkpoint.retention import TRASH, Decision, decide
+from pipeline.checkpoint.protocol import retention
+from pipeline.checkpoint.protocol.retention import TRASH, Decision, decide
+from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
 from pipeline.config.schema import CheckpointConfig
 from pipeline.errors import ConfigError
 from pipeline.rundir.layout import RunLayout

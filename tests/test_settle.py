@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint.ownership import FileLease, Holder
+from pipeline.checkpoint.protocol.ownership import FileLease, Holder
 from pipeline.errors import VerificationError
 from pipeline.storage import settle
 from pipeline.storage.integrity import read_record_json

@@ -1,4 +1,4 @@
-"""Damage to a piece that several committed steps share (incremental saves, ``pipeline/checkpoint/pieces.py``).
+"""Damage to a piece that several committed steps share (incremental saves, ``pipeline/checkpoint/save/pieces.py``).
 
 A frozen piece hard-linked into steps 4, 8, 12 and 16 (in a bucket: one ``pieces/<hash>`` object they all list)
 and one byte of it flipped: ``pipeline.status --verify`` names the damaged file of every step and changes
@@ -18,11 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.checkpoint import Checkpointer, pieces
-from pipeline.checkpoint.committer import CommitPolicy, Committer
+from pipeline.checkpoint import Checkpointer
 from pipeline.checkpoint.manifest import read_latest, verify_committed
-from pipeline.checkpoint.posix_store import PosixCheckpoints
-from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer
+from pipeline.checkpoint.save import pieces
+from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
+from pipeline.checkpoint.stores.remote import Remote
 from pipeline.driver.run_status import collect_checkpoints
 from pipeline.status import main as status_main
 from pipeline.storage.integrity import FileEntry

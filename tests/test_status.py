@@ -17,8 +17,8 @@ import pytest
 
 import tests.seed_helpers as sh
 from pipeline import status
-from pipeline.checkpoint import retention
-from pipeline.checkpoint.posix_store import PosixCheckpoints
+from pipeline.checkpoint.protocol import retention
+from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
 from pipeline.config.compose import load_config
 from pipeline.config.identity import write_run_record
 from pipeline.config.schema import CheckpointConfig, PipelineConfig

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint.committer import CommitPolicy, Committer
 from pipeline.checkpoint.manifest import read_latest, read_manifest
-from pipeline.checkpoint.ownership import LEASE, FileLease, Holder, newest_holder
-from pipeline.checkpoint.repair import step_entries
+from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer
+from pipeline.checkpoint.protocol.ownership import LEASE, FileLease, Holder, newest_holder
+from pipeline.checkpoint.stores.repair import step_entries
 from pipeline.storage.backend import POSIX
 from tests import contention
 from tests.conftest import ROOT

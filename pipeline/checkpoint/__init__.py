@@ -19,12 +19,12 @@ from typing import Any
 
 _EXPORTS = {
     "Checkpointer": "pipeline.checkpoint.checkpointer",
-    "Committer": "pipeline.checkpoint.committer",
-    "CommitPolicy": "pipeline.checkpoint.committer",
-    "CommitterBusy": "pipeline.checkpoint.committer",
-    "RankLocal": "pipeline.checkpoint.state",
-    "RankRNG": "pipeline.checkpoint.state",
-    "SaveResult": "pipeline.checkpoint.rank_save",
+    "Committer": "pipeline.checkpoint.protocol.committer",
+    "CommitPolicy": "pipeline.checkpoint.protocol.committer",
+    "CommitterBusy": "pipeline.checkpoint.protocol.committer",
+    "RankLocal": "pipeline.checkpoint.save.state",
+    "RankRNG": "pipeline.checkpoint.save.state",
+    "SaveResult": "pipeline.checkpoint.save.rank_save",
 }
 __all__ = ["Checkpointer", "CommitPolicy", "Committer", "CommitterBusy", "RankLocal", "RankRNG", "SaveResult"]
 

@@ -15,7 +15,7 @@
 ``Stateful`` objects (an LR scheduler, a ``torchdata`` ``StatefulDataLoader``, :class:`RankRNG`), or plain state
 dicts; or a DeepSpeed engine under any key (saved in DeepSpeed's layout, the rest as DCP beside it; loaded at any
 world size without DeepSpeed's ``load_checkpoint``). Every save goes through the session the app's train stage
-drives (:class:`~pipeline.checkpoint.session.CheckpointSession`: rank-private files hashed while written, then a
+drives (:class:`~pipeline.checkpoint.save.session.CheckpointSession`: rank-private files hashed while written, then a
 done-marker, every rank agreeing on the outcome); exactly one committer verifies and publishes each step and only
 then moves ``latest``: by default a background thread of rank 0 that never blocks training (``committer="thread"``),
 or ``python -m pipeline.commit <dir> --follow`` beside the job (``committer="external"``: :meth:`Checkpointer.close`
@@ -44,20 +44,21 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.checkpoint import deepspeed_engine, options, rank_save, resume
-from pipeline.checkpoint.async_save import stuck_writers
-from pipeline.checkpoint.background import BackgroundCommitter
-from pipeline.checkpoint.committer import CommitPolicy
-from pipeline.checkpoint.external_wait import await_external_commit
+from pipeline.checkpoint import options, resume
 from pipeline.checkpoint.fast.codec import fill, unpack
 from pipeline.checkpoint.fast.resuming import FastResume
 from pipeline.checkpoint.fast.tier import FAST_DIR_ENV, FastConfig, FastTier
 from pipeline.checkpoint.manifest import Manifest
-from pipeline.checkpoint.rank_save import RankTarget, SaveResult, Written
-from pipeline.checkpoint.remote import record_store, recorded_store, remote_at
-from pipeline.checkpoint.session import CheckpointSession
-from pipeline.checkpoint.state import apply_state, load_state, piece_groups, save_state
-from pipeline.checkpoint.stores import store_for
+from pipeline.checkpoint.protocol.committer import CommitPolicy
+from pipeline.checkpoint.save import deepspeed_engine, rank_save
+from pipeline.checkpoint.save.async_save import stuck_writers
+from pipeline.checkpoint.save.background import BackgroundCommitter
+from pipeline.checkpoint.save.external_wait import await_external_commit
+from pipeline.checkpoint.save.rank_save import RankTarget, SaveResult, Written
+from pipeline.checkpoint.save.session import CheckpointSession
+from pipeline.checkpoint.save.state import apply_state, load_state, piece_groups, save_state
+from pipeline.checkpoint.stores.remote import record_store, recorded_store, remote_at
+from pipeline.checkpoint.stores.stores import store_for
 from pipeline.errors import PipelineError
 from pipeline.storage.layout import CheckpointLayout
 
@@ -113,7 +114,7 @@ class Checkpointer:
         verified local copy of the step :meth:`load_latest` loads.
         ``dedup``: the model's parameters that do not train (``requires_grad=False``) and its buffers are saved as
         pieces of their own, and a piece whose bytes equal the latest committed step's is not written again (a
-        hard link; in a bucket, one object) — every step still complete (:mod:`pipeline.checkpoint.pieces`).
+        hard link; in a bucket, one object) — every step still complete (:mod:`pipeline.checkpoint.save.pieces`).
         ``external_commit_wait_s``: with ``committer="external"``, how long :meth:`close` (rank 0) waits, while no
         committer holds the dir, for one to commit the steps this job saved (a running one is waited for up to
         ``deadline_s``); steps still uncommitted then are named in a WARNING and stay staged. 0: do not wait.

@@ -325,7 +325,7 @@ def read_newest(layout: CheckpointLayout) -> Latest | None:
 
 
 TRASH = ".deleting"
-"""Where retention moves a committed step before deleting it (:mod:`pipeline.checkpoint.trash`)."""
+"""Where retention moves a committed step before deleting it (:mod:`pipeline.checkpoint.protocol.trash`)."""
 
 
 def _named_step(layout: CheckpointLayout) -> int | None:

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 
 from pipeline.checkpoint.manifest import read_newest, verify_committed
-from pipeline.checkpoint.ownership import committer_alive
-from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.stores import store_for, uncommitted
+from pipeline.checkpoint.protocol.ownership import committer_alive
+from pipeline.checkpoint.stores.remote import Remote
+from pipeline.checkpoint.stores.store import CheckpointStore
+from pipeline.checkpoint.stores.stores import store_for, uncommitted
 from pipeline.errors import DeadlineError, PipelineError
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until

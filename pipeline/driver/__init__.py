@@ -7,7 +7,7 @@
 * :mod:`~pipeline.driver.task`: runs one stage's task inside its job (the launchers call it);
 * :mod:`~pipeline.driver.lease`: one launching process owns a run at a time;
 * :mod:`~pipeline.driver.progress`, :mod:`~pipeline.driver.status_view`: live progress and the status view;
-* :mod:`~pipeline.driver.run_status`, :mod:`~pipeline.checkpoint.bucket_status`: a run's status as data (run dir
+* :mod:`~pipeline.driver.run_status`, :mod:`~pipeline.checkpoint.stores.bucket_status`: a run's status as data (run dir
   or bucket), also read by ``python -m pipeline.status``, which loads no Hydra, config or stage module.
 
 Only the launchers and the entry points import this package.

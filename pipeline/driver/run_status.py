@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.fast import RESUMED_FILE
-from pipeline.checkpoint.posix_status import read_json as _read_json
-from pipeline.checkpoint.posix_status import step_entries as _step_entries
-from pipeline.checkpoint.posix_status import why as _why
-from pipeline.checkpoint.retention import output_areas
-from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.stores import committer_running, library_store, live_holder
+from pipeline.checkpoint.protocol.retention import output_areas
+from pipeline.checkpoint.stores.posix_status import read_json as _read_json
+from pipeline.checkpoint.stores.posix_status import step_entries as _step_entries
+from pipeline.checkpoint.stores.posix_status import why as _why
+from pipeline.checkpoint.stores.store import CheckpointStore
+from pipeline.checkpoint.stores.stores import committer_running, library_store, live_holder
 from pipeline.driver.lease import read_lease
 from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout

@@ -6,9 +6,9 @@ the URL ``run.yaml`` records).
 
 from __future__ import annotations
 
-from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.stores import store_for
+from pipeline.checkpoint.stores.remote import Remote
+from pipeline.checkpoint.stores.store import CheckpointStore
+from pipeline.checkpoint.stores.stores import store_for
 from pipeline.rundir.layout import RunLayout
 from pipeline.storage.s3 import S3Url
 

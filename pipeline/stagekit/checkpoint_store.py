@@ -10,8 +10,8 @@ which their local readers then use unchanged; ``is_done`` checks read the bucket
 from __future__ import annotations
 
 from pipeline.checkpoint.manifest import Latest
-from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.store import CheckpointStore
+from pipeline.checkpoint.stores.remote import Remote
+from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.config.schema import PipelineConfig
 from pipeline.rundir.layout import RunLayout
 from pipeline.rundir.store import run_remote, run_store

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pipeline.stagekit.checkpoint_store as storage
-from pipeline.checkpoint import deepspeed_engine
-from pipeline.checkpoint.portable import TrainState, write_train_state
-from pipeline.checkpoint.rank_save import RankTarget
+from pipeline.checkpoint.save import deepspeed_engine
+from pipeline.checkpoint.save.portable import TrainState, write_train_state
+from pipeline.checkpoint.save.rank_save import RankTarget
 from pipeline.stagekit.contract import TaskContext
 from pipeline.storage.integrity import FileEntry
 
@@ -32,7 +32,7 @@ def target(ctx: TaskContext) -> RankTarget:
 
 def deepspeed_files(rank: int, engine: Any, train: TrainState) -> Callable[[Path], tuple[FileEntry, ...]]:
     """What a rank writes of a DeepSpeed step (the library's DeepSpeed adapter, then this rank's training state
-    as JSON beside it), for :meth:`~pipeline.checkpoint.session.CheckpointSession.save_files`."""
+    as JSON beside it), for :meth:`~pipeline.checkpoint.save.session.CheckpointSession.save_files`."""
 
     def write(staged: Path) -> tuple[FileEntry, ...]:
         written = deepspeed_engine.save(engine, staged.parent, staged.name)  # staging/, or the upload scratch

@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 import pipeline.stagekit.checkpoint_store as storage
-from pipeline.checkpoint import options, pieces
+from pipeline.checkpoint import options
 from pipeline.checkpoint import resume as resume_rule
-from pipeline.checkpoint.async_save import stuck_writers
 from pipeline.checkpoint.manifest import Manifest
-from pipeline.checkpoint.portable import TrainState
-from pipeline.checkpoint.session import Agreed, CheckpointSession
-from pipeline.checkpoint.state import MODEL
+from pipeline.checkpoint.save import pieces
+from pipeline.checkpoint.save.async_save import stuck_writers
+from pipeline.checkpoint.save.portable import TrainState
+from pipeline.checkpoint.save.session import Agreed, CheckpointSession
+from pipeline.checkpoint.save.state import MODEL
 from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout

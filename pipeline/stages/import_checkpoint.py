@@ -26,7 +26,7 @@ from typing import Any
 
 import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint.manifest import Marker, complete_markers, marker_path, step_markers
-from pipeline.checkpoint.remote import TRANSFER_THREADS, digest, safe_key_path
+from pipeline.checkpoint.stores.remote import TRANSFER_THREADS, digest, safe_key_path
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError, VerificationError, plural
 from pipeline.formats.dcp_names import METADATA_FILE

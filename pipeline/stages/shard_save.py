@@ -11,8 +11,8 @@ Owner: each rank owns its own files and marker; nothing shared is renamed or del
 Done-marker: ``rank_<K>.done.json``. A failed save is logged loudly and never becomes a committed step;
 ``checkpoint.fail_on_save_error=true`` makes it stop training instead. With ``checkpoint.async_save=true``
 (:func:`save_async`) the same files and marker are written by a background thread from a staged copy
-(:mod:`pipeline.checkpoint.async_save`); the marker is still written here, last. The per-rank save itself is
-the library's (:mod:`pipeline.checkpoint.rank_save`); this module maps the stage's context onto it.
+(:mod:`pipeline.checkpoint.save.async_save`); the marker is still written here, last. The per-rank save itself is
+the library's (:mod:`pipeline.checkpoint.save.rank_save`); this module maps the stage's context onto it.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.checkpoint import rank_save
-from pipeline.checkpoint.async_save import AsyncSaver
-from pipeline.checkpoint.portable import TrainState
-from pipeline.checkpoint.rank_save import SaveResult
+from pipeline.checkpoint.save import rank_save
+from pipeline.checkpoint.save.async_save import AsyncSaver
+from pipeline.checkpoint.save.portable import TrainState
+from pipeline.checkpoint.save.rank_save import SaveResult
 from pipeline.stagekit.contract import StageContract, TaskContext
 from pipeline.stagekit.saving import deepspeed_files, target
 
@@ -44,7 +44,7 @@ def save(
     ctx: TaskContext, step: int, state: dict[str, Any], process_group: Any, groups: Mapping[str, str] | None = None
 ) -> SaveResult:
     """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written. ``groups``: the
-    FQNs saved as shared pieces (``checkpoint.dedup``; :mod:`pipeline.checkpoint.pieces`)."""
+    FQNs saved as shared pieces (``checkpoint.dedup``; :mod:`pipeline.checkpoint.save.pieces`)."""
     return rank_save.save_dcp(target(ctx), step, state, process_group, groups)
 
 

@@ -4,7 +4,7 @@ Inputs: ``assets/`` (tokenizer, tokens) and, when resuming, the committed step n
 — chosen by rank 0 only, verified against its manifest and broadcast to all ranks (ranks never each scan).
 A step written at the same world size in DCP by DDP/FSDP2 is loaded by DCP (which also reshards it); any
 other (another strategy, a DeepSpeed step at another world size) through its world-size-free form
-(:mod:`pipeline.checkpoint.portable`), and the change is written to ``metrics.jsonl`` (``resume`` event).
+(:mod:`pipeline.checkpoint.save.portable`), and the change is written to ``metrics.jsonl`` (``resume`` event).
 Outputs: staged checkpoints every ``checkpoint.every`` steps and at the last step, through shard-save
 (model, optimizer, LR scheduler, step, data position, RNG state of every rank); with
 ``checkpoint.async_save=true`` written in the background, each save settled (every rank agreeing) before the

@@ -12,7 +12,7 @@ Beside train (its job is handed in as ``ctx.beside``; SLURM starts this job once
 step is committed as soon as all its markers are there, so ``latest`` advances while train runs; once train's
 job has ended (the scheduler says so, or its record for this attempt has), a last pass commits whatever is
 complete, waiting for missing markers until ``checkpoint.marker_deadline_s`` while train is alive. The commit
-algorithm, the repairs of a damaged ``latest`` and retention live in :mod:`pipeline.checkpoint.committer`.
+algorithm, the repairs of a damaged ``latest`` and retention live in :mod:`pipeline.checkpoint.protocol.committer`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 import pipeline.stagekit.checkpoint_store as storage
-from pipeline.checkpoint.committer import CommitPolicy, Committer
-from pipeline.checkpoint.stores import store_for
+from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer
+from pipeline.checkpoint.stores.stores import store_for
 from pipeline.config.schema import PipelineConfig
 from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout

@@ -4,7 +4,7 @@ Endpoint, region and credentials come from the standard AWS environment variable
 (``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``...,
 ``AWS_PROFILE``, ``~/.aws/config``): nothing secret is ever part of a config, ``run.yaml`` or a log line.
 
-The primitives the checkpoint protocol uses here (``pipeline/checkpoint/remote.py`` maps names onto keys):
+The primitives the checkpoint protocol uses here (``pipeline/checkpoint/stores/remote.py`` maps names onto keys):
 
 * :meth:`S3Store.put` with ``if_none_match`` (``If-None-Match: *``: create only; the commit point) or
   ``if_match`` (``If-Match: <etag>``: compare-and-swap, how ``latest`` moves); a lost race is :class:`Conflict`;

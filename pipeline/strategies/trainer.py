@@ -3,9 +3,10 @@
 * :func:`build`: the model wrapped for DDP (``DistributedDataParallel``), FSDP2 (``fully_shard`` per decoder
   layer, then the root) or DeepSpeed ZeRO (an engine around a client ``torch.optim.AdamW``);
 * :func:`dcp_state` / :func:`train_state`: the state a checkpoint holds, in the key schema of
-  :mod:`pipeline.checkpoint.state` (``model``, ``optim``, ``sched``, ``train``, ``rng``);
+  :mod:`pipeline.checkpoint.save.state` (``model``, ``optim``, ``sched``, ``train``, ``rng``);
 * :func:`load_step`: a committed step into the trainer, by DCP when it was written as DCP at this world size
-  (DCP reshards DDP/FSDP2 steps itself), else through its world-size-free form (:mod:`pipeline.checkpoint.portable`).
+  (DCP reshards DDP/FSDP2 steps itself), else through its world-size-free form
+  (:mod:`pipeline.checkpoint.save.portable`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.checkpoint.fast.codec import fill, unpack
 from pipeline.checkpoint.manifest import Manifest
-from pipeline.checkpoint.portable import TrainState, apply_native, open_portable
-from pipeline.checkpoint.state import MODEL, OPTIM, RNG, SCHED, TRAIN, rng_key
+from pipeline.checkpoint.save.portable import TrainState, apply_native, open_portable
+from pipeline.checkpoint.save.state import MODEL, OPTIM, RNG, SCHED, TRAIN, rng_key
 from pipeline.config.schema import PipelineConfig, rank_batch_size
 from pipeline.config.workload import TrainConfig
 from pipeline.formats.dcp import FORMAT as DCP_FORMAT

@@ -3,7 +3,7 @@
 * :func:`build_engine` wraps the model with ``deepspeed.initialize`` around a client ``torch.optim.AdamW`` (no
   DeepSpeed op is compiled: no FusedAdam/CPUAdam; DeepSpeed's CPU shared-memory allreduce op only with
   ``strategy.shm_comm=true``).
-* The save and load of a step are the library's DeepSpeed adapter (:mod:`pipeline.checkpoint.deepspeed_engine`:
+* The save and load of a step are the library's DeepSpeed adapter (:mod:`pipeline.checkpoint.save.deepspeed_engine`:
   :func:`save` through a hashing checkpoint engine, :func:`collect_offload` for NVMe offload, :func:`load_portable`
   through DeepSpeed's ``safe_set_full_*`` API; DeepSpeed's ``load_checkpoint`` is never used), re-exported here.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint.deepspeed_engine import RecordingEngine, collect_offload, load_portable, save
+from pipeline.checkpoint.save.deepspeed_engine import RecordingEngine, collect_offload, load_portable, save
 from pipeline.config.schema import StrategyConfig
 from pipeline.errors import ConfigError
 from pipeline.formats.deepspeed_names import format_name

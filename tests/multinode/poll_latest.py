@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.checkpoint.posix_store import PosixCheckpoints
+from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
 from pipeline.errors import PipelineError
 from pipeline.storage.layout import CheckpointLayout
 

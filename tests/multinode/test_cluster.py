@@ -43,7 +43,7 @@ def test_slurm_runs_one_job_across_nodes_and_accounts_for_it(cluster: Cluster) -
 REPLACE_AND_READ = """
 import json, sys, time
 from pathlib import Path
-from pipeline.checkpoint.ownership import FileLease
+from pipeline.checkpoint.protocol.ownership import FileLease
 from pipeline.storage.atomic import read_json, write_json_atomic
 from pipeline.storage.integrity import read_record_json
 path, role = Path(sys.argv[1]), sys.argv[2]

@@ -166,7 +166,7 @@ def _make_base(logs: Path) -> Path:
 
 
 def _launch_base(root: Path, logs: Path) -> None:
-    # A frozen layer: every save after the first links its piece (pipeline/checkpoint/pieces.py), so the kills
+    # A frozen layer: every save after the first links its piece (pipeline/checkpoint/save/pieces.py), so the kills
     # land on incremental saves too.
     done = run(root, BASE_ID, "model.freeze=[model.layers.0.*]", logs=logs, create=True, umask=0)
     if done.proc.returncode != 0:

@@ -390,7 +390,8 @@ def _small_state(step: int) -> dict[str, Any]:
 
 
 SHARED = {"model.frozen": "frozen"}
-"""Saved as a piece of its own (``__0_frozen0.distcp``): step 8 links step 6's (``pipeline/checkpoint/pieces.py``)."""
+"""Saved as a piece of its own (``__0_frozen0.distcp``): step 8 links step 6's
+(``pipeline/checkpoint/save/pieces.py``)."""
 
 
 def _dcp_equal(a: Path, b: Path) -> bool:

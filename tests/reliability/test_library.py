@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.checkpoint import Checkpointer, CommitPolicy, Committer, CommitterBusy, posix_store, step_checks
+from pipeline.checkpoint import Checkpointer, CommitPolicy, Committer, CommitterBusy
 from pipeline.checkpoint.manifest import complete_markers, read_latest, step_markers, verify_committed
+from pipeline.checkpoint.protocol import step_checks
+from pipeline.checkpoint.stores import posix_store
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import faults
 from pipeline.storage.layout import CheckpointLayout

@@ -342,7 +342,7 @@ def mutant_verification_noop(mp: pytest.MonkeyPatch) -> None:
 
 def mutant_latest_before_publish(mp: pytest.MonkeyPatch) -> None:
     """The commit's last two steps swapped: ``latest`` is replaced, then the step directory is published."""
-    from pipeline.checkpoint import posix_store  # noqa: PLC0415
+    from pipeline.checkpoint.stores import posix_store  # noqa: PLC0415
     from pipeline.storage.backend import PosixStorage  # noqa: PLC0415
 
     pending: list[tuple[Any, ...]] = []

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import boto3
 
-from pipeline.checkpoint import rank_save
-from pipeline.checkpoint.bucket_store import BucketCheckpoints
-from pipeline.checkpoint.committer import CommitPolicy, Committer
-from pipeline.checkpoint.rank_save import RankTarget
-from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer
+from pipeline.checkpoint.save import rank_save
+from pipeline.checkpoint.save.rank_save import RankTarget
+from pipeline.checkpoint.stores.bucket_store import BucketCheckpoints
+from pipeline.checkpoint.stores.remote import Remote
 from pipeline.storage.integrity import describe
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.s3 import S3Url

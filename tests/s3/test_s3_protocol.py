@@ -18,13 +18,13 @@ from pathlib import Path
 import boto3
 import pytest
 
-from pipeline.checkpoint import rank_save
-from pipeline.checkpoint.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.manifest import verify_committed
-from pipeline.checkpoint.rank_save import RankTarget
-from pipeline.checkpoint.remote import digest, record_bytes
-from pipeline.checkpoint.remote_pull import pull
-from pipeline.checkpoint.stores import uncommitted
+from pipeline.checkpoint.save import rank_save
+from pipeline.checkpoint.save.rank_save import RankTarget
+from pipeline.checkpoint.stores.bucket_store import BucketCheckpoints
+from pipeline.checkpoint.stores.remote import digest, record_bytes
+from pipeline.checkpoint.stores.remote_pull import pull
+from pipeline.checkpoint.stores.stores import uncommitted
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import s3
 from pipeline.storage.faults import InjectedFault

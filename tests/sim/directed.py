@@ -111,7 +111,7 @@ def plan(settings: Settings, tmp: Path, *phases: Phase, prepare: Callable[[World
 
 def committed_before(*steps: int) -> Callable[[World], None]:
     """``prepare``: ``steps`` staged and committed by a committer that then released the lease."""
-    from pipeline.checkpoint.committer import Committer  # noqa: PLC0415
+    from pipeline.checkpoint.protocol.committer import Committer  # noqa: PLC0415
 
     def prepare(w: World) -> None:
         w.stage_now(*steps)

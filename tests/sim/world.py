@@ -1,7 +1,7 @@
 """One simulated world: a checkpoints root (a real directory, or a bucket in memory), a writer, a ghost, a live
 committer and a newcomer, the faults a schedule injects, and the invariants checked after every operation.
 
-The committers are the real :class:`~pipeline.checkpoint.committer.Committer` over the real stores; only the
+The committers are the real :class:`~pipeline.checkpoint.protocol.committer.Committer` over the real stores; only the
 world around them is simulated (:mod:`tests.sim.kernel`). The invariants are what a user relies on:
 
 * **reader**: what a reader resumes from (``read_newest`` of a directory, ``verified_latest`` of a bucket)
@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint import bucket_store, committer, ownership, posix_store, remote, retention
-from pipeline.checkpoint.bucket_store import BucketCheckpoints
-from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
 from pipeline.checkpoint.manifest import Marker, read_newest
-from pipeline.checkpoint.posix_store import PosixCheckpoints
-from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.protocol import committer, ownership, retention
+from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
+from pipeline.checkpoint.stores import bucket_store, posix_store, remote
+from pipeline.checkpoint.stores.bucket_store import BucketCheckpoints
+from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
+from pipeline.checkpoint.stores.remote import Remote
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage import settle, waiting
 from pipeline.storage.backend import PosixStorage

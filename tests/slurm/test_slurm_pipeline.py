@@ -16,9 +16,9 @@ from pathlib import Path
 import boto3
 import pytest
 
-from pipeline.checkpoint import trash
 from pipeline.checkpoint.manifest import read_latest, read_manifest
-from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.protocol import trash
+from pipeline.checkpoint.stores.remote import Remote
 from pipeline.rundir.layout import RunLayout
 from pipeline.storage.s3 import S3Url
 from tests.conftest import run_cli

@@ -1,6 +1,6 @@
 """One rank's state as one self-describing blob, and back, with nothing unpickled.
 
-A fast-tier copy holds what this rank has of the state dict (:func:`pipeline.checkpoint.state.save_state`'s
+A fast-tier copy holds what this rank has of the state dict (:func:`pipeline.checkpoint.save.state.save_state`'s
 structure: FSDP2's DTensors as their local shards, DDP's replicated tensors whole), so it restores only at the
 same world size and layout, into the same rank. The blob is a safetensors file whose metadata holds the
 skeleton as JSON (containers, scalars, strings, bytes and where each tensor goes): decoding parses JSON and the

@@ -13,8 +13,8 @@ from typing import Any
 from pipeline.checkpoint.fast import RESUMED_FILE
 from pipeline.checkpoint.fast.restore import restore
 from pipeline.checkpoint.fast.tier import FastConfig, FastTier
-from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.stores import uncommitted
+from pipeline.checkpoint.stores.store import CheckpointStore
+from pipeline.checkpoint.stores.stores import uncommitted
 from pipeline.errors import PipelineError
 from pipeline.storage.atomic import write_json_atomic
 
@@ -49,7 +49,7 @@ def record_resume(
 
 
 class FastResume:
-    """The ``first``/``floor`` pair :meth:`~pipeline.checkpoint.session.CheckpointSession.load_latest` takes, and
+    """The ``first``/``floor`` pair :meth:`~pipeline.checkpoint.save.session.CheckpointSession.load_latest` takes, and
     the record rank 0 writes once the step is loaded."""
 
     def __init__(self, tier: FastTier, store: CheckpointStore, checkpoints: Path, load: Callable[[memoryview], int]):

@@ -1,13 +1,14 @@
 """The one store interface of the checkpoint protocol: what the committer asks of wherever checkpoints live.
 
-The protocol is written once, above this interface (:class:`~pipeline.checkpoint.committer.Committer`: its passes,
+The protocol is written once, above this interface (:class:`~pipeline.checkpoint.protocol.committer.Committer`: its
+passes,
 the repair of ``latest``, the fall back to the newest step that verifies, retention's decision, the verdict);
 each store carries it out with its own strongest primitives:
 
-* :class:`~pipeline.checkpoint.posix_store.PosixCheckpoints`: a local or shared POSIX filesystem. Ranks stage
+* :class:`~pipeline.checkpoint.stores.posix_store.PosixCheckpoints`: a local or shared POSIX filesystem. Ranks stage
   into ``staging/step_N/``; a step is published by one directory rename; ``latest`` is replaced by rename; a
   shared piece is one inode hard-linked into every step holding it.
-* :class:`~pipeline.checkpoint.bucket_store.BucketCheckpoints`: an S3-compatible bucket. Ranks upload into
+* :class:`~pipeline.checkpoint.stores.bucket_store.BucketCheckpoints`: an S3-compatible bucket. Ranks upload into
   ``step_N/<attempt>/``; a step is published by its manifest written with ``If-None-Match: *``; ``latest`` moves
   by compare-and-swap; a shared piece is one object ``pieces/<hash>``.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker, Metrics
-from pipeline.checkpoint.ownership import LeaseStore
+from pipeline.checkpoint.protocol.ownership import LeaseStore
 from pipeline.errors import PipelineError
 from pipeline.storage.layout import CheckpointLayout
 

@@ -4,10 +4,10 @@
 A :class:`CheckpointSession` is one rank's side of the checkpoint protocol for one launch:
 
 * :meth:`~CheckpointSession.save` (DCP) and :meth:`~CheckpointSession.save_files` (a strategy that writes its own
-  files: DeepSpeed, :mod:`pipeline.checkpoint.deepspeed_engine`) write this rank's files and its done-marker
-  (:mod:`pipeline.checkpoint.rank_save`), after settling a pending async save;
+  files: DeepSpeed, :mod:`pipeline.checkpoint.save.deepspeed_engine`) write this rank's files and its done-marker
+  (:mod:`pipeline.checkpoint.save.rank_save`), after settling a pending async save;
 * :meth:`~CheckpointSession.save_async` stages the state into a reused buffer and persists it in the background
-  (:mod:`pipeline.checkpoint.async_save`); :meth:`~CheckpointSession.wait` settles it (deadline-bounded);
+  (:mod:`pipeline.checkpoint.save.async_save`); :meth:`~CheckpointSession.wait` settles it (deadline-bounded);
 * every save ends in one agreement: a single ``all_gather`` of every rank's outcome, so every rank takes the same
   verdict and rank 0 names the ranks that failed (:class:`Agreed`). A step a rank could not save is never
   committed; with ``fail_on_error`` the session raises instead of training on;
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint import rank_save
-from pipeline.checkpoint.async_save import AsyncSaver
 from pipeline.checkpoint.manifest import Manifest, Metrics, read_manifest
-from pipeline.checkpoint.rank_save import RankTarget, SaveResult, Written
+from pipeline.checkpoint.save import rank_save
+from pipeline.checkpoint.save.async_save import AsyncSaver
+from pipeline.checkpoint.save.rank_save import RankTarget, SaveResult, Written
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.integrity import FileEntry
 
@@ -154,7 +154,7 @@ class CheckpointSession:
     ) -> SaveResult:
         """Save the DCP state dict ``state`` as ``step`` (blocking), after settling a pending async save; returns
         this rank's result with every rank's verdict in ``ok``. ``groups``: the FQNs saved as shared pieces
-        (:mod:`pipeline.checkpoint.pieces`). ``started``: when training stopped for this save (monotonic).
+        (:mod:`pipeline.checkpoint.save.pieces`). ``started``: when training stopped for this save (monotonic).
         ``metrics``: recorded in the step's marker (rank 0's reach the manifest)."""
         t0 = time.monotonic() if started is None else started
         self.wait()

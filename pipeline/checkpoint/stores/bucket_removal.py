@@ -1,5 +1,5 @@
 """What removes objects from a bucket of checkpoints (a mixin of
-:class:`~pipeline.checkpoint.bucket_store.BucketCheckpoints`): quarantine of a damaged step (copied to
+:class:`~pipeline.checkpoint.stores.bucket_store.BucketCheckpoints`): quarantine of a damaged step (copied to
 ``quarantine/`` with its reason, then deleted), retention (a committed step's manifest first, its objects after),
 and the sweep of objects no committed manifest references. Each act re-checks its own target when it runs."""
 
@@ -10,16 +10,16 @@ import logging
 import time
 from collections.abc import Callable
 
-from pipeline.checkpoint import remote_pieces
 from pipeline.checkpoint.manifest import Latest
-from pipeline.checkpoint.remote import QUARANTINE, Remote
-from pipeline.checkpoint.store import Quarantined
+from pipeline.checkpoint.stores import remote_pieces
+from pipeline.checkpoint.stores.remote import QUARANTINE, Remote
+from pipeline.checkpoint.stores.store import Quarantined
 from pipeline.errors import VerificationError
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry
 from pipeline.storage.layout import parse_step
 
-log = logging.getLogger("pipeline.checkpoint.bucket_store")
+log = logging.getLogger("pipeline.checkpoint.stores.bucket_store")
 
 
 class BucketRemoval:

@@ -5,7 +5,7 @@ Outputs: ``checkpoints/step_N/`` published in one directory rename with its ``ma
 staged dir first: the manifest is a function of the staged attempt, so two committers write the same bytes);
 ``checkpoints/latest`` replaced by rename; a refused step moved to ``checkpoints/quarantine/`` with its reason;
 retention's steps moved into ``checkpoints/.deleting/`` in one rename, deleted later (:mod:`.trash`).
-Owner: the one committer (:class:`~pipeline.checkpoint.committer.Committer`); every mutation goes through
+Owner: the one committer (:class:`~pipeline.checkpoint.protocol.committer.Committer`); every mutation goes through
 :class:`~pipeline.storage.backend.Storage` (temp file, fsync, rename; never following a link).
 
 No shared filesystem gives exclusion across nodes, so a duplicate committer (an operator's second one, a ghost
@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.checkpoint import posix_status, repair, trash
 from pipeline.checkpoint.manifest import (
     MANIFEST,
     Latest,
@@ -47,10 +46,12 @@ from pipeline.checkpoint.manifest import (
     write_manifest,
     write_marker,
 )
-from pipeline.checkpoint.ownership import LEASE, CommitterBusy, FileLease, LeaseStore
-from pipeline.checkpoint.repair import step_entries
-from pipeline.checkpoint.step_checks import verified_manifest
-from pipeline.checkpoint.store import ANY, RACES, Quarantined
+from pipeline.checkpoint.protocol import trash
+from pipeline.checkpoint.protocol.ownership import LEASE, CommitterBusy, FileLease, LeaseStore
+from pipeline.checkpoint.protocol.step_checks import verified_manifest
+from pipeline.checkpoint.stores import posix_status, repair
+from pipeline.checkpoint.stores.repair import step_entries
+from pipeline.checkpoint.stores.store import ANY, RACES, Quarantined
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.backend import POSIX, Storage
@@ -307,7 +308,7 @@ class PosixCheckpoints:
             )
 
     def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
-        """Each step into the trash, re-checked at the act (:mod:`pipeline.checkpoint.trash`); then the trash
+        """Each step into the trash, re-checked at the act (:mod:`pipeline.checkpoint.protocol.trash`); then the trash
         entries this committer may delete now."""
         if not is_real_dir(self.layout.checkpoints):  # missing, or a link planted for it: nothing is touched
             return
@@ -332,12 +333,12 @@ class PosixCheckpoints:
         return staged
 
     def piece_source(self, rank: int, staged: Path, groups: Mapping[str, str]) -> Pieces:
-        from pipeline.checkpoint import pieces  # noqa: PLC0415 - a rank's (torch); a committer never loads it
+        from pipeline.checkpoint.save import pieces  # noqa: PLC0415 - a rank's (torch); a committer never loads it
 
         return pieces.posix_source(self.layout, rank, staged, groups)
 
     def deliver(self, staged: Path, marker: Marker, reused: frozenset[str] = frozenset()) -> None:
-        from pipeline.checkpoint import pieces  # noqa: PLC0415 - a rank's (torch); a committer never loads it
+        from pipeline.checkpoint.save import pieces  # noqa: PLC0415 - a rank's (torch); a committer never loads it
 
         write_marker(staged, marker)
         pieces.remember(self.layout, marker.rank, marker.step, marker.files)

@@ -1,4 +1,4 @@
-"""The committer lease's records (:mod:`pipeline.checkpoint.ownership`): one per holder, named
+"""The committer lease's records (:mod:`pipeline.checkpoint.protocol.ownership`): one per holder, named
 ``epoch-<E>-<token>.json`` and written only by its holder, saying who holds (host, pid, job, the machine its pid
 is valid on) with a heartbeat; and where they live: a folder of a (shared) filesystem, or a prefix of a bucket."""
 

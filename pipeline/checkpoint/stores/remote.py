@@ -12,7 +12,7 @@ Under the checkpoints root ``s3://<bucket>/<prefix>`` (the app adds ``<experimen
   only after the manifest exists;
 * ``quarantine/step_N-<attempt>/``: a refused attempt's objects (server-side copies), with ``reason.txt``;
 * ``pieces/<xxh3-128>``: a shared piece (``__K_frozen<n>.distcp``, ``__K_buffers<n>.distcp``), stored once by its
-  content and listed by every step's marker and manifest that holds it (:mod:`pipeline.checkpoint.pieces`); it
+  content and listed by every step's marker and manifest that holds it (:mod:`pipeline.checkpoint.save.pieces`); it
   is deleted only when no committed manifest lists it.
 
 Readers trust manifests, never listings: :meth:`Remote.pull` downloads a committed step's listed files into a
@@ -33,7 +33,7 @@ from typing import Any
 import xxhash
 
 from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, Latest, Manifest, Marker, parse_pointer
-from pipeline.checkpoint.ownership import LEASE, ObjectLease
+from pipeline.checkpoint.protocol.ownership import LEASE, ObjectLease
 from pipeline.errors import VerificationError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.storage import atomic

@@ -7,7 +7,7 @@ as DCP's coordinator), then ``rank_K.done.json`` listing them with sizes and xxh
 Owner: each rank owns its own files and marker; nothing shared is renamed or deleted here. With shared groups,
 frozen parameters and buffers go to pieces of their own (``__K_frozen<n>.distcp``, ``__K_buffers<n>.distcp``); an
 unchanged piece is a hard link to the earlier step's file (in a bucket: not uploaded again), never a write
-through an existing name (:mod:`pipeline.checkpoint.pieces`).
+through an existing name (:mod:`pipeline.checkpoint.save.pieces`).
 
 Used by the library's :class:`~pipeline.checkpoint.Checkpointer` and by the app's shard-save stage alike.
 """
@@ -24,11 +24,11 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from pipeline.checkpoint.async_save import Persist, Progress, Settled
 from pipeline.checkpoint.manifest import Marker, Metrics
-from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.stores import store_for
+from pipeline.checkpoint.save.async_save import Persist, Progress, Settled
+from pipeline.checkpoint.stores.remote import Remote
+from pipeline.checkpoint.stores.store import CheckpointStore
+from pipeline.checkpoint.stores.stores import store_for
 from pipeline.errors import VerificationError, exception_line
 from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
 from pipeline.storage.faults import inject
@@ -56,10 +56,10 @@ class RankTarget:
     """Raise a failed save instead of returning ``ok=False`` (training goes on without that step)."""
     remote: Remote | None = None
     """Checkpoints in a bucket: the rank writes into a rank-private scratch dir, then uploads its files and,
-    last, its marker object (``pipeline/checkpoint/remote.py``)."""
+    last, its marker object (``pipeline/checkpoint/stores/remote.py``)."""
     dedup: bool = True
     """Share unchanged pieces (frozen parameters, buffers) with the latest committed step instead of writing them
-    again (:mod:`pipeline.checkpoint.pieces`)."""
+    again (:mod:`pipeline.checkpoint.save.pieces`)."""
 
     @property
     def store(self) -> CheckpointStore:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.checkpoint.remote import QUARANTINE, Remote, digest, is_marker_name
+from pipeline.checkpoint.stores.remote import QUARANTINE, Remote, digest, is_marker_name
 from pipeline.errors import PipelineError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.storage.layout import parse_step

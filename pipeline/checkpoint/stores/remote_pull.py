@@ -12,7 +12,7 @@ import logging
 import uuid
 
 from pipeline.checkpoint.manifest import MANIFEST, write_latest
-from pipeline.checkpoint.remote import LATEST, Remote, digest
+from pipeline.checkpoint.stores.remote import LATEST, Remote, digest
 from pipeline.errors import VerificationError
 from pipeline.storage import atomic
 from pipeline.storage.integrity import lstat_kind

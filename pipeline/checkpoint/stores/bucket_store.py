@@ -1,13 +1,14 @@
 """Checkpoints in a bucket: the protocol's store over an S3-compatible object store, committed without a rename.
 
-Inputs: ``step_N/<attempt>/`` objects and each rank's ``rank_K.done.json`` object (:mod:`pipeline.checkpoint.remote`).
+Inputs: ``step_N/<attempt>/`` objects and each rank's ``rank_K.done.json`` object
+(:mod:`pipeline.checkpoint.stores.remote`).
 Outputs: ``step_N/manifest.json`` written with ``If-None-Match: *`` (the commit point) once every listed object
 was re-read and matched its size and hash (and nothing unlisted sits beside them), then ``latest`` moved by
 compare-and-swap; a refused attempt's objects are copied to ``quarantine/`` and removed; retention deletes a
 step's manifest first and its objects after; a sweep deletes objects that no committed manifest references
 (other attempts of a committed step, attempts of steps that ``latest`` superseded) and aborts incomplete
 multipart uploads there (dead writers').
-Owner: the one committer (:class:`~pipeline.checkpoint.committer.Committer`), which holds the committer lease,
+Owner: the one committer (:class:`~pipeline.checkpoint.protocol.committer.Committer`), which holds the committer lease,
 an object written by compare-and-swap; the manifest's ``If-None-Match`` besides, so of two committers racing for
 a step exactly one commits it.
 """
@@ -23,14 +24,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.checkpoint.bucket_removal import BucketRemoval
-from pipeline.checkpoint.bucket_status import remote_checkpoints
 from pipeline.checkpoint.manifest import Latest, Manifest, Marker, Metrics
-from pipeline.checkpoint.ownership import CommitterBusy, LeaseStore
-from pipeline.checkpoint.remote import LATEST, QUARANTINE, Remote, digest, is_marker_name
-from pipeline.checkpoint.remote_pull import pull
-from pipeline.checkpoint.step_checks import check_agreement, check_stored, foreign_files
-from pipeline.checkpoint.store import ANY, Taken
+from pipeline.checkpoint.protocol.ownership import CommitterBusy, LeaseStore
+from pipeline.checkpoint.protocol.step_checks import check_agreement, check_stored, foreign_files
+from pipeline.checkpoint.stores.bucket_removal import BucketRemoval
+from pipeline.checkpoint.stores.bucket_status import remote_checkpoints
+from pipeline.checkpoint.stores.remote import LATEST, QUARANTINE, Remote, digest, is_marker_name
+from pipeline.checkpoint.stores.remote_pull import pull
+from pipeline.checkpoint.stores.store import ANY, Taken
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import remove_tree
 from pipeline.storage.backend import POSIX
@@ -241,7 +242,7 @@ class BucketCheckpoints(BucketRemoval):
         return scratch
 
     def piece_source(self, rank: int, staged: Path, groups: Mapping[str, str]) -> Pieces:
-        from pipeline.checkpoint import pieces  # noqa: PLC0415 - a rank's (torch); a committer never loads it
+        from pipeline.checkpoint.save import pieces  # noqa: PLC0415 - a rank's (torch); a committer never loads it
 
         return pieces.bucket_source(self.remote, rank, groups)
 

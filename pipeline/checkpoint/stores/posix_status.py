@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.bucket_status import add_sharing
 from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest
-from pipeline.checkpoint.repair import QUARANTINE_NOTE, quarantine_note
-from pipeline.checkpoint.retention import record_path
+from pipeline.checkpoint.protocol.retention import record_path
+from pipeline.checkpoint.stores.bucket_status import add_sharing
+from pipeline.checkpoint.stores.repair import QUARANTINE_NOTE, quarantine_note
 from pipeline.errors import PipelineError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.storage.integrity import FileEntry, lstat_kind, read_record_json

@@ -59,7 +59,7 @@ class Settled:
     """The writer's time from start to marker (0 when it did not finish)."""
     error: str = ""
     shared: int = 0
-    """Bytes shared with the latest committed step instead of written (:mod:`pipeline.checkpoint.pieces`)."""
+    """Bytes shared with the latest committed step instead of written (:mod:`pipeline.checkpoint.save.pieces`)."""
 
 
 @dataclass

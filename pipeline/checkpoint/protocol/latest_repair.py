@@ -1,4 +1,5 @@
-"""The committer's repair of ``latest`` (a mixin of :class:`~pipeline.checkpoint.committer.Committer`): re-verify the
+"""The committer's repair of ``latest`` (a mixin of :class:`~pipeline.checkpoint.protocol.committer.Committer`):
+re-verify the
 step it names, quarantine damage there, move it back to the newest committed step that verifies, or up to a newer
 one it lags behind. Every act is fenced; a move backwards (or a removal) happens only if ``latest`` is still what
 was read before the verification that called for it (``expect``), so a ghost's repair can never undo a newer
@@ -8,15 +9,15 @@ from __future__ import annotations
 
 import logging
 
-from pipeline.checkpoint.policy import CommitReport
-from pipeline.checkpoint.store import CheckpointStore
+from pipeline.checkpoint.protocol.policy import CommitReport
+from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.errors import VerificationError
 
-log = logging.getLogger("pipeline.checkpoint.committer")
+log = logging.getLogger("pipeline.checkpoint.protocol.committer")
 
 
 class LatestRepair:
-    """What :class:`~pipeline.checkpoint.committer.Committer` does when ``latest`` is not what it should be."""
+    """What :class:`~pipeline.checkpoint.protocol.committer.Committer` does when ``latest`` is not what it should be."""
 
     store: CheckpointStore
     report: CommitReport

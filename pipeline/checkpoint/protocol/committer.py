@@ -1,20 +1,21 @@
 """The one committer: verifies staged steps, publishes them, and only then moves ``latest``.
 
-Inputs: a step's staged files and each rank's ``rank_K.done.json`` in its store (:mod:`pipeline.checkpoint.store`).
+Inputs: a step's staged files and each rank's ``rank_K.done.json`` in its store
+(:mod:`pipeline.checkpoint.stores.store`).
 Outputs: the step published with its manifest (the commit point), then ``latest`` moved; a step whose files fail
 their marker's size or hash goes to quarantine (never deleted) and the error names the file; retention after
 each commit.
 
 The same :class:`Committer` runs in the app's verify-manifest job, in a ``torchrun`` script's rank 0 (a
 background thread of :class:`~pipeline.checkpoint.Checkpointer`), and in ``python -m pipeline.commit``, over
-either store: it is written once, above :class:`~pipeline.checkpoint.store.CheckpointStore`. Exactly one
+either store: it is written once, above :class:`~pipeline.checkpoint.stores.store.CheckpointStore`. Exactly one
 commits a checkpoints root at a time: :meth:`Committer.hold` takes the committer lease (a record with a fencing
-epoch and a heartbeat, :mod:`pipeline.checkpoint.ownership`; ``flock`` only as a fast path on one node), and
+epoch and a heartbeat, :mod:`pipeline.checkpoint.protocol.ownership`; ``flock`` only as a fast path on one node), and
 checks it before every act that changes the checkpoints.
 
 No shared filesystem gives exclusion across nodes, so a second committer (an operator's, or a ghost back from a
 partition) can still act once between its last check and its act; every such act is harmless (the stores say
-how: :mod:`pipeline.checkpoint.posix_store`, :mod:`pipeline.checkpoint.bucket_store`).
+how: :mod:`pipeline.checkpoint.stores.posix_store`, :mod:`pipeline.checkpoint.stores.bucket_store`).
 
 Every :meth:`Committer.recover` first re-verifies the step ``latest`` names: damage there (a changed or missing
 file, a manifest that is not the one ``latest`` recorded, garbage in ``latest`` itself) is quarantined and
@@ -29,13 +30,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from pipeline.checkpoint import retention
-from pipeline.checkpoint.latest_repair import LatestRepair
 from pipeline.checkpoint.manifest import Marker, complete_markers, describe_incomplete
-from pipeline.checkpoint.ownership import CommitterBusy, CommitterLease, CommitterLost
-from pipeline.checkpoint.policy import CommitPolicy, CommitReport
-from pipeline.checkpoint.posix_store import PosixCheckpoints, latest_step
-from pipeline.checkpoint.store import RACES, CheckpointStore, Taken
+from pipeline.checkpoint.protocol import retention
+from pipeline.checkpoint.protocol.latest_repair import LatestRepair
+from pipeline.checkpoint.protocol.ownership import CommitterBusy, CommitterLease, CommitterLost
+from pipeline.checkpoint.protocol.policy import CommitPolicy, CommitReport
+from pipeline.checkpoint.stores.posix_store import PosixCheckpoints, latest_step
+from pipeline.checkpoint.stores.store import RACES, CheckpointStore, Taken
 from pipeline.errors import DeadlineError, VerificationError
 from pipeline.storage.faults import inject
 from pipeline.storage.layout import CheckpointLayout

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeline.checkpoint.manifest import Manifest
-from pipeline.checkpoint.state import MODEL, OPTIM, RNG, SCHED, TRAIN
+from pipeline.checkpoint.save.state import MODEL, OPTIM, RNG, SCHED, TRAIN
 from pipeline.errors import CheckpointFormatError
 from pipeline.formats.dcp_metadata import TensorStorageMetadata
 from pipeline.storage.atomic import write_json_atomic

@@ -1,4 +1,4 @@
-"""The POSIX store's repairs (:mod:`pipeline.checkpoint.posix_store`): its litter, planted entries, and damage
+"""The POSIX store's repairs (:mod:`pipeline.checkpoint.stores.posix_store`): its litter, planted entries, and damage
 that several steps share. The decisions (re-verify ``latest``, fall back to the newest step that verifies) are the
 committer's, written once for every store.
 

@@ -1,7 +1,7 @@
 """The state-dict key schema: how a training state becomes a DCP state dict and comes back.
 
 Keys shared by the library's :class:`~pipeline.checkpoint.Checkpointer` and the app's train stage
-(:mod:`pipeline.checkpoint.portable` and consolidation read them):
+(:mod:`pipeline.checkpoint.save.portable` and consolidation read them):
 
 * ``model``: the model's state dict from torch's ``get_state_dict`` (DDP's ``module.`` prefix stripped, FSDP2's
   DTensors kept sharded), so a step reshards on load and consolidates to full tensors (``model.<name>``);
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pipeline.checkpoint.pieces import shared_groups
+from pipeline.checkpoint.save.pieces import shared_groups
 from pipeline.errors import PipelineError
 from pipeline.formats.dcp import load_into
 

@@ -9,14 +9,14 @@ same bytes as the latest committed step's piece of that name does not write it a
   them, so no committed step can lose a piece. Files are never written in place: a stale file is unlinked before
   a write, so a shared inode is never changed.
 * **A bucket**: a piece is stored once, content-addressed, at ``pieces/<xxh3-128>``; the step's marker and
-  manifest list it like any file, and readers find it by its hash (:meth:`~pipeline.checkpoint.remote.Remote.
+  manifest list it like any file, and readers find it by its hash (:meth:`~pipeline.checkpoint.stores.remote.Remote.
   object_key`). Retention deletes a piece only when no committed manifest lists it.
 
 Either way the committer re-reads and checks every file of a step, shared or not, before its manifest is written.
 A piece is taken only from a committed step (POSIX, besides: the step this process saved last, at the very inode
 it wrote), with the size listed. A damaged piece that verification finds leaves for ``quarantine/`` with every
-committed step that holds it (:func:`pipeline.checkpoint.repair.quarantine_damage`; in a bucket,
-:func:`pipeline.checkpoint.remote_pieces.holders`), so no source lists it any more and the next save writes it.
+committed step that holds it (:func:`pipeline.checkpoint.stores.repair.quarantine_damage`; in a bucket,
+:func:`pipeline.checkpoint.stores.remote_pieces.holders`), so no source lists it any more and the next save writes it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoint.manifest import read_latest, read_manifest
-from pipeline.checkpoint.remote import Remote
+from pipeline.checkpoint.stores.remote import Remote
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.formats.dcp_pieces import Pieces

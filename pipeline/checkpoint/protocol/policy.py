@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.checkpoint import options
-from pipeline.checkpoint.ownership import DEFAULT_LEASE_S
+from pipeline.checkpoint.protocol.ownership import DEFAULT_LEASE_S
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,16 @@
 """Which store a checkpoints root is: the one place that chooses between the implementations of
-:class:`~pipeline.checkpoint.store.CheckpointStore`."""
+:class:`~pipeline.checkpoint.stores.store.CheckpointStore`."""
 
 from __future__ import annotations
 
 import time
 
-from pipeline.checkpoint.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.manifest import complete_markers
-from pipeline.checkpoint.ownership import Holder, newest_holder
-from pipeline.checkpoint.posix_store import PosixCheckpoints
-from pipeline.checkpoint.remote import Remote, remote_at
-from pipeline.checkpoint.store import CheckpointStore
+from pipeline.checkpoint.protocol.ownership import Holder, newest_holder
+from pipeline.checkpoint.stores.bucket_store import BucketCheckpoints
+from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
+from pipeline.checkpoint.stores.remote import Remote, remote_at
+from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.errors import VerificationError
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.layout import CheckpointLayout

@@ -11,9 +11,9 @@ import logging
 import threading
 import time
 
-from pipeline.checkpoint.committer import CommitPolicy, Committer, CommitterLost
-from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.stores import store_for
+from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer, CommitterLost
+from pipeline.checkpoint.stores.remote import Remote
+from pipeline.checkpoint.stores.stores import store_for
 from pipeline.errors import PipelineError
 from pipeline.storage.layout import CheckpointLayout
 

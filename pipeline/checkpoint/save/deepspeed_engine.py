@@ -7,14 +7,14 @@
   offload each rank copies its own swap folder into its own ``offloaded_tensors/rankNN/``
   (:func:`collect_offload`).
 * DeepSpeed's checkpoint *loading* (``load_checkpoint``) is never used: it unpickles every file fully and refuses
-  another world size. A step is loaded from its world-size-free view (:mod:`pipeline.checkpoint.portable`, or
+  another world size. A step is loaded from its world-size-free view (:mod:`pipeline.checkpoint.save.portable`, or
   :class:`EngineView` of a ZeRO step) through DeepSpeed's ``safe_set_full_*`` API (:func:`load_portable`).
 * For the library (:class:`~pipeline.checkpoint.Checkpointer`): :func:`find_engine` picks the engine out of a
   state dict, :func:`write_step` writes it and the rest of the state (as DCP files beside DeepSpeed's, in the same
   step), :func:`load_engine` loads a committed ZeRO step into an engine at any world size.
 
 The app's train stage and a user's ``torchrun`` script drive the same functions through
-:class:`~pipeline.checkpoint.session.CheckpointSession`. ``deepspeed`` is imported only when an engine is used.
+:class:`~pipeline.checkpoint.save.session.CheckpointSession`. ``deepspeed`` is imported only when an engine is used.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint import rank_save
 from pipeline.checkpoint.manifest import Manifest
-from pipeline.checkpoint.portable import EXP_AVG, EXP_AVG_SQ, PARAM, ZeroWeights
-from pipeline.checkpoint.rank_save import RankTarget, Written
+from pipeline.checkpoint.save import rank_save
+from pipeline.checkpoint.save.portable import EXP_AVG, EXP_AVG_SQ, PARAM, ZeroWeights
+from pipeline.checkpoint.save.rank_save import RankTarget, Written
 from pipeline.errors import CheckpointFormatError, ConfigError, PipelineError
 from pipeline.formats.dcp import _HashingStream
 from pipeline.formats.deepspeed_names import OFFLOAD_DIR, format_name, is_gradient_partition, offload_dir

@@ -23,7 +23,8 @@ pid, job), since when, and carries a heartbeat.
 
 The lease narrows the window in which two committers act; it does not close it (a holder frozen between its fence
 and its act acts once more when it thaws). What closes it is the protocol: every act a ghost can perform late is
-harmless (see :mod:`pipeline.checkpoint.committer`). The epoch is recorded in ``latest``, so a reader can tell which
+harmless (see :mod:`pipeline.checkpoint.protocol.committer`). The epoch is recorded in ``latest``, so a reader can
+tell which
 holder moved it. ``live_holder`` and :meth:`Holder.live` (status, a resume deciding whether to wait) judge by the
 heartbeat's age and are advice only; exclusion never rests on them.
 """
@@ -39,8 +40,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from pipeline.checkpoint import lease_records
-from pipeline.checkpoint.lease_records import (
+from pipeline.checkpoint.protocol import lease_records
+from pipeline.checkpoint.protocol.lease_records import (
     HELD,
     FileLease,
     Holder,

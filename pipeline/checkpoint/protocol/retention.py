@@ -42,7 +42,7 @@ from pipeline.storage.integrity import is_real_dir, lstat_kind, read_record_json
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 
 if TYPE_CHECKING:
-    from pipeline.checkpoint.store import CheckpointStore
+    from pipeline.checkpoint.stores.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from pipeline.checkpoint.remote import Remote, is_marker_name
+from pipeline.checkpoint.stores.remote import Remote, is_marker_name
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.storage.faults import inject

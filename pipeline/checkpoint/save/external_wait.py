@@ -4,7 +4,7 @@ bounded, until ``python -m pipeline.commit <dir> --follow`` (or any committer ho
 step newer than ``latest``, staged, published with ``latest`` not moved to it yet, or absent (quarantined). Never
 raises for them: staged steps stay staged for the next committer.
 
-The wait ends on ``latest`` alone (:meth:`~pipeline.checkpoint.store.CheckpointStore.read_latest`), never on a
+The wait ends on ``latest`` alone (:meth:`~pipeline.checkpoint.stores.store.CheckpointStore.read_latest`), never on a
 step having left staging or being published: a committer publishes a step, then moves ``latest``, and a job that
 closed in between would leave ``latest`` behind the step it saved last.
 """
@@ -15,9 +15,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pipeline.checkpoint import stores
-from pipeline.checkpoint.remote import Remote
-from pipeline.checkpoint.store import CheckpointStore
+from pipeline.checkpoint.stores import stores
+from pipeline.checkpoint.stores.remote import Remote
+from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.errors import DeadlineError, PipelineError
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until

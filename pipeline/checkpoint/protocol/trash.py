@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from pipeline.checkpoint.manifest import MANIFEST, TRASH
-from pipeline.checkpoint.repair import latest_step_name
+from pipeline.checkpoint.stores.repair import latest_step_name
 from pipeline.errors import PipelineError
 from pipeline.storage.atomic import clear_file, move_aside, publish_dir, remove_tree
 from pipeline.storage.integrity import is_real_dir, lstat_kind
