@@ -24,8 +24,7 @@ from types import FrameType
 from pipeline.checkpoint import options
 from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
 from pipeline.checkpoint.protocol.ownership import DEFAULT_LEASE_S
-from pipeline.checkpoint.stores.remote import remote_at
-from pipeline.checkpoint.stores.stores import store_for
+from pipeline.checkpoint.stores.stores import remote_at, store_for
 from pipeline.errors import PipelineError
 from pipeline.storage.integrity import lstat_kind
 from pipeline.storage.layout import CheckpointLayout

@@ -116,17 +116,17 @@ def test_a_ghosts_stale_retention_spares_the_step_latest_fell_back_to(tmp: Path,
     assert w.ended["ghost"] == "lost" and w.final_ok == [4], (w.ended, w.final_ok)
 
 
-# 4b. The same ghost frozen after its re-check, at the rename itself: the step goes to the trash, a reader is told
-#     to resume again (never given an older step), and the live committer's next pass brings it back.
-def test_a_step_a_ghost_moved_to_the_trash_late_comes_back(tmp: Path) -> None:
+# 4b. The same ghost frozen after its re-check, at the act itself (a directory's rename into the trash; in a
+#     bucket, the deletion of the manifest it just copied to the trash): the step goes to the trash, a reader is
+#     told to resume again (never given an older step), and the live committer's next pass brings it back.
+@pytest.mark.parametrize(
+    ("store", "act"), [("posix", ("io rename", ".deleting/step_4")), ("bucket", ("s3.delete", "step_4/manifest.json"))]
+)
+def test_a_step_a_ghost_moved_to_the_trash_late_comes_back(tmp: Path, store: str, act: tuple[str, str]) -> None:
     w = plan(
-        Settings(store="posix", steps=(), keep_last=2, live_at=1.0),
+        Settings(store=store, steps=(), keep_last=2, live_at=1.0),
         tmp,
-        run(
-            "ghost",
-            until=both(at("ghost", "io rename", ".deleting/step_4"), latest_is(8)),
-            then=lambda w: w.stage_now(4, 6, 8),
-        ),  # fmt: skip
+        run("ghost", until=both(at("ghost", *act), latest_is(8)), then=lambda w: w.stage_now(4, 6, 8)),
         run("live", until=both(at("live", "sleep 2"), latest_is(4)), then=lambda w: (w.damage(6), w.damage(8))),
         run("ghost", until=ended("ghost")),
         run("live", then=lambda w: w.finish_writer()),

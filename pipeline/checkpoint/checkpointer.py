@@ -57,8 +57,7 @@ from pipeline.checkpoint.save.external_wait import await_external_commit
 from pipeline.checkpoint.save.rank_save import RankTarget, SaveResult, Written
 from pipeline.checkpoint.save.session import CheckpointSession
 from pipeline.checkpoint.save.state import apply_state, load_state, piece_groups, save_state
-from pipeline.checkpoint.stores.remote import record_store, recorded_store, remote_at
-from pipeline.checkpoint.stores.stores import store_for
+from pipeline.checkpoint.stores.stores import record_store, recorded_store, remote_at, store_for
 from pipeline.errors import PipelineError
 from pipeline.storage.layout import CheckpointLayout
 

@@ -110,7 +110,7 @@ def test_status_of_a_bucket_it_cannot_read_exits_1_in_one_line(
     tmp_path: Path, s3_env: dict[str, str], bucket: str
 ) -> None:
     """Without credentials ``pipeline.status`` must not show the bucket as empty (``committed: none``, exit 0)."""
-    from pipeline.checkpoint.stores.remote import record_store
+    from pipeline.checkpoint.stores.stores import record_store
     from pipeline.storage.layout import CheckpointLayout
 
     layout = CheckpointLayout(tmp_path / "lib")

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from pipeline.checkpoint.manifest import Latest
-from pipeline.checkpoint.stores import remote_pieces
+from pipeline.checkpoint.stores import bucket_trash, remote_pieces
 from pipeline.checkpoint.stores.remote import QUARANTINE, Remote
 from pipeline.checkpoint.stores.store import Quarantined
 from pipeline.errors import VerificationError
@@ -26,6 +26,8 @@ class BucketRemoval:
     """Removal from the bucket ``remote``; the rest of the store is :class:`BucketCheckpoints`."""
 
     remote: Remote
+    _first_seen: dict[str, float]
+    """Trash records of other committers by when this one first saw them (its own monotonic clock)."""
 
     @property
     def where(self) -> str:
@@ -106,15 +108,16 @@ class BucketRemoval:
         return []
 
     def trashed(self) -> list[int]:
-        return []
+        return sorted({step for step, _, _ in bucket_trash.entries(self.remote)})
 
     def restore(self, step: int) -> bool:
-        return False
+        return bucket_trash.restore(self.remote, step)
 
     def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
-        """Each step re-checked at the act: never the step ``latest`` names, the newest committed one, or
-        anything above them."""
-        removed = []
+        """Phase one (into the trash) for each step, re-checked at the act: never the step ``latest`` names, the
+        newest committed one, or anything above them; then phase two for the records this committer may purge
+        (:mod:`pipeline.checkpoint.stores.bucket_trash`)."""
+        moved = []
         for step in steps:
             fence()
             newest = self.newest()
@@ -126,11 +129,15 @@ class BucketRemoval:
                 log.warning("retention: step %d is not retired: latest or the newest committed step needs it", step)
                 continue
             inject("retention.remove", step=step)
-            self.remove_step(step)
-            removed.append(step)
-            log.info("retention: removed step %d from %s", step, self.where)
-        if removed:
-            self.sweep_unreferenced()
+            if bucket_trash.retire_step(self.remote, step, epoch):
+                moved.append(step)
+                log.info("retention: retired step %d from %s", step, self.where)
+        if not moved and not self._first_seen:
+            return
+        inject("retention.before_delete", area="checkpoints", steps=",".join(map(str, moved)))
+        fence()
+        remote_pieces.drop(self.remote, set(bucket_trash.purge(self.remote, epoch, self._first_seen)))
+        self.sweep_unreferenced()
 
     def remove_step(self, step: int) -> None:
         """Delete a committed step: its manifest first (it stops being committed), then its objects, then the
@@ -155,9 +162,10 @@ class BucketRemoval:
         remote = self.remote
         latest = self.latest_step()
         committed = set(remote.committed())
+        trashed = set(self.trashed())  # listed after the manifests: a step retired meanwhile is in one of them
         deleted: list[str] = []
         for step in remote.steps():
-            if step > latest:
+            if step > latest or (step in trashed and step not in committed):
                 continue
             keep = None
             if step in committed:

@@ -52,6 +52,7 @@ class BucketCheckpoints(BucketRemoval):
     def __init__(self, layout: CheckpointLayout, remote: Remote) -> None:
         self.layout = layout
         self.remote = remote
+        self._first_seen = {}
 
     @property
     def where(self) -> str:

@@ -26,6 +26,7 @@ import concurrent.futures as cf
 import json
 import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from pipeline.checkpoint.protocol.ownership import LEASE, ObjectLease
 from pipeline.errors import VerificationError
 from pipeline.formats.dcp_names import is_piece
 from pipeline.storage import atomic
-from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, read_record_json, safe_join
+from pipeline.storage.integrity import MAX_RECORD_BYTES, FileEntry, safe_join
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
 from pipeline.storage.s3 import Conflict, S3Store, S3Url
 
@@ -45,41 +46,14 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest"
 QUARANTINE = "quarantine"
+TRASH = "trash"
+_TRASHED = re.compile(r"^trash/step_(\d+)\.e\d+\.\d+\.json$")
+"""A trash record's key under the root (:mod:`pipeline.checkpoint.stores.bucket_trash`)."""
 PIECES = "pieces"
 _HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 _PART_RE = re.compile(r"^[A-Za-z0-9_.=+-][A-Za-z0-9_.=+ -]*$")
 TRANSFER_THREADS = 4
 """Objects uploaded, verified or downloaded at once (each with its own ranged requests)."""
-
-
-STORE_RECORD = "storage.json"
-"""``<dir>/checkpoints/storage.json``: where a library checkpoint dir keeps its checkpoints (``{"storage": url}``),
-written by the :class:`~pipeline.checkpoint.Checkpointer` so the command lines find the bucket by the dir alone."""
-
-
-def remote_at(url: str | None, cache_dir: Path, what: str = "storage") -> Remote | None:
-    """The checkpoints root ``url`` (``s3://bucket/prefix``; None: the one ``cache_dir`` records, if any) with its
-    local cache in ``cache_dir``."""
-    if url is None:
-        url = recorded_store(CheckpointLayout(cache_dir))
-    return None if url is None else Remote(root=S3Url.parse(url, what), cache_dir=cache_dir)
-
-
-def record_store(layout: CheckpointLayout, url: str) -> None:
-    atomic.write_json_atomic(layout.checkpoints / STORE_RECORD, {"storage": url})
-
-
-def recorded_store(layout: CheckpointLayout) -> str | None:
-    """The bucket a library checkpoint dir records (None: its checkpoints are local)."""
-    path = layout.checkpoints / STORE_RECORD
-    try:
-        obj = read_record_json(path, "storage record")
-    except FileNotFoundError:
-        return None
-    url = obj.get("storage") if isinstance(obj, dict) else None
-    if not isinstance(url, str):
-        raise VerificationError(f'{path} is malformed: it must be {{"storage": "s3://..."}}')
-    return url
 
 
 def safe_key_path(rel: str, where: str) -> str:
@@ -368,25 +342,38 @@ class Remote:
         """What a reader resumes from: the newest committed step (its manifest is its commit, written only once
         every object verified), whatever ``latest`` says: ``latest`` lags between a commit and its move, and a
         stale committer's late move of it must not take a reader back. A manifest that does not parse is
-        skipped (the committer quarantines it)."""
-        for step in reversed(self.committed()):
+        skipped (the committer quarantines it). When ``latest`` names a newer step that a late retention moved
+        to the trash, a reader is told to resume again (the committer brings it back), never given an older one."""
+        keys = list(self.store.listing(self.root.prefix + "/"))
+        found = None
+        for step in reversed(self._steps_with(keys, MANIFEST)):
             try:
                 found = self.read_manifest(step)
             except VerificationError:
                 continue
             if found is not None:
-                return found
-        return None
+                break
+        below = found[0].step if found is not None else -1
+        trashed = {int(m.group(1)) for k in keys if (m := _TRASHED.match(k[len(self.root.prefix) + 1 :]))}
+        if any(t > below for t in trashed):
+            named, _ = self.read_latest()
+            if named is not None and named.step > below and named.step in trashed:
+                raise VerificationError(
+                    f"{self.url(self.key(LATEST))} names step {named.step}, which a late retention moved to "
+                    f"{self.url(self.key(TRASH))}/: the committer brings it back at its next pass; resume again then"
+                )
+        return found
 
     def committed(self) -> list[int]:
         """Steps whose manifest object exists (listing nominates, each manifest is read by its user)."""
-        listing = self.store.listing(self.root.prefix + "/")
+        return self._steps_with(self.store.listing(self.root.prefix + "/"), MANIFEST)
+
+    def _steps_with(self, keys: Iterable[str], leaf: str) -> list[int]:
         out = []
-        for key in listing:
-            rest = key[len(self.root.prefix) + 1 :]
-            name, _, leaf = rest.partition("/")
+        for key in keys:
+            name, _, rest = key[len(self.root.prefix) + 1 :].partition("/")
             step = parse_step(name)
-            if step is not None and leaf == MANIFEST:
+            if step is not None and rest == leaf:
                 out.append(step)
         return sorted(out)
 

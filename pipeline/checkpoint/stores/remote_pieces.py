@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from pipeline.checkpoint.stores import bucket_trash
 from pipeline.checkpoint.stores.remote import Remote, is_marker_name
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.formats.dcp_names import is_piece
@@ -28,13 +29,18 @@ log = logging.getLogger(__name__)
 
 
 def referenced(remote: Remote) -> set[str] | None:
-    """Every piece key a committed manifest lists; None when a manifest cannot be read."""
+    """Every piece key a committed manifest or a trash record lists; None when one cannot be read."""
     keys: set[str] = set()
     for step in remote.committed():
         found = remote.read_manifest_or_none(step)
         if found is None:
             return None
         keys |= remote.piece_keys(found.files)
+    for _, _, key in bucket_trash.entries(remote):  # a retired step can still come back: its pieces stay
+        held = bucket_trash.read_record(remote, key)
+        if held is None and remote.store.get(key) is not None:
+            return None
+        keys |= remote.piece_keys(held.files) if held is not None else set()
     return keys
 
 

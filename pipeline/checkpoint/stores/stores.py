@@ -4,16 +4,49 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from pipeline.checkpoint.manifest import complete_markers
 from pipeline.checkpoint.protocol.ownership import Holder, newest_holder
 from pipeline.checkpoint.stores.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
-from pipeline.checkpoint.stores.remote import Remote, remote_at
+from pipeline.checkpoint.stores.remote import Remote
 from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.errors import VerificationError
+from pipeline.storage import atomic
 from pipeline.storage.backend import held_elsewhere
+from pipeline.storage.integrity import read_record_json
 from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.s3 import S3Url
+
+STORE_RECORD = "storage.json"
+"""``<dir>/checkpoints/storage.json``: where a library checkpoint dir keeps its checkpoints (``{"storage": url}``),
+written by the :class:`~pipeline.checkpoint.Checkpointer` so the command lines find the bucket by the dir alone."""
+
+
+def remote_at(url: str | None, cache_dir: Path, what: str = "storage") -> Remote | None:
+    """The checkpoints root ``url`` (``s3://bucket/prefix``; None: the one ``cache_dir`` records, if any) with its
+    local cache in ``cache_dir``."""
+    if url is None:
+        url = recorded_store(CheckpointLayout(cache_dir))
+    return None if url is None else Remote(root=S3Url.parse(url, what), cache_dir=cache_dir)
+
+
+def record_store(layout: CheckpointLayout, url: str) -> None:
+    atomic.write_json_atomic(layout.checkpoints / STORE_RECORD, {"storage": url})
+
+
+def recorded_store(layout: CheckpointLayout) -> str | None:
+    """The bucket a library checkpoint dir records (None: its checkpoints are local)."""
+    path = layout.checkpoints / STORE_RECORD
+    try:
+        obj = read_record_json(path, "storage record")
+    except FileNotFoundError:
+        return None
+    url = obj.get("storage") if isinstance(obj, dict) else None
+    if not isinstance(url, str):
+        raise VerificationError(f'{path} is malformed: it must be {{"storage": "s3://..."}}')
+    return url
 
 
 def store_for(layout: CheckpointLayout, remote: Remote | None) -> CheckpointStore:

@@ -1,0 +1,110 @@
+"""Retention's removal of a committed step from a bucket, in two phases, so that a late removal can be undone (the
+bucket's side of :mod:`pipeline.checkpoint.protocol.trash`; a bucket has no rename, so the objects stay in place).
+
+Phase one (:func:`retire_step`) copies ``step_N/manifest.json`` to ``trash/step_N.e<epoch>.<stamp>.json`` and then
+deletes the manifest: the step is no longer committed, its objects stay, and nothing (the sweep, a piece's
+deletion) removes what a trash record lists. Phase two (:func:`purge`) deletes the record *first*, then the objects
+of the attempt it names and the shared pieces no committed manifest or record lists, unless the step is committed
+again by then. :func:`restore` writes the manifest back from the newest record (``If-None-Match``) and then reads
+that record again: gone means a purge may be deleting the objects, so it takes its manifest back. Either the
+restore's second read comes before the purge's deletion of the record (the purge then finds the step committed and
+deletes nothing) or after it (the restore withdraws): a brought-back step never loses its objects.
+
+A committer purges at once the records it wrote under its own epoch; anyone else's (a ghost's late retention, a
+committer before it) after :data:`~pipeline.checkpoint.protocol.trash.GRACE_S` on the purger's own clock, counted
+from when it first saw the record.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+from pipeline.checkpoint.manifest import Manifest
+from pipeline.checkpoint.protocol.trash import GRACE_S
+from pipeline.checkpoint.stores.remote import TRASH, Remote, parse_record
+from pipeline.errors import VerificationError
+from pipeline.storage.s3 import Conflict
+
+log = logging.getLogger("pipeline.checkpoint.stores.bucket_store")
+
+_ENTRY = re.compile(r"^step_(\d+)\.e(\d+)\.\d+\.json$")
+
+
+def prefix(remote: Remote) -> str:
+    return remote.key(TRASH) + "/"
+
+
+def entries(remote: Remote) -> list[tuple[int, int, str]]:
+    """Every trash record as ``(step, epoch, key)``, oldest record of a step first."""
+    out = []
+    where = prefix(remote)
+    for key in remote.store.listing(where):
+        m = _ENTRY.match(key[len(where) :])
+        if m:
+            out.append((int(m.group(1)), int(m.group(2)), key))
+    return sorted(out, key=lambda e: (e[0], e[2]))
+
+
+def read_record(remote: Remote, key: str) -> Manifest | None:
+    """The manifest a trash record holds (None: gone, or not a manifest)."""
+    got = remote.store.get(key)
+    if got is None:
+        return None
+    try:
+        return Manifest.from_json(parse_record(got[0], "trash record", remote.url(key)), remote.url(key))
+    except VerificationError:
+        return None
+
+
+def retire_step(remote: Remote, step: int, epoch: int) -> bool:
+    """Phase one for ``step``; returns whether its manifest was there to move."""
+    got = remote.store.get(remote.manifest_key(step))
+    if got is None:
+        return False
+    key = remote.key(TRASH, f"step_{step}.e{epoch}.{int(time.time())}.json")  # the stamp only names it
+    remote.store.put(key, got[0])
+    remote.store.delete([remote.manifest_key(step)])
+    return True
+
+
+def purge(remote: Remote, epoch: int, first_seen: dict[str, float]) -> list[str]:
+    """Phase two for the records this committer may purge now; returns the piece keys their manifests listed
+    (for the caller to drop those no committed manifest lists)."""
+    now = time.monotonic()
+    pieces: list[str] = []
+    for step, by, key in entries(remote):
+        if by < epoch and now - first_seen.setdefault(key, now) < GRACE_S:
+            continue
+        manifest = read_record(remote, key)
+        remote.store.delete([key])  # first: a restore that reads it again after this withdraws
+        first_seen.pop(key, None)
+        if manifest is None or remote.store.get(remote.manifest_key(step)) is not None:
+            continue  # brought back (or committed again): its objects are the step's
+        remote.store.delete(sorted(remote.store.listing(remote.attempt_prefix(step, manifest.attempt))))
+        pieces += sorted(remote.piece_keys(manifest.files))
+        log.info("retention: purged step %d from %s", step, remote.url(key))
+    return pieces
+
+
+def restore(remote: Remote, step: int) -> bool:
+    """Bring ``step`` back from its newest trash record (see the module docstring); returns whether it did."""
+    found = [key for s, _, key in entries(remote) if s == step]
+    if not found:
+        return False
+    got = remote.store.get(found[-1])
+    if got is None:
+        return False
+    manifest_key = remote.manifest_key(step)
+    try:
+        remote.store.put(manifest_key, got[0], if_none_match=True)
+    except Conflict:  # back already (another committer's restore: the same bytes), or committed again
+        now = remote.store.get(manifest_key)
+        return now is not None and now[0] == got[0]
+    if remote.store.get(found[-1]) is None:  # purged meanwhile: its objects may be going
+        remote.store.delete([manifest_key])
+        log.warning("step %d was being purged from the trash: not brought back", step)
+        return False
+    log.warning("step %d brought back from the trash (%s): latest needs it", step, remote.url(found[-1]))
+    return True
