@@ -448,9 +448,11 @@ class World:
         if kind == "none" and ok and "none" not in os.environ.get("SIM_SKIP", ""):
             self.violate(f"a reader finds no latest, yet committed step(s) {ok} verify")
         if kind == "ok":
-            if step < self.last_ok and not all(s in self.damaged for s in self.ever_ok if step < s <= self.last_ok):
+            between = [s for s in self.ever_ok if step < s <= self.last_ok]
+            if step < self.last_ok and not all(s in self.damaged or s in self.retired for s in between):
                 self.violate(
-                    f"latest went back from step {self.last_ok} to {step}, and nothing damaged step(s) between"
+                    f"latest went back from step {self.last_ok} to {step}, and nothing damaged or retired the "
+                    f"step(s) between ({between})"
                 )
             self.last_ok = step
         present = set(self.present())

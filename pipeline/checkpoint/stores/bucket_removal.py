@@ -134,7 +134,8 @@ class BucketRemoval:
                 log.info("retention: retired step %d from %s", step, self.where)
         if not moved and not self._first_seen:
             return
-        inject("retention.before_delete", area="checkpoints", steps=",".join(map(str, moved)))
+        if moved:
+            inject("retention.before_delete", area="checkpoints", steps=",".join(map(str, moved)))
         fence()
         remote_pieces.drop(self.remote, set(bucket_trash.purge(self.remote, epoch, self._first_seen)))
         self.sweep_unreferenced()

@@ -320,7 +320,7 @@ class PosixCheckpoints:
                 moved.append(step)
         if moved:
             log.info("retention: removing %s from %s", tuple(moved), self.layout.checkpoints)
-        inject("retention.before_delete", area="checkpoints", steps=",".join(map(str, moved)))
+            inject("retention.before_delete", area="checkpoints", steps=",".join(map(str, moved)))
         fence()
         trash.purge(self.layout, epoch, self._first_seen)
 
