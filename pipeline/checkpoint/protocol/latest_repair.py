@@ -1,8 +1,7 @@
 """The committer's repair of ``latest`` (a mixin of :class:`~pipeline.checkpoint.protocol.committer.Committer`):
-re-verify the
-step it names, quarantine damage there, move it back to the newest committed step that verifies, or up to a newer
-one it lags behind. Every act is fenced; a move backwards (or a removal) happens only if ``latest`` is still what
-was read before the verification that called for it (``expect``), so a ghost's repair can never undo a newer
+re-verify the step it names, quarantine damage there, move it back to the newest committed step that verifies, or up to
+a newer one it lags behind. Every act is fenced; a move backwards (or a removal) happens only if ``latest`` is still
+what was read before the verification that called for it (``expect``), so a ghost's repair can never undo a newer
 holder's commit."""
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ pid, job), since when, and carries a heartbeat.
   a training job's process group) first judges the holder: free when its record says ``released`` or its process
   is gone from this very machine (same boot and pid namespace); otherwise it watches the record on its *own*
   monotonic clock and takes over only when the record did not change for a whole lease. A holder that renews is
-  refused one line naming it. Clocks of different nodes are never compared.
+  refused one line naming it. Clocks of different nodes are never compared. After a settle pause it lists again
+  (:meth:`CommitterLease._confirm`): its record must be the highest, and one not appointed yields to a record of
+  its own epoch that has renewed (its judgement rested on a stale listing). A new holder renews once at once, so a
+  newcomer that missed its record yields to it.
 * **Holding**: the holder rewrites only its own record (the heartbeat, from a thread) and checks the records before
   every act that changes the checkpoints (:meth:`CommitterLease.fence`). It has lost when a higher record exists,
   when its own record is gone, or when the records cannot be listed (the lease fails closed: unreadable is lost,
@@ -21,10 +24,9 @@ pid, job), since when, and carries a heartbeat.
   finds the heartbeat overdue renews (a heartbeat thread starved on a busy node does not stop the holder).
 * A ghost's late write (a heartbeat, a release) lands on its own record, below the newer holder's: harmless.
 
-The lease narrows the window in which two committers act; it does not close it (a holder frozen between its fence
-and its act acts once more when it thaws). What closes it is the protocol: every act a ghost can perform late is
-harmless (see :mod:`pipeline.checkpoint.protocol.committer`). The epoch is recorded in ``latest``, so a reader can
-tell which
+The lease narrows the window in which two committers act; it does not close it (a holder frozen between its fence and
+its act acts once more when it thaws). What closes it is the protocol: every act a ghost can perform late is harmless
+(see :mod:`pipeline.checkpoint.protocol.committer`). The epoch is recorded in ``latest``, so a reader can tell which
 holder moved it. ``live_holder`` and :meth:`Holder.live` (status, a resume deciding whether to wait) judge by the
 heartbeat's age and are advice only; exclusion never rests on them.
 """

@@ -1,8 +1,7 @@
 """The one store interface of the checkpoint protocol: what the committer asks of wherever checkpoints live.
 
 The protocol is written once, above this interface (:class:`~pipeline.checkpoint.protocol.committer.Committer`: its
-passes,
-the repair of ``latest``, the fall back to the newest step that verifies, retention's decision, the verdict);
+passes, the repair of ``latest``, the fall back to the newest step that verifies, retention's decision, the verdict);
 each store carries it out with its own strongest primitives:
 
 * :class:`~pipeline.checkpoint.stores.posix_store.PosixCheckpoints`: a local or shared POSIX filesystem. Ranks stage
