@@ -136,8 +136,11 @@ class CommitterLease:
         time.sleep(SETTLE_S)
         self._confirm(takeover)
         renewed = time.monotonic()
-        if self._write():  # beat 1, at once: a newcomer of this epoch whose listing missed this record yields to it
-            self._renewed = renewed
+        try:  # beat 1, at once: a newcomer of this epoch whose listing missed this record yields to it
+            if self._write():
+                self._renewed = renewed
+        except (OSError, PipelineError) as e:  # a missed beat: the heartbeat tries again (its timer runs)
+            log.warning("committer lease renewal of %s failed: %s", self.store.where, e)
         for epoch, _, name in records:  # fenced by this record: their holders stop at their next fence
             if epoch < self.epoch:
                 self.store.delete(name)  # an I/O error fails the acquisition in one line, as every other does
