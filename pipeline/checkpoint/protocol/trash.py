@@ -3,8 +3,7 @@
 Phase one moves ``checkpoints/step_N`` in one rename to ``checkpoints/.deleting/step_N.e<epoch>.<stamp>`` (the
 epoch of the committer that moved it); phase two (:func:`purge`) deletes it. A committer purges at once what it
 moved itself under its own epoch; what anyone else moved (a ghost's retention that acted after a pause, a
-committer before it) stays for :data:`GRACE_S` on the purger's own clock, counted from when it first saw the entry;
-no entry at or above the step ``latest`` names (re-read by the purge) is deleted.
+committer before it) stays for :data:`GRACE_S` on the purger's own clock, counted from when it first saw the entry.
 Meanwhile :func:`restore` brings a step back when ``latest`` needs it: a fall-back to the newest step that
 verifies finds it there. Before moving a step, :func:`retire_step` re-reads ``latest`` and the newest committed
 step at the act: neither, nor anything above them, is ever moved.
@@ -83,11 +82,8 @@ def purge(layout: CheckpointLayout, epoch: int, first_seen: dict[str, float]) ->
         clear_file(trash)  # a link or file planted where the trash goes: unlinked, never followed
         return
     now = time.monotonic()
-    named = latest_step_name(layout)  # re-read at the purge: a purge that lands late never takes what latest needs
     for entry in sorted(trash.iterdir()):
         parsed = parse_entry(entry.name)
-        if parsed is not None and named is not None and parsed[0] >= named:
-            continue  # latest fell back to it (or below it) since it was moved: kept for a restore
         if parsed is not None and parsed[1] < epoch:
             seen = first_seen.setdefault(entry.name, now)
             if now - seen < GRACE_S:

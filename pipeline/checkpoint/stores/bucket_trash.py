@@ -12,8 +12,7 @@ deletes nothing) or after it (the restore withdraws): a brought-back step never 
 
 A committer purges at once the records it wrote under its own epoch; anyone else's (a ghost's late retention, a
 committer before it) after :data:`~pipeline.checkpoint.protocol.trash.GRACE_S` on the purger's own clock, counted
-from when it first saw the record. No record at or above the step ``latest`` names (re-read at the purge) is
-purged.
+from when it first saw the record.
 """
 
 from __future__ import annotations
@@ -75,13 +74,7 @@ def purge(remote: Remote, epoch: int, first_seen: dict[str, float]) -> list[str]
     (for the caller to drop those no committed manifest lists)."""
     now = time.monotonic()
     pieces: list[str] = []
-    try:  # re-read at the purge: a purge that lands late never takes what latest needs
-        named, _ = remote.read_latest()
-    except VerificationError:
-        named = None
     for step, by, key in entries(remote):
-        if named is not None and step >= named.step:
-            continue  # latest fell back to it (or below it) since it was moved: kept for a restore
         if by < epoch and now - first_seen.setdefault(key, now) < GRACE_S:
             continue
         manifest = read_record(remote, key)
