@@ -136,11 +136,10 @@ class CommitterLease:
         time.sleep(SETTLE_S)
         self._confirm(takeover)
         renewed = time.monotonic()
-        try:  # beat 1, at once: a newcomer of this epoch whose listing missed this record yields to it
-            if self._write():
-                self._renewed = renewed
-        except (OSError, PipelineError) as e:  # a missed beat: the heartbeat tries again (its timer runs)
-            log.warning("committer lease renewal of %s failed: %s", self.store.where, e)
+        # Beat 1, at once: a newcomer of this epoch whose listing missed this record yields to it. An I/O error
+        # here fails the acquisition in one line, as every other write of it does.
+        if self._write():
+            self._renewed = renewed
         for epoch, _, name in records:  # fenced by this record: their holders stop at their next fence
             if epoch < self.epoch:
                 self.store.delete(name)  # an I/O error fails the acquisition in one line, as every other does
