@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import faulthandler
+import logging
+import multiprocessing
 import os
 import shlex
 import signal
+import sys
 import time
 import zlib
 from collections.abc import Sequence
@@ -92,7 +96,28 @@ def task_entry(
     )
     if summary.get("requeue"):
         preemption.requeue(env.global_rank, str(env.job_id))  # exits
+    if getattr(sys.modules["__main__"], "__file__", "").endswith(_SUBMIT_MAIN):  # a task process, not a test's
+        atexit.register(_exit_at_once)  # the first exit handler to run, once submitit has written the result
     return summary
+
+
+_SUBMIT_MAIN = os.path.join("submitit", "core", "_submit.py")
+
+
+def _exit_at_once() -> None:
+    """A finished task's process ends here, after submitit wrote its result, without the interpreter's teardown
+    of torch, gloo and transformers (1-3 s per task, measured: an 8-step tiny run spent 9 s of its 36 in it).
+    Only on success: an uncaught exception (submitit could not write the result) leaves ``sys.last_value`` and
+    a normal exit with its non-zero status; a child process still running gets the normal exit that joins or
+    ends it. Every file the stages write is closed by then (or written with ``os.write``); the logs and the
+    standard streams are flushed here."""
+    if getattr(sys, "last_value", None) is not None or multiprocessing.active_children():
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 LOCAL_JOB_SETUP = ("trap '' INT",)
