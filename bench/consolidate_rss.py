@@ -246,7 +246,7 @@ def inherent_peak(ckpt: Path) -> tuple[int, int, str]:
     md = read_metadata_safe(ckpt)
     best, largest, name = 0, 0, ""
     for key, meta in tensor_entries(md, "model."):
-        item = meta.properties.dtype.itemsize
+        item = meta.properties.torch_dtype().itemsize
         full = math.prod(meta.size) * item
         chunk = max(math.prod(c.sizes) * item for c in meta.chunks)
         largest = max(largest, full)

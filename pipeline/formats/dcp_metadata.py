@@ -1,12 +1,13 @@
-"""DCP ``.metadata``, read without unpickling untrusted bytes and without importing torch's DCP package.
+"""DCP ``.metadata``, read without unpickling untrusted bytes and without importing torch.
 
 DCP stores its ``.metadata`` with ``pickle``. :func:`read_metadata_safe` reads it with a restricted unpickler
 that resolves DCP's metadata classes to the plain mirrors below (same names, same fields, same pickled state),
-so reading a step's metadata costs neither arbitrary code nor ``import torch.distributed.checkpoint`` (about
-50 MiB and 0.8 s: it pulls in sympy), which matters to the committer and consolidate, which only read. The
-result is then checked against the directory: typed fields, chunks inside their tensors, every stored byte
-range inside a regular data file reached by a safe relative path. :func:`to_torch` turns it into torch's own
-classes for ``dcp.load`` (:mod:`pipeline.formats.dcp`).
+and torch's value types to stand-ins (:class:`Size`, a tuple; :class:`TorchName`, a dtype or layout by name),
+so reading a step's metadata costs neither arbitrary code nor ``import torch`` (about 3 CPU-seconds and 300 MB
+per process), which matters to the committer, which only reads. The result is then checked against the
+directory: typed fields, chunks inside their tensors, every stored byte range inside a regular data file reached
+by a safe relative path. :meth:`TensorProperties.torch_dtype` gives the dtype to code that builds tensors;
+:func:`to_torch` turns the whole into torch's own classes for ``dcp.load`` (:mod:`pipeline.formats.dcp`).
 """
 
 from __future__ import annotations
@@ -23,22 +24,24 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import CheckpointFormatError
 from pipeline.formats.dcp_names import METADATA_FILE
+from pipeline.formats.dcp_values import DTYPES, MEMORY_FORMATS, STRIDED, Size, TorchName, layout
 from pipeline.formats.pickle_safety import check_opcodes, error_summary
 from pipeline.storage.integrity import SafeRoot, safe_join
+
+if TYPE_CHECKING:
+    import torch
 
 
 # Mirrors of torch.distributed.checkpoint.metadata's classes and filesystem._StorageInfo (torch 2.x): pickled
 # DCP metadata unpickles into them field for field.
 @dataclass
 class ChunkStorageMetadata:
-    offsets: torch.Size
-    sizes: torch.Size
+    offsets: Size
+    sizes: Size
 
 
 class _MEM_FORMAT_ENCODING(enum.Enum):  # noqa: N801 - DCP's name, resolved by the unpickler
@@ -48,9 +51,9 @@ class _MEM_FORMAT_ENCODING(enum.Enum):  # noqa: N801 - DCP's name, resolved by t
 
 
 _MEMORY_FORMATS = {
-    _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: torch.contiguous_format,
-    _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: torch.channels_last,
-    _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: torch.preserve_format,
+    _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT: TorchName("memory_format", "contiguous_format"),
+    _MEM_FORMAT_ENCODING.TORCH_CHANNELS_LAST: TorchName("memory_format", "channels_last"),
+    _MEM_FORMAT_ENCODING.TORCH_PRESERVE_FORMAT: TorchName("memory_format", "preserve_format"),
 }
 
 
@@ -68,11 +71,15 @@ class TensorProperties:
         self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state
         self.memory_format = _MEMORY_FORMATS[encoding]
 
+    def torch_dtype(self) -> torch.dtype:
+        """The tensor's dtype as torch's own (imports torch)."""
+        return TorchName("dtype", self.dtype.name).resolve() if isinstance(self.dtype, TorchName) else self.dtype
+
 
 @dataclass
 class TensorStorageMetadata:
     properties: TensorProperties
-    size: torch.Size
+    size: Size
     chunks: list[ChunkStorageMetadata]
 
 
@@ -101,7 +108,7 @@ class Metadata:
 @dataclass(frozen=True)
 class MetadataIndex:
     fqn: str
-    offset: torch.Size | None = None
+    offset: Size | None = None
     index: int | None = field(hash=False, compare=False, default=None)
 
 
@@ -139,11 +146,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         if mirror is not None:
             return mirror
         if module == "torch" and name == "Size":
-            return torch.Size
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
+            return Size
+        if module == "torch" and name in DTYPES:
+            return TorchName("dtype", name)
+        if module == "torch" and name in MEMORY_FORMATS:
+            return TorchName("memory_format", name)
         if module == "torch.serialization" and name == "_get_layout":
-            return torch.serialization._get_layout  # maps a layout name such as "torch.strided" to the layout
+            return layout  # DCP's pickle maps the name "torch.strided" to the layout
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "Path"):
             return getattr(pathlib, name)
         if module == "collections" and name == "OrderedDict":
@@ -206,7 +215,7 @@ def read_metadata_safe(path: Path) -> Metadata:
 
 def _dims(value: object) -> tuple[int, ...] | None:
     """``value`` as a shape or an offset (a torch.Size of ints >= 0), or None if it is not one."""
-    if not isinstance(value, torch.Size) or not all(type(d) is int and d >= 0 for d in value):
+    if not isinstance(value, Size) or not all(type(d) is int and d >= 0 for d in value):
         return None
     return tuple(value)
 
@@ -269,7 +278,10 @@ def _check_tensor(
 ) -> None:
     props, size = item.properties, _dims(item.size)
     if not (
-        isinstance(props, TensorProperties) and isinstance(props.dtype, torch.dtype) and props.layout is torch.strided
+        isinstance(props, TensorProperties)
+        and isinstance(props.dtype, TorchName)
+        and props.dtype.kind == "dtype"
+        and props.layout == STRIDED
     ):
         raise _refusal(file, f"tensor {key!r} has malformed properties (dtype, strided layout)")
     if size is None or not isinstance(item.chunks, list):
@@ -331,23 +343,30 @@ def tensor_entries(md: Metadata, prefix: str) -> Iterator[tuple[str, TensorStora
 
 def to_torch(md: Metadata) -> Any:
     """``md`` as torch's own DCP metadata objects (for ``dcp.load``; imports torch's DCP package)."""
-    from torch.distributed.checkpoint import metadata as dcp_meta  # noqa: PLC0415 - only where DCP loads
+    import torch  # noqa: PLC0415 - only where DCP loads
+    from torch.distributed.checkpoint import metadata as dcp_meta  # noqa: PLC0415
     from torch.distributed.checkpoint.filesystem import _StorageInfo as TorchStorageInfo  # noqa: PLC0415
+
+    def value(v: Any) -> Any:
+        return v.resolve() if isinstance(v, TorchName) else v
+
+    def dims(v: Size) -> torch.Size:
+        return torch.Size(v)
 
     def props(p: TensorProperties) -> Any:
         return dcp_meta.TensorProperties(
-            dtype=p.dtype,
-            layout=p.layout,
+            dtype=value(p.dtype),
+            layout=value(p.layout),
             requires_grad=p.requires_grad,
-            memory_format=p.memory_format,
+            memory_format=value(p.memory_format),
             pin_memory=p.pin_memory,
         )
 
     def item(m: TensorStorageMetadata | BytesStorageMetadata) -> Any:
         if isinstance(m, BytesStorageMetadata):
             return dcp_meta.BytesStorageMetadata()
-        chunks = [dcp_meta.ChunkStorageMetadata(offsets=c.offsets, sizes=c.sizes) for c in m.chunks]
-        return dcp_meta.TensorStorageMetadata(properties=props(m.properties), size=m.size, chunks=chunks)
+        chunks = [dcp_meta.ChunkStorageMetadata(offsets=dims(c.offsets), sizes=dims(c.sizes)) for c in m.chunks]
+        return dcp_meta.TensorStorageMetadata(properties=props(m.properties), size=dims(m.size), chunks=chunks)
 
     storage_meta = None
     if md.storage_meta is not None:
@@ -359,7 +378,7 @@ def to_torch(md: Metadata) -> Any:
         state_dict_metadata={k: item(m) for k, m in md.state_dict_metadata.items()},
         planner_data=md.planner_data,
         storage_data={
-            dcp_meta.MetadataIndex(i.fqn, i.offset, i.index): TorchStorageInfo(
+            dcp_meta.MetadataIndex(i.fqn, None if i.offset is None else dims(i.offset), i.index): TorchStorageInfo(
                 s.relative_path, s.offset, s.length, s.transform_descriptors
             )
             for i, s in md.storage_data.items()

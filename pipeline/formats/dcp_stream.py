@@ -35,7 +35,7 @@ from pipeline.storage.integrity import safe_join
 
 
 def _nbytes(meta: dcp_meta.TensorStorageMetadata) -> int:
-    return math.prod(meta.size) * meta.properties.dtype.itemsize
+    return math.prod(meta.size) * meta.properties.torch_dtype().itemsize
 
 
 def _check_no_overlap(path: Path, key: str, meta: dcp_meta.TensorStorageMetadata) -> None:
@@ -103,9 +103,9 @@ class TensorStreamer:
         """Load each block alone, in order."""
         for chunk, info in blocks:
             tensor = self._load_chunk(info)
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != meta.properties.dtype:
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != meta.properties.torch_dtype():
                 raise CheckpointFormatError(
-                    f"{self.path}/{info.relative_path}: chunk is not a {meta.properties.dtype} tensor"
+                    f"{self.path}/{info.relative_path}: chunk is not a {meta.properties.torch_dtype()} tensor"
                 )
             if tuple(tensor.shape) != tuple(chunk.sizes):
                 raise CheckpointFormatError(
@@ -133,7 +133,7 @@ class TensorStreamer:
                 return None  # not what this fast path reads: the decoding path reports what is wrong
             if (
                 not isinstance(tensor, LazyTensor)
-                or tensor.dtype != meta.properties.dtype
+                or tensor.dtype != meta.properties.torch_dtype()
                 or tensor.shape != tuple(chunk.sizes)
                 or not tensor.is_contiguous()
             ):
@@ -162,7 +162,7 @@ class TensorStreamer:
         _check_no_overlap(self.path, key, meta)
         if self._buffer is None:
             self._buffer = torch.empty(max(_nbytes(m) for _, m in self.entries), dtype=torch.uint8)
-        out = self._buffer[: _nbytes(meta)].view(meta.properties.dtype).view(meta.size)
+        out = self._buffer[: _nbytes(meta)].view(meta.properties.torch_dtype()).view(meta.size)
         from pipeline.formats.dcp import load_into  # noqa: PLC0415 - torch's DCP package, only for this path
 
         load_into({key: out}, self.path, no_dist=True, metadata=self.metadata)
@@ -179,7 +179,7 @@ def consolidate_dcp(step_dir: Path, out: Path, on_tensor: Callable[[str], None] 
         raise PipelineError(
             f"{step_dir} holds no tensors under '{MODEL_PREFIX}': not a training checkpoint of this pipeline"
         )
-    specs = [TensorSpec(k[len(MODEL_PREFIX) :], m.properties.dtype, tuple(m.size)) for k, m in streamer.entries]
+    specs = [TensorSpec(k[len(MODEL_PREFIX) :], m.properties.torch_dtype(), tuple(m.size)) for k, m in streamer.entries]
     writer = StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"})
     files = _OpenFiles()
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import math
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -148,9 +149,9 @@ def _dcp_step(path: Path) -> int | None:
             if stored is not None:
                 return stored
             continue
-        if entry is None or entry.size.numel() != 1:
+        if entry is None or math.prod(entry.size) != 1:
             continue
-        value = torch.zeros(entry.size, dtype=entry.properties.dtype)
+        value = torch.zeros(entry.size, dtype=entry.properties.torch_dtype())
         box: dict[str, Any] = {"train": {"step": value}} if key == "train.step" else {key: value}
         load_into(box, path, no_dist=True, metadata=md)
         return int(value.reshape(()).item())

@@ -289,7 +289,7 @@ def make_baseline(root: Path) -> Baseline:
     consolidate_dcp(step_dir, root / "reference.safetensors")
     md = read_metadata_safe(step_dir)
     state: dict[str, Any] = {
-        k: torch.zeros(tuple(m.size), dtype=m.properties.dtype)
+        k: torch.zeros(tuple(m.size), dtype=m.properties.torch_dtype())
         if isinstance(m, dcp_metadata.TensorStorageMetadata)
         else None
         for k, m in md.state_dict_metadata.items()

@@ -143,7 +143,7 @@ class _DcpPortable:
         item = self.metadata.state_dict_metadata.get(key)
         if not isinstance(item, TensorStorageMetadata):
             raise CheckpointFormatError(f"{self.step_dir}: the checkpoint has no tensor {key!r} (not a training step)")
-        return torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        return torch.empty(tuple(item.size), dtype=item.properties.torch_dtype())
 
     def _read(self, key: str) -> torch.Tensor:
         out = self._empty(key)
