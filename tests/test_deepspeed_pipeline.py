@@ -50,7 +50,9 @@ def _zero_to_fp32(step_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model.safetensors"))
 
 
-@pytest.mark.parametrize("stage", [1, 2])  # ZeRO-3: the bf16 test below, and tests/test_byo.py (tied GPT-2)
+@pytest.mark.parametrize("stage", [2])  # ZeRO-3: the bf16 test below, and tests/test_byo.py (tied GPT-2); ZeRO-1
+# (the layout of ZeRO-2): consolidated against zero_to_fp32 in test_deepspeed_format.py, resumed through the app
+# in test_resume_anywhere.py
 def test_zero_stage_runs_end_to_end(tmp_path: Path, stage: int) -> None:
     out = _run(tmp_path, f"z{stage}", "strategy=deepspeed", f"strategy.zero_stage={stage}")
     layout = RunLayout.for_run(tmp_path, "tiny", f"z{stage}")

@@ -137,7 +137,7 @@ GAPS = {  # found by this suite, fixed; their reproducers stay as the test_gap_*
 }
 
 
-def hostile(ci: int = 300, large: int = 1000) -> settings:
+def hostile(ci: int = 200, large: int = 1000) -> settings:
     return settings(
         max_examples=sized(ci, large),
         deadline=None,
@@ -1596,7 +1596,7 @@ def _symlink_case(family: Family, base: Baseline, data: st.DataObject, root: Pat
 def test_hostile_paths_and_symlinks_are_refused(baseline: Baseline) -> None:
     family = Family("paths in markers, manifests and .metadata; planted symlinks")
 
-    @hostile(ci=300, large=1500)
+    @hostile(ci=200, large=1500)
     @given(data=st.data(), kind=st.sampled_from(["listed path", "metadata path", "symlink"]))
     def case(data: st.DataObject, kind: str) -> None:
         if kind == "metadata path":
