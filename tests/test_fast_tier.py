@@ -241,7 +241,8 @@ def test_the_app_resumes_a_killed_train_from_the_fast_tier_bit_identically(tmp_p
     """Durable saves every 8 steps, fast every 2; rank 1 dies while saving step 12 durably: latest stays 8, the
     rerun resumes from fast step 10 and trains steps 11 and 12 to the same losses."""
     args = ["+experiment=tiny", f"run.root={tmp_path}", "run.id=f", "run.create=true", "train.steps=12",
-            "checkpoint.every=8", "checkpoint.fast.every=2", f"checkpoint.fast.dir={tmp_path / 'local'}"]  # fmt: skip
+            "checkpoint.every=8", "checkpoint.fast.every=2", f"checkpoint.fast.dir={tmp_path / 'local'}",
+            "export=none"]  # fmt: skip
     plan = run_cli(*args, "dry_run=true")
     assert "fast:   every 2 steps, each rank's state in" in plan.stdout, plan.stdout
     kill = {"PIPELINE_FAULTS": "shard_save.before_marker@rank=1@step=12@action=exit"}
