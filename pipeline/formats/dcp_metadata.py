@@ -72,8 +72,8 @@ class TensorProperties:
         self.memory_format = _MEMORY_FORMATS[encoding]
 
     def torch_dtype(self) -> torch.dtype:
-        """The tensor's dtype as torch's own (imports torch)."""
-        return TorchName("dtype", self.dtype.name).resolve() if isinstance(self.dtype, TorchName) else self.dtype
+        """The tensor's dtype as torch's own (imports torch; ``read_metadata_safe`` checked it is a dtype's name)."""
+        return self.dtype.resolve()
 
 
 @dataclass
@@ -350,9 +350,6 @@ def to_torch(md: Metadata) -> Any:
     def value(v: Any) -> Any:
         return v.resolve() if isinstance(v, TorchName) else v
 
-    def dims(v: Size) -> torch.Size:
-        return torch.Size(v)
-
     def props(p: TensorProperties) -> Any:
         return dcp_meta.TensorProperties(
             dtype=value(p.dtype),
@@ -365,8 +362,10 @@ def to_torch(md: Metadata) -> Any:
     def item(m: TensorStorageMetadata | BytesStorageMetadata) -> Any:
         if isinstance(m, BytesStorageMetadata):
             return dcp_meta.BytesStorageMetadata()
-        chunks = [dcp_meta.ChunkStorageMetadata(offsets=dims(c.offsets), sizes=dims(c.sizes)) for c in m.chunks]
-        return dcp_meta.TensorStorageMetadata(properties=props(m.properties), size=dims(m.size), chunks=chunks)
+        chunks = [
+            dcp_meta.ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in m.chunks
+        ]
+        return dcp_meta.TensorStorageMetadata(properties=props(m.properties), size=torch.Size(m.size), chunks=chunks)
 
     storage_meta = None
     if md.storage_meta is not None:
@@ -378,9 +377,9 @@ def to_torch(md: Metadata) -> Any:
         state_dict_metadata={k: item(m) for k, m in md.state_dict_metadata.items()},
         planner_data=md.planner_data,
         storage_data={
-            dcp_meta.MetadataIndex(i.fqn, None if i.offset is None else dims(i.offset), i.index): TorchStorageInfo(
-                s.relative_path, s.offset, s.length, s.transform_descriptors
-            )
+            dcp_meta.MetadataIndex(
+                i.fqn, None if i.offset is None else torch.Size(i.offset), i.index
+            ): TorchStorageInfo(s.relative_path, s.offset, s.length, s.transform_descriptors)
             for i, s in md.storage_data.items()
         },
         storage_meta=storage_meta,
