@@ -133,6 +133,29 @@ def assets(root: Path) -> Path:
     return out
 
 
+def test_assets_are_built_without_torch_or_transformers(root: Path, assets: Path) -> None:
+    """prepare-dirs trains the tokenizer and writes the token stream with ``tokenizers`` and ``safetensors`` alone
+    (torch and ``transformers`` cost seconds of CPU per run); ``AutoTokenizer`` loads what it wrote, and encodes
+    as the tokenizer that made the token stream did."""
+    out = root / "assets-bare"
+    code = (
+        "import sys; from pathlib import Path; from pipeline.config.compose import load_config; "
+        "from pipeline.workload.corpus import build_assets; "
+        f"build_assets(load_config(['+experiment=tiny']).data, Path({str(out)!r})); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout
+    tokenizer = load_tokenizer(out)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<s>", "</s>", "<pad>")
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    tokens = load_file(str(out / "tokens.safetensors"))["tokens"].tolist()
+    first = tokens[: tokens.index(tokenizer.eos_token_id)]
+    assert tokenizer.decode(first) and tokenizer.encode(tokenizer.decode(first), add_special_tokens=False) == first
+    assert hash_file(out / "tokens.safetensors") == hash_file(assets / "tokens.safetensors")  # the same build
+
+
 @pytest.fixture(scope="module")
 def saved(root: Path, assets: Path) -> Saved:
     """Two ``torch.save`` files of the tiny model (weights moved off their init), one needing a foreign global."""

@@ -7,6 +7,11 @@
   hash are recorded in ``assets/data.json``, and train refuses a file that changed since.
 
 Every source file is fingerprinted in ``assets/data.json``. Nothing is fetched from a hub.
+
+A tokenizer trained here is built, saved and applied with ``tokenizers`` alone, and the token stream written with
+``safetensors``' numpy API: prepare-dirs imports neither torch nor ``transformers`` (seconds of CPU per run) unless
+it loads a tokenizer directory it was given. What it writes is what ``transformers`` writes (``AutoTokenizer``
+loads it; the token stream is the same bytes).
 """
 
 from __future__ import annotations
@@ -15,17 +20,19 @@ import glob
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from pipeline.config.workload import DataConfig
 from pipeline.errors import ConfigError, VerificationError
 from pipeline.storage.atomic import read_json, write_json_atomic
 from pipeline.storage.integrity import hash_file
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 TOKENS_FILE = "tokens.safetensors"
@@ -46,14 +53,35 @@ def generate_corpus(cfg: DataConfig) -> list[str]:
     ]
 
 
-def train_tokenizer(corpus: list[str], cfg: DataConfig) -> PreTrainedTokenizerFast:
+SPECIAL_ROLES = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+
+
+def _trained(corpus: list[str], cfg: DataConfig) -> Tokenizer:
+    """A BPE tokenizer trained on ``corpus`` (``tokenizers`` only), with the post-processor ``transformers`` gives
+    it (no special tokens added), so its ``tokenizer.json`` is the one ``save_pretrained`` writes."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIALS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIALS, show_progress=False)
     )
+    tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
+    return tok
+
+
+def train_tokenizer(corpus: list[str], cfg: DataConfig) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - seconds to import: only where needed
+
+    return PreTrainedTokenizerFast(tokenizer_object=_trained(corpus, cfg), **SPECIAL_ROLES)
+
+
+def _save_trained(tok: Tokenizer, out: Path) -> None:
+    """What ``PreTrainedTokenizerFast.save_pretrained`` writes for a tokenizer trained here, without
+    ``transformers``: ``tokenizer.json`` and a ``tokenizer_config.json`` naming its special tokens."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": int(1e30), **SPECIAL_ROLES}
+    write_json_atomic(out / "tokenizer_config.json", config)
 
 
 def source_files(cfg: DataConfig) -> list[Path]:
@@ -93,6 +121,8 @@ def tokenizer_source(cfg: DataConfig, pretrained: str | None) -> Path | None:
 
 
 def _load_tokenizer_dir(path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer  # noqa: PLC0415 - seconds to import: only where needed
+
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
@@ -118,21 +148,31 @@ def build_assets(cfg: DataConfig, out_dir: Path, pretrained: str | None = None) 
         corpus = generate_corpus(cfg)
     else:
         corpus = [] if cfg.source == "tokens" else _documents(cfg, files)
-    tokenizer = _load_tokenizer_dir(tok_dir) if tok_dir is not None else train_tokenizer(corpus, cfg)
-    tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
-    if cfg.source != "tokens":
-        ids: list[int] = []
+    ids: list[int] = []
+    if tok_dir is None:  # trained here: tokenizers alone
+        trained = _trained(corpus, cfg)
+        _save_trained(trained, out_dir / TOKENIZER_DIR)
+        eos = trained.token_to_id(SPECIAL_ROLES["eos_token"]) or 0  # a special token: always in the vocabulary
+        for doc in corpus:  # one at a time: encode_batch starts threads, which a later fork warns about
+            ids.extend(trained.encode(doc, add_special_tokens=False).ids)
+            ids.append(eos)
+    else:
+        tokenizer = _load_tokenizer_dir(tok_dir)
+        tokenizer.save_pretrained(str(out_dir / TOKENIZER_DIR))
+        if cfg.source == "tokens" and len(tokenizer) > 2**16 and cfg.token_dtype == "uint16":
+            raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens: uint16 cannot hold them (data.token_dtype)")
         for doc in corpus:
             ids.extend(tokenizer.encode(doc, add_special_tokens=False))
             ids.append(int(tokenizer.eos_token_id))  # type: ignore[arg-type]
-        save_file({"tokens": torch.tensor(ids, dtype=torch.int64)}, str(out_dir / TOKENS_FILE))
-    elif len(tokenizer) > 2**16 and cfg.token_dtype == "uint16":
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens: uint16 cannot hold them (data.token_dtype)")
+    if cfg.source != "tokens":
+        save_file({"tokens": np.array(ids, dtype=np.int64)}, str(out_dir / TOKENS_FILE))
     record = {"source": cfg.source, "dtype": cfg.token_dtype, "files": fingerprint(files)}
     write_json_atomic(out_dir / DATA_FILE, record)
 
 
 def load_tokenizer(assets: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer  # noqa: PLC0415 - seconds to import: only where needed
+
     return AutoTokenizer.from_pretrained(str(assets / TOKENIZER_DIR), local_files_only=True)
 
 
