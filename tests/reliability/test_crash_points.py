@@ -199,12 +199,16 @@ def _step_dirs(area: Path) -> list[Path]:
 
 
 def _published_problems(layout: RunLayout) -> list[str]:
-    """Published steps and outputs that do not verify (a partial step or output accepted)."""
+    """Published steps and outputs that do not verify (a partial step or output accepted). A step dir without
+    its manifest is no committed step (the manifest, written last, commits it): no reader takes it, and a rerun
+    must finish it (the comparison with a clean run's outputs says so)."""
     out: list[str] = []
     for p in _step_dirs(layout.checkpoints):
         try:
             if p.is_symlink() or not p.is_dir():
                 raise PipelineError("not a directory")
+            if not (p / "manifest.json").exists():
+                continue
             verify_committed(p)
         except (PipelineError, OSError) as e:
             out.append(f"partial step accepted: {p.name}: {e}")

@@ -202,11 +202,11 @@ class Committer(LatestRepair):
             log.warning("incomplete step %d is superseded by committed step %d; left in staging: %s", step, newest, msg)
 
     def is_clean(self) -> int | None:
-        """``latest``'s step when it verifies, nothing newer is staged or published, and nothing is planted;
-        else None (a committer has work to do)."""
+        """``latest``'s step when it verifies, nothing newer is staged or published, no commit is half done and
+        nothing is planted; else None (a committer has work to do)."""
         try:
             newest = self.store.read_latest()
-            if newest is None or self._candidates() or self.store.stray():
+            if newest is None or self._candidates() or self.store.stray() or self.store.unfinished():
                 return None
             if any(s > newest.step for s in self.store.committed()):
                 return None

@@ -163,6 +163,9 @@ class BucketCheckpoints(BucketRemoval):
     def stray(self) -> list[str]:
         return []  # keys are names, never links
 
+    def unfinished(self) -> list[int]:
+        return []  # the manifest object is the one act that publishes a step
+
     # -- staged steps ---------------------------------------------------------------------------------------
 
     def staged(self) -> list[int]:

@@ -1,8 +1,8 @@
 """Checkpoints in a POSIX directory (local disk, NFS, Lustre, GPFS, a FUSE mount): the protocol's store.
 
 Inputs: ``checkpoints/staging/step_N/`` with each rank's files and ``rank_K.done.json``.
-Outputs: ``checkpoints/step_N/`` published in one directory rename with its ``manifest.json`` (written into the
-staged dir first: the manifest is a function of the staged attempt, so two committers write the same bytes);
+Outputs: ``checkpoints/step_N/``, the staged dir moved into place in one rename, then committed by its
+``manifest.json`` written last (a function of the staged attempt, so two committers write the same bytes);
 ``checkpoints/latest`` replaced by rename; a refused step moved to ``checkpoints/quarantine/`` with its reason;
 retention's steps moved into ``checkpoints/.deleting/`` in one rename, deleted later (:mod:`.trash`).
 Owner: the one committer (:class:`~pipeline.checkpoint.protocol.committer.Committer`); every mutation goes through
@@ -188,6 +188,11 @@ class PosixCheckpoints:
     def stray(self) -> list[str]:
         return [str(p) for p in repair.planted(self.storage, self.layout)]
 
+    def unfinished(self) -> list[int]:
+        kind = self.storage.kind
+        return [s for s, p in step_entries(self.storage, self.layout.checkpoints)
+                if kind(p) == "dir" and kind(p / MANIFEST) is None]  # fmt: skip
+
     # -- staged steps ---------------------------------------------------------------------------------------
 
     def staged(self) -> list[int]:
@@ -207,12 +212,18 @@ class PosixCheckpoints:
         return verified_manifest(step, markers, self.layout.staged_step(step), self.layout.run_id, allow_pickle)
 
     def publish(self, manifest: Manifest) -> str | None:
+        """Move the staged step into place, then commit it by writing its manifest there: the commit is a file
+        written last, as in a bucket. No committer writes into a directory that another may be renaming (a
+        FUSE mount can lose an entry written into a directory another mount renames): the rename moves only
+        the ranks' finished files, and a step published without its manifest is no committed step to any reader
+        (a crash between the two: the next pass verifies it and writes the manifest, :meth:`tidy`). Two
+        committers write the same manifest bytes (a function of the staged attempt)."""
         step = manifest.step
-        staged = self.layout.staged_step(step)
+        staged, final = self.layout.staged_step(step), self.layout.committed_step(step)
         try:
-            manifest_hash = write_manifest(staged, manifest)
             inject("verify.before_publish", step=step)
-            self.storage.publish(staged, self.layout.committed_step(step))
+            self.storage.publish(staged, final)
+            manifest_hash = write_manifest(final, manifest)
         except (OSError, PipelineError) as e:
             # Another committer published this step first? The same attempt, so the same manifest bytes. An I/O
             # error (EIO, ENOSPC: a failed fsync) fails the commit even then: it is never retried into success.
@@ -288,8 +299,8 @@ class PosixCheckpoints:
         return repairs
 
     def _finish_unmanifested(self, fence: Callable[[], None], world_size: int, allow_pickle: bool) -> None:
-        """A published step without its manifest: two committers' publishes raced on a filesystem whose directory
-        rename is not atomic against writes inside it (seen on a FUSE mount). Verified, its manifest is written."""
+        """A step moved into place without its manifest: a commit interrupted between its rename and its manifest
+        (or two committers' publishes raced on a FUSE mount). Verified, its manifest is written."""
         for step, path in step_entries(self.storage, self.layout.checkpoints):
             if self.storage.kind(path) != "dir" or self.storage.kind(path / MANIFEST) is not None:
                 continue
@@ -302,9 +313,12 @@ class PosixCheckpoints:
                 log.warning("%s is published without a manifest and does not verify; not a committed step: %s", path, e)
                 continue
             fence()
+            repair.sweep_temp_files_in(self.storage, path)  # a manifest write that died: its temp file
             write_manifest(path, manifest)
             log.warning(
-                "step %d was published without its manifest (a raced publish): verified, manifest written", step
+                "step %d was moved into place without its manifest (a commit interrupted, or raced): verified, "
+                "manifest written",
+                step,
             )
 
     def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:

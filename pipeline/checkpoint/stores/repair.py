@@ -58,8 +58,13 @@ def step_entries(storage: Storage, area: Path) -> list[tuple[int, Path]]:
 
 def sweep_temp_files(storage: Storage, layout: CheckpointLayout) -> None:
     """Temp files a committer that died left in ``checkpoints/`` (e.g. ``latest.tmp-*``): its own litter."""
-    for name in storage.list(layout.checkpoints):
-        path = layout.checkpoints / name
+    sweep_temp_files_in(storage, layout.checkpoints)
+
+
+def sweep_temp_files_in(storage: Storage, where: Path) -> None:
+    """Temp files directly in ``where`` (a committer's own litter there: never content)."""
+    for name in storage.list(where):
+        path = where / name
         if is_temp_name(name) and storage.kind(path) == "file":
             log.info("removing %s, left by a commit that did not finish", path)
             storage.delete_file(path)

@@ -136,6 +136,11 @@ class CheckpointStore(Protocol):
         """Entries planted where steps go (links, files): the next pass quarantines them."""
         ...
 
+    def unfinished(self) -> list[int]:
+        """Steps moved into place whose manifest is not written yet (a commit interrupted between its two acts,
+        on a store that has two): no committed step to a reader; the next pass verifies and finishes them."""
+        ...
+
     # -- staged steps ---------------------------------------------------------------------------------------
     def staged(self) -> list[int]:
         """Steps with staged files (any attempt), committed or not."""
