@@ -40,8 +40,16 @@ def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status
     out = []
     for name, step in step_entries(layout.checkpoints):
         entry: Status = {"step": step, "latest": step == latest_step}
+        step_dir = layout.checkpoints / name
+        if lstat_kind(step_dir) == "dir" and lstat_kind(step_dir / "manifest.json") is None:
+            entry["error"] = (
+                "not committed yet: moved into place, its manifest not written (a commit interrupted between its "
+                "two acts); the committer's next pass verifies it and writes the manifest"
+            )
+            out.append(entry)
+            continue
         try:
-            manifest = read_manifest(layout.checkpoints / name)
+            manifest = read_manifest(step_dir)
         except (PipelineError, OSError) as e:
             entry["error"] = why(e)
         else:
