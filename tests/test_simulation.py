@@ -10,9 +10,9 @@ import pytest
 
 from tests.simulate import STORES, exhaustive, explore, small
 
-SCHEDULES = int(os.environ.get("SIM_SCHEDULES", "1200"))
-"""Schedules per store and chunk in the suite (``python -m tests.simulate --schedules N`` for more)."""
-CHUNKS = 2
+SCHEDULES = int(os.environ.get("SIM_SCHEDULES", "5000"))
+"""Schedules per store in the suite, 10,000 over both (``python -m tests.simulate --schedules N`` for more)."""
+CHUNKS = 4
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))

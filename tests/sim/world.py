@@ -406,12 +406,18 @@ class World:
         self.violations.append(f"t={self.kernel.now:.1f}: {what}")
         raise Violation(what)
 
-    def fingerprint(self) -> Any:
-        """What the invariants depend on, cheaply: every committed entry, ``latest`` and the lease (their inode,
-        size and mtime; in a bucket, the objects' ETags). Unchanged since the last check: nothing to check."""
+    def fingerprint(self) -> tuple[Any, Any]:
+        """What the invariants depend on, cheaply, in two parts: the steps (every committed entry, ``latest``,
+        the trash: each entry's inode, as every file there is written by a rename, or not at all) and the lease's
+        records (inode, size and mtime); in a bucket, the objects' ETags. A part unchanged since the last check
+        needs no check: a heartbeat changes only the lease's part."""
+        steps: list[Any] = []
+        lease: list[Any] = []
         if self.remote is not None:
-            return tuple(sorted((k, v[1]) for k, v in self.bucket.objects.get("sim", {}).items()))
-        out = []
+            for k, v in sorted(self.bucket.objects.get("sim", {}).items()):
+                (lease if "/committer/" in k else steps).append((k, v[1]))
+            return tuple(steps), tuple(lease)
+        records = self.layout.checkpoints / "committer"
         stack = [self.layout.checkpoints]
         while stack:
             d = stack.pop()
@@ -419,14 +425,18 @@ class World:
                 entries = list(os.scandir(d))
             except OSError:
                 continue
+            root = d == self.layout.checkpoints
             for e in entries:
-                if (e.name == "staging" and d == self.layout.checkpoints) or ".tmp-" in e.name:
+                if (e.name == "staging" and root) or ".tmp-" in e.name:
                     continue  # a temp file changes nothing a reader or the lease holder sees
-                st = e.stat(follow_symlinks=False)
-                out.append((e.path, st.st_ino, st.st_size, st.st_mtime_ns))
+                if d == records or (root and e.name.startswith(ownership.LEASE)):
+                    st = e.stat(follow_symlinks=False)
+                    lease.append((e.path, st.st_ino, st.st_size, st.st_mtime_ns))
+                else:  # written by temp + rename (a new inode) or not at all; damage() says so itself
+                    steps.append((e.path, e.inode()))
                 if e.is_dir(follow_symlinks=False):
                     stack.append(Path(e.path))
-        return tuple(sorted(out))
+        return tuple(sorted(steps)), tuple(sorted(lease))
 
     def trashed(self) -> set[int]:
         """Retired steps a late retention moved that can still come back (a directory's trash)."""
@@ -435,11 +445,16 @@ class World:
 
     def check(self) -> None:
         fp = self.fingerprint()
-        if fp == self._checked:
-            return
-        self._checked = fp
+        before, self._checked = self._checked, fp
+        if before is None or fp[0] != before[0]:
+            self._check_steps()
+        if before is None or fp[1] != before[1]:
+            self._check_lease()
+
+    def _check_steps(self) -> None:
         kind, step, why = self.reader()
-        ok = self.ok_steps()
+        listed = self.present()
+        ok = [s for s in listed if self.verifies(s)]
         trashed = self.trashed()
         if kind == "fail" and step in trashed:
             self.waits += 1  # told to resume again once the committer brings the step back: an error, never a regress
@@ -455,7 +470,7 @@ class World:
                     f"step(s) between ({between})"
                 )
             self.last_ok = step
-        present = set(self.present())
+        present = set(listed)
         for s in sorted(self.ever_ok - self.damaged - self.retired - trashed):
             if s in present:
                 if s not in ok:
@@ -471,6 +486,8 @@ class World:
                 )
             self.retired.add(s)
         self.ever_ok |= set(ok)
+
+    def _check_lease(self) -> None:
         epoch = self._lease_epoch()
         if epoch is not None:
             if epoch < self.max_epoch:
