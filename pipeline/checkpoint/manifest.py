@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pipeline.errors import VerificationError, plural
-from pipeline.storage.atomic import write_json_atomic
+from pipeline.storage.atomic import create_exclusive, json_bytes, write_json_atomic
 from pipeline.storage.integrity import (
     FileEntry,
     hash_file,
@@ -33,6 +34,8 @@ from pipeline.storage.integrity import (
     verify_entries,
 )
 from pipeline.storage.layout import CheckpointLayout, parse_step, step_name
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -203,8 +206,13 @@ class Manifest(_FileRecord):
 
 
 def write_manifest(step_dir: Path, manifest: Manifest) -> str:
+    """Commit ``step_dir`` by its manifest, created once and never replaced (``link`` onto the name, as a bucket's
+    ``If-None-Match``): of two committers writing it at once, one creates it and the other finds it there, and
+    no rename of one lands over the other's (two FUSE mounts renaming onto one name can lose a temp file). The
+    manifest is a function of the staged attempt, so a manifest found there is this one; its hash is returned."""
     path = step_dir / MANIFEST
-    write_json_atomic(path, manifest.to_json())
+    if not create_exclusive(path, json_bytes(manifest.to_json())):
+        log.info("%s was already written (by another committer): left as it is", path)
     return hash_file(path)
 
 

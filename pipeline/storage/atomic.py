@@ -113,7 +113,7 @@ def create_exclusive(path: Path, data: bytes, mode: int = 0o644) -> bool:
     the temp file's link count decides (as in open(2)'s advice on lock files). The temp name is always removed.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = _temp_name(path)  # a name every sweep of temp litter knows (a creator that died leaves it)
     try:
         _write_new(tmp, data, mode)
         try:

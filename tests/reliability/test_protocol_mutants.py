@@ -96,7 +96,7 @@ def _staged_source(layout: RunLayout, published: Path) -> Path | None:
 def renames_reach_disk(trace: Trace, layout: RunLayout) -> list[str]:
     """Each rename is followed by an fsync of the destination's parent (before ``latest`` is next renamed);
     a published step directory's files and the directory itself are fsynced before the rename (a file renamed
-    into it after, the step's manifest, is checked as a rename of its own)."""
+    into it after, the step's manifest, is checked as a link or rename of its own)."""
     out = []
     latest_at = [i for i, (k, p) in enumerate(trace) if k == "rename" and Path(p) == layout.latest]
     for i, (kind, path) in enumerate(trace):
@@ -111,7 +111,7 @@ def renames_reach_disk(trace: Trace, layout: RunLayout) -> list[str]:
         if staged is None or not dest.is_dir():
             continue
         synced = set(trace[:i])
-        later = {Path(p) for k, p in trace[i + 1 :] if k == "rename"}  # the manifest, written last: its own rename
+        later = {Path(p) for k, p in trace[i + 1 :] if k in ("rename", "link")}  # the manifest, written last
         files = [p.relative_to(dest) for p in dest.rglob("*") if p.is_file() and p not in later]
         unsynced = [str(f) for f in files if ("fsync", str(staged / f)) not in synced]
         if unsynced:

@@ -286,7 +286,11 @@ def apply(
     has_policy = any(v is not None for v in policy.values())
     if is_real_dir(layout.checkpoints) and (removed_any or (stale and (has_policy or recorded is not None))):
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        write_json_atomic(record_path(layout), {"time": stamp, "latest": latest_step, "policy": policy, "areas": areas})
+        record = {"time": stamp, "latest": latest_step, "policy": policy, "areas": areas}
+        try:
+            write_json_atomic(record_path(layout), record)
+        except FileNotFoundError as e:  # a record for status only: another committer's rename onto it won
+            log.warning("retention's record %s not replaced (%s): the next pass writes it", record_path(layout), e)
     return checkpoints
 
 

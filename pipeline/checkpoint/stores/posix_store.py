@@ -288,6 +288,9 @@ class PosixCheckpoints:
         repairs: list[str] = []
         if first:
             repair.sweep_temp_files(self.storage, self.layout)
+            for _, path in step_entries(self.storage, self.layout.checkpoints):  # a manifest's, left by a crash
+                if self.storage.kind(path) == "dir":
+                    repair.sweep_temp_files_in(self.storage, path)
             for path in repair.planted(self.storage, self.layout):
                 kind = self.storage.kind(path)
                 fence()
