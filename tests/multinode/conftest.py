@@ -38,8 +38,9 @@ MN_ROOT = Path(os.environ.get("MN_ROOT") or "/tmp/pipeline-cluster")
 NODES = ("node1", "node2", "node3")
 LOGIN = "login"
 SHARED = Path("/shared")
-TINY = ("+experiment=tiny", "launcher=slurm", "launcher.wait=true", "run.create=true")
-"""The embedded experiment on the cluster's SLURM, the launcher watching (as a user at the login node)."""
+TINY = ("+experiment=tiny", "launcher=slurm", "launcher.wait=true", "run.create=true", "export=none")
+"""The embedded experiment on the cluster's SLURM, the launcher watching (as a user at the login node); no export
+stage: the tests judge the commits, the nodes and the queue, never the outputs."""
 PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else "python3"
 SKIP_CODES = {3: "missing Debian packages slurmctld slurmd slurm-client slurmdbd mariadb-server munge fuse3 util-linux "
                  "iproute2 bc curl",

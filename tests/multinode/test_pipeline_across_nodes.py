@@ -43,7 +43,8 @@ def test_train_on_two_nodes_and_the_committer_on_a_third_match_one_node(
     finally:
         poller.stop()
     # the same seed on one node: node1 alone, with the local launcher (no queue to wait in)
-    cluster.python("node1", "-m", "pipeline", "+experiment=tiny", "run.create=true", f"run.root={root}", "run.id=one")
+    cluster.python("node1", "-m", "pipeline", "+experiment=tiny", "run.create=true", f"run.root={root}", "run.id=one",
+                   "export=none")  # fmt: skip
 
     status = cluster.python(LOGIN, "-m", "pipeline.status", str(multi)).stdout
     rows = {

@@ -79,7 +79,7 @@ def test_chain_submits_and_matches_a_local_run(slurm_cluster: SlurmCluster, tmp_
     assert (slurm.export_step(8) / "config.json").is_file()
     assert _record(slurm, "train")["world_size"] == 2
 
-    local = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=l", "run.create=true", *FAST)
+    local = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=l", "run.create=true", *FAST, "export=none")
     assert local.returncode == 0, local.stdout + local.stderr
     local_layout = RunLayout.for_run(tmp_path, "tiny", "l")
     for step in (4, 8):
@@ -107,7 +107,13 @@ def _python() -> list[str]:
 def test_latest_advances_while_train_runs(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The committer runs beside train: steps are committed before train's job has ended."""
     proc = _launch(
-        tmp_path, "adv", "train.steps=400", "checkpoint.every=50", "launcher.wait=true", "checkpoint.keep_last=3"
+        tmp_path,
+        "adv",
+        "train.steps=400",
+        "checkpoint.every=50",
+        "launcher.wait=true",
+        "checkpoint.keep_last=3",
+        "export=none",  # what is checked is the commits while train runs, not the outputs
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     layout = RunLayout.for_run(tmp_path, "tiny", "adv")
@@ -125,10 +131,10 @@ def _iso_time(text: str) -> float:
 
 def test_double_submission_has_one_owner(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """While a submitted chain's jobs are queued or running, another launch of that run is refused in one line."""
-    first = _launch(tmp_path, "d", "train.steps=200")
+    first = _launch(tmp_path, "d", "train.steps=200", "export=none")  # the ownership is checked, not the outputs
     assert first.returncode == 0, first.stdout + first.stderr
     ids = _job_ids(first.stdout)
-    second = _launch(tmp_path, "d", "train.steps=200")
+    second = _launch(tmp_path, "d", "train.steps=200", "export=none")
     assert second.returncode != 0
     assert (
         second.stderr.count("\n") == 1
@@ -224,7 +230,7 @@ def test_scancel_of_train_then_rerun_resumes_from_latest(
     environment): scancel train mid-run; the committer commits what was complete and ends; a rerun resumes from
     the bucket's newest committed step, and no incomplete multipart upload is left behind."""
     storage = f"checkpoint.storage=s3://{bucket}/{prefix}"
-    proc = _launch(tmp_path, "sc", "train.steps=1000000", "checkpoint.every=200", storage, env=s3_env)
+    proc = _launch(tmp_path, "sc", "train.steps=1000000", "checkpoint.every=200", storage, "export=none", env=s3_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ids = _job_ids(proc.stdout)
     layout = RunLayout.for_run(tmp_path, "tiny", "sc")
@@ -255,7 +261,13 @@ def test_scancel_of_train_then_rerun_resumes_from_latest(
     assert committed >= 400
 
     rerun = _launch(
-        tmp_path, "sc", f"train.stop_after_step={committed + 200}", "launcher.wait=true", storage, env=s3_env
+        tmp_path,
+        "sc",
+        f"train.stop_after_step={committed + 200}",
+        "launcher.wait=true",
+        storage,
+        "export=none",
+        env=s3_env,
     )
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert _record(layout, "train")["summary"]["resumed_from"] == committed
