@@ -130,7 +130,23 @@ class PosixCheckpoints:
         return epoch if type(epoch) is int else None
 
     def newest(self) -> Latest | None:
-        return read_newest(self.layout)
+        """What a reader resumes from (:func:`read_newest`). Where ``latest`` names a step whose directory is
+        there but whose manifest this mount does not show, another mount's commit may be half visible here (its
+        manifest linked, then ``latest`` moved, seen in the other order through this mount's cache): it is
+        looked at again for up to :data:`VISIBILITY_S` before the error stands (damage: the committer repairs it)."""
+        deadline = time.monotonic() + VISIBILITY_S
+        while True:
+            try:
+                return read_newest(self.layout)
+            except VerificationError:
+                named = repair.latest_step_name(self.layout)
+                final = self.layout.committed_step(named) if named is not None else None
+                unseen = (
+                    final is not None and self.storage.kind(final) == "dir" and not self.storage.kind(final / MANIFEST)
+                )
+                if not unseen or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
 
     def latest_version(self) -> str | None:
         return _bytes_hash(self.layout.latest)
