@@ -10,11 +10,11 @@ and its act. Either way the trial holds only if every step was published once, f
 reader's ``latest`` never went back, and nothing committed was deleted or quarantined wrongly.
 
 The lease-less mode (``--unleased``; not in the suite) makes both committers perform every act at once, which a
-real ghost does at most once. On SeaweedFS's FUSE mount it fails a few trials in a hundred: two mounts renaming
-onto the same name at the same instant can lose a temp file, and a directory renamed by one while the other
-writes into it can lose an entry (a published step without its manifest, which the next pass finishes; or a
-pointer to a step retired since). Committing by a commit file written last (as in a bucket) instead of a
-directory rename is the way to make even that harmless; it is not done yet.
+real ghost does at most once. A directory commits as a bucket does, by a manifest written last and created once
+(``link``, never a rename over it), after the step was moved into place with the ranks' finished files only, so
+no committer writes into a directory another mount renames, nor renames onto a name another mount renames onto
+(SeaweedFS's FUSE mount can lose an entry or a temp file then). A committer whose mount shows another's commit
+half (``latest`` moved, the manifest not visible yet) looks again before it calls that damage.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pipeline.errors import VerificationError, plural
-from pipeline.storage.atomic import create_exclusive, json_bytes, write_json_atomic
+from pipeline.storage.atomic import json_bytes, write_bytes_atomic, write_json_atomic
 from pipeline.storage.integrity import (
     FileEntry,
     hash_file,
@@ -206,13 +206,23 @@ class Manifest(_FileRecord):
 
 
 def write_manifest(step_dir: Path, manifest: Manifest) -> str:
-    """Commit ``step_dir`` by its manifest, created once and never replaced (``link`` onto the name, as a bucket's
-    ``If-None-Match``): of two committers writing it at once, one creates it and the other finds it there, and
-    no rename of one lands over the other's (two FUSE mounts renaming onto one name can lose a temp file). The
-    manifest is a function of the staged attempt, so a manifest found there is this one; its hash is returned."""
+    """Commit ``step_dir`` by its manifest (temp, fsync, rename); its hash. The manifest is a function of the
+    staged attempt, so two committers write the same bytes. Two mounts of one shared filesystem renaming onto
+    one name at the same instant can lose one temp file (seen on SeaweedFS's FUSE mount): the other's rename
+    landed, and the bytes there are this one's. (Not ``link`` onto the name: that mount shows another mount's
+    hard link with its first name removed as a file that cannot be opened.)"""
     path = step_dir / MANIFEST
-    if not create_exclusive(path, json_bytes(manifest.to_json())):
-        log.info("%s was already written (by another committer): left as it is", path)
+    data = json_bytes(manifest.to_json())
+    try:
+        write_bytes_atomic(path, data)
+    except FileNotFoundError:
+        try:
+            landed = path.read_bytes() == data
+        except OSError:
+            landed = False
+        if not landed:
+            raise
+        log.info("%s was written by another committer at the same instant: the same bytes", path)
     return hash_file(path)
 
 

@@ -2,7 +2,8 @@
 
 Inputs: ``checkpoints/staging/step_N/`` with each rank's files and ``rank_K.done.json``.
 Outputs: ``checkpoints/step_N/``, the staged dir moved into place in one rename, then committed by its
-``manifest.json`` written last (a function of the staged attempt, so two committers write the same bytes);
+``manifest.json`` written last and created once, never replaced (a function of the staged attempt, so a second
+committer finds the bytes it would write);
 ``checkpoints/latest`` replaced by rename; a refused step moved to ``checkpoints/quarantine/`` with its reason;
 retention's steps moved into ``checkpoints/.deleting/`` in one rename, deleted later (:mod:`.trash`).
 Owner: the one committer (:class:`~pipeline.checkpoint.protocol.committer.Committer`); every mutation goes through
@@ -15,8 +16,10 @@ such an act leaves:
 * a staged step that vanished, or a publish that failed with a race's errno, while the step is (or soon shows
   as) published: the other's publish, accepted (:meth:`PosixCheckpoints.taken_by_another`);
 * ``latest`` never moved below a newer published step (readers check it against the newest published manifest);
-* a complete staged step at or below ``latest`` left unpublished, or a published step without its manifest (a
-  directory rename of a FUSE filesystem raced by two mounts): verified and committed.
+* a complete staged step at or below ``latest`` left unpublished, or a step moved into place without its
+  manifest (a commit interrupted between its two acts): verified and committed;
+* a ``latest`` whose step's manifest this mount does not show yet (another mount's commit, half visible through
+  this mount's cache): looked at again before it counts as damage (:meth:`PosixCheckpoints.newest`).
 """
 
 from __future__ import annotations
