@@ -10,11 +10,13 @@ and its act. Either way the trial holds only if every step was published once, f
 reader's ``latest`` never went back, and nothing committed was deleted or quarantined wrongly.
 
 The lease-less mode (``--unleased``; not in the suite) makes both committers perform every act at once, which a
-real ghost does at most once. A directory commits as a bucket does, by a manifest written last and created once
-(``link``, never a rename over it), after the step was moved into place with the ranks' finished files only, so
-no committer writes into a directory another mount renames, nor renames onto a name another mount renames onto
-(SeaweedFS's FUSE mount can lose an entry or a temp file then). A committer whose mount shows another's commit
-half (``latest`` moved, the manifest not visible yet) looks again before it calls that damage.
+real ghost does at most once. A directory commits as a bucket does, by a manifest written last, after the step
+was moved into place with the ranks' finished files only: no committer writes into a directory another mount
+renames (SeaweedFS's FUSE mount can lose the entry then). Where two mounts rename onto one name at the same
+instant and one temp file is lost, the other's identical bytes landed, and that counts as written. A committer
+whose mount shows another's commit half (``latest`` moved, the manifest not visible yet) looks again before it
+calls that damage. (A manifest made by ``link`` instead fails worse here: a hard link made through one mount, its
+first name removed, cannot be opened through the other.)
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Inputs: ``checkpoints/staging/step_N/`` with each rank's files and ``rank_K.done.json``.
 Outputs: ``checkpoints/step_N/``, the staged dir moved into place in one rename, then committed by its
-``manifest.json`` written last and created once, never replaced (a function of the staged attempt, so a second
-committer finds the bytes it would write);
+``manifest.json`` written last (a function of the staged attempt, so two committers write the same bytes);
 ``checkpoints/latest`` replaced by rename; a refused step moved to ``checkpoints/quarantine/`` with its reason;
 retention's steps moved into ``checkpoints/.deleting/`` in one rename, deleted later (:mod:`.trash`).
 Owner: the one committer (:class:`~pipeline.checkpoint.protocol.committer.Committer`); every mutation goes through
@@ -133,10 +132,9 @@ class PosixCheckpoints:
         return epoch if type(epoch) is int else None
 
     def newest(self) -> Latest | None:
-        """What a reader resumes from (:func:`read_newest`). Where ``latest`` names a step whose directory is
-        there but whose manifest this mount does not show, another mount's commit may be half visible here (its
-        manifest linked, then ``latest`` moved, seen in the other order through this mount's cache): it is
-        looked at again for up to :data:`VISIBILITY_S` before the error stands (damage: the committer repairs it)."""
+        """What a reader resumes from (:func:`read_newest`). A ``latest`` naming a step dir whose manifest this
+        mount does not show may be another mount's commit half visible through this mount's cache: looked at
+        again for up to :data:`VISIBILITY_S` before the error stands (damage: the committer repairs it)."""
         deadline = time.monotonic() + VISIBILITY_S
         while True:
             try:
@@ -144,10 +142,9 @@ class PosixCheckpoints:
             except VerificationError:
                 named = repair.latest_step_name(self.layout)
                 final = self.layout.committed_step(named) if named is not None else None
-                unseen = (
-                    final is not None and self.storage.kind(final) == "dir" and not self.storage.kind(final / MANIFEST)
-                )
-                if not unseen or time.monotonic() >= deadline:
+                if final is None or self.storage.kind(final) != "dir" or self.storage.kind(final / MANIFEST):
+                    raise
+                if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.05)
 
