@@ -36,7 +36,6 @@ from pipeline.checkpoint.manifest import (
     Manifest,
     Marker,
     Metrics,
-    complete_markers,
     marker_path,
     read_latest,
     read_manifest,
@@ -314,31 +313,8 @@ class PosixCheckpoints:
                     self.storage, self.layout, path, f"{path} is a {kind}, not a step directory; never followed"
                 )
                 repairs.append(f"{path} was a {self.storage.kind(where)}, not a step directory (moved to {where})")
-        self._finish_unmanifested(fence, world_size, allow_pickle)
+        repair.finish_unmanifested(self.storage, self.layout, fence, world_size, allow_pickle)
         return repairs
-
-    def _finish_unmanifested(self, fence: Callable[[], None], world_size: int, allow_pickle: bool) -> None:
-        """A step moved into place without its manifest: a commit interrupted between its rename and its manifest
-        (or two committers' publishes raced on a FUSE mount). Verified, its manifest is written."""
-        for step, path in step_entries(self.storage, self.layout.checkpoints):
-            if self.storage.kind(path) != "dir" or self.storage.kind(path / MANIFEST) is not None:
-                continue
-            try:
-                markers = complete_markers(step_markers(path, step, staged_world(path, step, world_size)), None)
-                if markers is None:
-                    continue
-                manifest = verified_manifest(step, markers, path, self.layout.run_id, allow_pickle)
-            except (VerificationError, OSError) as e:
-                log.warning("%s is published without a manifest and does not verify; not a committed step: %s", path, e)
-                continue
-            fence()
-            repair.sweep_temp_files_in(self.storage, path)  # a manifest write that died: its temp file
-            write_manifest(path, manifest)
-            log.warning(
-                "step %d was moved into place without its manifest (a commit interrupted, or raced): verified, "
-                "manifest written",
-                step,
-            )
 
     def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
         """Each step into the trash, re-checked at the act (:mod:`pipeline.checkpoint.protocol.trash`); then the trash

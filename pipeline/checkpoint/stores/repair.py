@@ -16,14 +16,20 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.checkpoint.manifest import (
     MANIFEST,
     MARKER_RE,
     Marker,
+    complete_markers,
     read_manifest,
+    staged_world,
+    step_markers,
+    write_manifest,
 )
+from pipeline.checkpoint.protocol.step_checks import verified_manifest
 from pipeline.errors import VerificationError
 from pipeline.storage.atomic import is_temp_name, json_bytes
 from pipeline.storage.backend import Storage
@@ -234,3 +240,27 @@ def latest_step_name(layout: CheckpointLayout) -> int | None:
         return None
     step = obj.get("step") if isinstance(obj, dict) else None
     return step if type(step) is int and step >= 0 and obj.get("dir") == step_name(step) else None
+
+
+def finish_unmanifested(
+    storage: Storage, layout: CheckpointLayout, fence: Callable[[], None], world_size: int, allow_pickle: bool
+) -> None:
+    """A step moved into place without its manifest: a commit interrupted between its rename and its manifest
+    (or two committers' publishes raced on a FUSE mount). Verified, its manifest is written (after the temp file
+    a manifest write that died left there)."""
+    for step, path in step_entries(storage, layout.checkpoints):
+        if storage.kind(path) != "dir" or storage.kind(path / MANIFEST) is not None:
+            continue
+        try:
+            markers = complete_markers(step_markers(path, step, staged_world(path, step, world_size)), None)
+            if markers is None:
+                continue
+            manifest = verified_manifest(step, markers, path, layout.run_id, allow_pickle)
+        except (VerificationError, OSError) as e:
+            log.warning("%s is published without a manifest and does not verify; not a committed step: %s", path, e)
+            continue
+        fence()
+        sweep_temp_files_in(storage, path)
+        write_manifest(path, manifest)
+        log.warning("step %d was moved into place without its manifest (a commit interrupted, or raced): verified, "
+                    "manifest written", step)  # fmt: skip
