@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.manifest import MARKER_RE, read_latest, read_manifest
+from pipeline.checkpoint.manifest import MANIFEST, MARKER_RE, read_latest, read_manifest
 from pipeline.checkpoint.protocol.retention import record_path
 from pipeline.checkpoint.stores.bucket_status import add_sharing
 from pipeline.checkpoint.stores.repair import QUARANTINE_NOTE, quarantine_note
@@ -41,7 +41,7 @@ def _committed(layout: CheckpointLayout, latest_step: int | None) -> list[Status
     for name, step in step_entries(layout.checkpoints):
         entry: Status = {"step": step, "latest": step == latest_step}
         step_dir = layout.checkpoints / name
-        if lstat_kind(step_dir) == "dir" and lstat_kind(step_dir / "manifest.json") is None:
+        if lstat_kind(step_dir) == "dir" and lstat_kind(step_dir / MANIFEST) is None:
             entry["error"] = (
                 "not committed yet: moved into place, its manifest not written (a commit interrupted between its "
                 "two acts); the committer's next pass verifies it and writes the manifest"

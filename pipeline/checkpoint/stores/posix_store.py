@@ -204,9 +204,7 @@ class PosixCheckpoints:
         return [str(p) for p in repair.planted(self.storage, self.layout)]
 
     def unfinished(self) -> list[int]:
-        kind = self.storage.kind
-        return [s for s, p in step_entries(self.storage, self.layout.checkpoints)
-                if kind(p) == "dir" and kind(p / MANIFEST) is None]  # fmt: skip
+        return [s for s, _ in repair.unmanifested(self.storage, self.layout)]
 
     # -- staged steps ---------------------------------------------------------------------------------------
 

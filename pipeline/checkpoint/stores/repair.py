@@ -242,15 +242,21 @@ def latest_step_name(layout: CheckpointLayout) -> int | None:
     return step if type(step) is int and step >= 0 and obj.get("dir") == step_name(step) else None
 
 
+def unmanifested(storage: Storage, layout: CheckpointLayout) -> list[tuple[int, Path]]:
+    """Step dirs of ``checkpoints/`` without their manifest: moved into place, not committed (yet)."""
+    kind = storage.kind
+    return [
+        (s, p) for s, p in step_entries(storage, layout.checkpoints) if kind(p) == "dir" and kind(p / MANIFEST) is None
+    ]
+
+
 def finish_unmanifested(
     storage: Storage, layout: CheckpointLayout, fence: Callable[[], None], world_size: int, allow_pickle: bool
 ) -> None:
     """A step moved into place without its manifest: a commit interrupted between its rename and its manifest
     (or two committers' publishes raced on a FUSE mount). Verified, its manifest is written (after the temp file
     a manifest write that died left there)."""
-    for step, path in step_entries(storage, layout.checkpoints):
-        if storage.kind(path) != "dir" or storage.kind(path / MANIFEST) is not None:
-            continue
+    for step, path in unmanifested(storage, layout):
         try:
             markers = complete_markers(step_markers(path, step, staged_world(path, step, world_size)), None)
             if markers is None:
