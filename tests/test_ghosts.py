@@ -176,6 +176,63 @@ def test_a_ghosts_late_fall_back_in_a_bucket_takes_no_reader_back(tmp: Path) -> 
     assert w.final_reader[:2] == ("ok", 6) and w.final_latest == 6, (w.final_reader, w.final_latest)
 
 
+# 6b. In a bucket, a ghost paused just before writing step 4's manifest wrote it after the live committer had
+#     committed 4 and 6 and retired 4 (its objects purged): with step 6 damaged, readers fell back to a step 4
+#     whose objects were gone (found by the 100,000-schedule run). Retention's purge deletes the rank 0 marker
+#     first and a manifest counts only beside it; the ghost takes its late manifest back.
+def test_a_ghosts_late_manifest_of_a_purged_step_commits_nothing(tmp: Path) -> None:
+    w = plan(
+        Settings(store="bucket", steps=(), keep_last=1, live_at=1.0, newcomer_at=5.0),
+        tmp,
+        run("ghost", until=at("ghost", "s3.put", "step_4/manifest.json"), then=lambda w: w.stage_now(2, 4)),
+        run("live", until=both(at("live", "sleep 2"), latest_is(6)), then=lambda w: w.stage_now(6)),
+        run("ghost", until=ended("ghost"), then=lambda w: w.damage(6)),
+        run("live", until=ended("live"), then=lambda w: w.finish_writer()),
+        run("newcomer", until=ended("newcomer")),  # quarantines step 6: what do readers fall back to?
+    )
+    clean(w)
+    assert w.final_ok == [] and w.final_reader[0] == "none", (w.final_ok, w.final_reader)
+
+
+# 6c. In a bucket, a ghost's late retention left a trash record of step 2; the live committer brought step 2
+#     back, committed 6, retired 2 again and purged its own record, deleting the objects the ghost's record still
+#     listed: the next fall-back (a rerun, step 6 damaged, the ghost dead) brought back a step 2 without its
+#     objects (found by the 100,000-schedule run).
+def test_a_purge_spares_objects_another_trash_record_lists(tmp: Path) -> None:
+    w = plan(
+        Settings(store="bucket", steps=(), keep_last=1, live_at=1.0),
+        tmp,
+        run(
+            "ghost",
+            until=both(at("ghost", "s3.list", "trash/"), lambda w: w.raw_store().committed() == [4]),
+            then=lambda w: w.stage_now(2, 4),
+        ),  # fmt: skip
+        run("live", until=both(at("live", "sleep 2"), latest_is(2)), then=lambda w: w.damage(4)),
+        run("live", until=both(at("live", "sleep 2"), latest_is(6)), then=lambda w: w.stage_now(6)),
+        run("live", then=lambda w: (w.kernel.kill(w.kernel.procs["ghost"]), w.damage(6), w.finish_writer())),
+    )
+    clean(w)
+    assert w.final_ok == [2] and w.final_reader[:2] == ("ok", 2), (w.final_ok, w.final_reader)
+
+
+# 7c. A newcomer paused after confirming its record (deleting the records below it) while the appointed
+#     committer took over at a higher epoch: it came back admitted beside that live holder (found by the
+#     100,000-schedule run). Acquisition ends with a fence: fenced meanwhile, it is refused.
+@pytest.mark.parametrize("store", ["posix", "bucket"])
+def test_a_newcomer_fenced_while_it_acquired_is_refused(tmp: Path, store: str) -> None:
+    w = plan(
+        Settings(store=store, steps=(), ghost_passes=1, live_at=3.0, newcomer_at=2.0),
+        tmp,
+        run("ghost", until=ended("ghost"), then=lambda w: w.stage_now(2)),
+        run("newcomer", until=at("newcomer", "lease.delete")),
+        run("live", until=at("live", "sleep 2")),
+        run("newcomer", until=ended("newcomer")),
+        run("live", then=lambda w: w.finish_writer()),
+    )
+    clean(w)
+    assert w.ended["newcomer"] == "refused" and w.ended["live"] == "done", w.ended
+
+
 # 7. Liveness compared wall clocks across nodes: a holder whose clock is behind was taken for dead (a second
 #    committer admitted beside it); one on another node with the same hostname was declared dead by a pid check.
 @pytest.mark.parametrize("how", ["clock behind", "same hostname"])

@@ -143,6 +143,12 @@ class CommitterLease:
         for epoch, _, name in records:  # fenced by this record: their holders stop at their next fence
             if epoch < self.epoch:
                 self.store.delete(name)  # an I/O error fails the acquisition in one line, as every other does
+        try:  # paused since the confirmation (a ghost already), this newcomer may have been fenced: not admitted
+            self.fence()
+        except CommitterLost as e:
+            self._lost = None
+            self._drop_own()
+            raise CommitterBusy(f"not taking the committer lease {self.store.where}: {e}") from None
         HELD.add(self.token)
         self._thread = threading.Thread(target=self._beat, name="committer-lease", daemon=True)
         self._thread.start()

@@ -82,7 +82,11 @@ def purge(remote: Remote, epoch: int, first_seen: dict[str, float]) -> list[str]
         first_seen.pop(key, None)
         if manifest is None or remote.store.get(remote.manifest_key(step)) is not None:
             continue  # brought back (or committed again): its objects are the step's
-        remote.store.delete(sorted(remote.store.listing(remote.attempt_prefix(step, manifest.attempt))))
+        if any(s == step and k != key for s, _, k in entries(remote)):
+            continue  # another record (a ghost's late retention) lists them: a fall-back may still bring it back
+        attempt = remote.attempt_prefix(step, manifest.attempt)
+        remote.store.delete([remote.marker_key(step, manifest.attempt, 0)])  # first: a late manifest commits nothing
+        remote.store.delete(sorted(remote.store.listing(attempt)))
         pieces += sorted(remote.piece_keys(manifest.files))
         log.info("retention: purged step %d from %s", step, remote.url(key))
     return pieces

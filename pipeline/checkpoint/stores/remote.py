@@ -226,12 +226,34 @@ class Remote:
             self.store.put(key, data, if_none_match=True)
         except Conflict:
             got = self.store.get(key)
-            if got is None or got[0] != data:
+            if got is not None and got[0] != data and not self._marked(manifest.step, got[0]):
+                # a stale committer's late manifest of a step retired since (its rank 0 marker gone): commits
+                # nothing, and is replaced only as that very object (If-Match)
+                self.store.put(key, data, if_match=got[1])
+            elif got is None or got[0] != data:
                 raise Conflict(
                     f"{self.url(key)} already exists and is not this commit's manifest (another committer committed "
                     "the step, or an object was planted there)"
                 ) from None
+        # A committer paused before that write lands it late: if retention purged the step meanwhile (its rank 0
+        # marker goes first), the manifest commits nothing (readers require the marker) and is taken back.
+        if self.marker_key(manifest.step, manifest.attempt, 0) not in self.store.listing(
+            self.attempt_prefix(manifest.step, manifest.attempt)
+        ):
+            self.store.delete([key])
+            raise Conflict(
+                f"step {manifest.step}'s objects ({self.url(self.attempt_prefix(manifest.step, manifest.attempt))}) "
+                "were removed while this committer was paused before committing it: not committed"
+            )
         return digest(data)
+
+    def _marked(self, step: int, data: bytes) -> bool:
+        """Whether the manifest ``data`` of ``step`` commits anything: its attempt's rank 0 marker exists."""
+        try:
+            found = Manifest.from_json(parse_record(data, "manifest", self.url(self.manifest_key(step))), "")
+            return self.store.head(self.marker_key(step, found.attempt, 0)) is not None
+        except VerificationError:
+            return True  # not a manifest of ours: left to the committer's repair, never overwritten here
 
     def read_latest(self) -> tuple[Latest | None, str | None]:
         """``latest`` as written (not yet checked against its manifest) and its ETag (None: no such object)."""
@@ -344,15 +366,16 @@ class Remote:
         stale committer's late move of it must not take a reader back. A manifest that does not parse is
         skipped (the committer quarantines it). When ``latest`` names a newer step that a late retention moved
         to the trash, a reader is told to resume again (the committer brings it back), never given an older one."""
-        keys = list(self.store.listing(self.root.prefix + "/"))
+        keys = set(self.store.listing(self.root.prefix + "/"))
         found = None
         for step in reversed(self._steps_with(keys, MANIFEST)):
             try:
                 found = self.read_manifest(step)
             except VerificationError:
                 continue
-            if found is not None:
+            if found is not None and self.marker_key(step, found[0].attempt, 0) in keys:
                 break
+            found = None  # a late manifest of a step retired since: its objects are gone
         below = found[0].step if found is not None else -1
         trashed = {int(m.group(1)) for k in keys if (m := _TRASHED.match(k[len(self.root.prefix) + 1 :]))}
         if any(t > below for t in trashed):
@@ -365,15 +388,19 @@ class Remote:
         return found
 
     def committed(self) -> list[int]:
-        """Steps whose manifest object exists (listing nominates, each manifest is read by its user)."""
-        return self._steps_with(self.store.listing(self.root.prefix + "/"), MANIFEST)
+        """Steps whose manifest object exists beside a rank 0 marker (listing nominates, each manifest is read by
+        its user). A manifest whose step has no marker left is a stale committer's late write of a step retention
+        purged (the purge deletes the marker first): it commits nothing."""
+        keys = list(self.store.listing(self.root.prefix + "/"))
+        marked = set(self._steps_with(keys, "*/rank_0.done.json"))
+        return [s for s in self._steps_with(keys, MANIFEST) if s in marked]
 
     def _steps_with(self, keys: Iterable[str], leaf: str) -> list[int]:
         out = []
         for key in keys:
             name, _, rest = key[len(self.root.prefix) + 1 :].partition("/")
             step = parse_step(name)
-            if step is not None and rest == leaf:
+            if step is not None and (rest == leaf or (leaf[:2] == "*/" and rest.endswith("/" + leaf[2:]))):
                 out.append(step)
         return sorted(out)
 
