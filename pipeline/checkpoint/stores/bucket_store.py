@@ -29,7 +29,15 @@ from pipeline.checkpoint.protocol.ownership import CommitterBusy, LeaseStore
 from pipeline.checkpoint.protocol.step_checks import check_agreement, check_stored, foreign_files
 from pipeline.checkpoint.stores.bucket_removal import BucketRemoval
 from pipeline.checkpoint.stores.bucket_status import remote_checkpoints
-from pipeline.checkpoint.stores.remote import LATEST, QUARANTINE, Remote, digest, is_marker_name
+from pipeline.checkpoint.stores.remote import (
+    LATEST,
+    QUARANTINE,
+    Remote,
+    digest,
+    is_marker_name,
+    parse_record,
+    record_bytes,
+)
 from pipeline.checkpoint.stores.remote_pull import pull
 from pipeline.checkpoint.stores.store import ANY, Taken
 from pipeline.errors import PipelineError, VerificationError
@@ -222,7 +230,7 @@ class BucketCheckpoints(BucketRemoval):
     def publish(self, manifest: Manifest) -> str | None:
         inject("verify.before_publish", step=manifest.step)
         try:
-            return self.remote.create_manifest(manifest)
+            return create_manifest(self.remote, manifest)
         except Conflict as e:
             raise Taken(str(e)) from None
 
@@ -280,3 +288,43 @@ class BucketCheckpoints(BucketRemoval):
     def latest_step(self) -> int:
         latest = self.newest()
         return latest.step if latest else 0
+
+
+def create_manifest(remote: Remote, manifest: Manifest) -> str:
+    """Write ``step_N/manifest.json`` only if none exists (the commit point); returns its hash. The same bytes
+    already there (a retried request that had landed) count as ours; anything else is a Conflict."""
+    data = record_bytes(manifest.to_json())
+    key = remote.manifest_key(manifest.step)
+    try:
+        remote.store.put(key, data, if_none_match=True)
+    except Conflict:
+        got = remote.store.get(key)
+        if got is not None and got[0] != data and not _marked(remote, manifest.step, got[0]):
+            # a stale committer's late manifest of a step retired since (its rank 0 marker gone): commits nothing,
+            # and is replaced only as that very object (If-Match)
+            remote.store.put(key, data, if_match=got[1])
+        elif got is None or got[0] != data:
+            raise Conflict(
+                f"{remote.url(key)} already exists and is not this commit's manifest (another committer committed the "
+                "step, or an object was planted there)"
+            ) from None
+    # A committer paused before that write lands it late: if retention purged the step meanwhile (its rank 0 marker
+    # goes first), the manifest commits nothing (readers require the marker), and it is taken back.
+    attempt = remote.attempt_prefix(manifest.step, manifest.attempt)
+    if remote.marker_key(manifest.step, manifest.attempt, 0) not in remote.store.listing(attempt):
+        remote.store.delete([key])
+        raise Conflict(
+            f"step {manifest.step}'s objects ({remote.url(attempt)}) were removed while this committer was paused "
+            "before committing it: not committed"
+        )
+    return digest(data)
+
+
+def _marked(remote: Remote, step: int, data: bytes) -> bool:
+    """Whether the manifest ``data`` of ``step`` commits anything: its attempt's rank 0 marker exists."""
+    where = remote.url(remote.manifest_key(step))
+    try:
+        found = Manifest.from_json(parse_record(data, "manifest", where), where)
+        return remote.store.head(remote.marker_key(step, found.attempt, 0)) is not None
+    except VerificationError:
+        return True  # not a manifest of ours: left to the committer's repair, never overwritten here

@@ -8,7 +8,10 @@ of the attempt it names and the shared pieces no committed manifest or record li
 again by then. :func:`restore` writes the manifest back from the newest record (``If-None-Match``) and then reads
 that record again: gone means a purge may be deleting the objects, so it takes its manifest back. Either the
 restore's second read comes before the purge's deletion of the record (the purge then finds the step committed and
-deletes nothing) or after it (the restore withdraws): a brought-back step never loses its objects.
+deletes nothing) or after it (the restore withdraws): a brought-back step never loses its objects. A purge leaves
+the objects while another record of the step (a ghost's late retention) lists them, and deletes the attempt's rank
+0 marker before the rest: a manifest written after that (a ghost's late commit) commits nothing
+(:meth:`~pipeline.checkpoint.stores.remote.Remote.committed`).
 
 A committer purges at once the records it wrote under its own epoch; anyone else's (a ghost's late retention, a
 committer before it) after :data:`~pipeline.checkpoint.protocol.trash.GRACE_S` on the purger's own clock, counted

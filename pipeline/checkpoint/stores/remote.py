@@ -6,8 +6,9 @@ Under the checkpoints root ``s3://<bucket>/<prefix>`` (the app adds ``<experimen
   upload: the hash must equal the one taken while the file was written), then ``step_N/<attempt>/rank_K.done.json``;
   an attempt is one launch of train (every rank of it shares the name), so two attempts never write one key;
 * ``step_N/manifest.json``: written by the one committer with ``If-None-Match: *`` once every file verified.
-  **The commit point**: a step is committed exactly when its manifest exists and verifies; two committers can
-  never both write it. The manifest names the attempt whose files it lists;
+  **The commit point**: a step is committed exactly when its manifest exists beside its attempt's rank 0 marker
+  and verifies; two committers can never both write it. The manifest names the attempt whose files it lists
+  (retention's purge deletes that marker first, so a stale committer's manifest landing later commits nothing);
 * ``latest``: ``{"step", "dir", "manifest_hash"}``, moved only forward by compare-and-swap (``If-Match``), and
   only after the manifest exists;
 * ``quarantine/step_N-<attempt>/``: a refused attempt's objects (server-side copies), with ``reason.txt``;
@@ -216,44 +217,6 @@ class Remote:
         except VerificationError:
             return None
         return found[0] if found else None
-
-    def create_manifest(self, manifest: Manifest) -> str:
-        """Write ``step_N/manifest.json`` only if none exists (the commit point); returns its hash. The same
-        bytes already there (a retried request that had landed) count as ours; anything else is a Conflict."""
-        data = record_bytes(manifest.to_json())
-        key = self.manifest_key(manifest.step)
-        try:
-            self.store.put(key, data, if_none_match=True)
-        except Conflict:
-            got = self.store.get(key)
-            if got is not None and got[0] != data and not self._marked(manifest.step, got[0]):
-                # a stale committer's late manifest of a step retired since (its rank 0 marker gone): commits
-                # nothing, and is replaced only as that very object (If-Match)
-                self.store.put(key, data, if_match=got[1])
-            elif got is None or got[0] != data:
-                raise Conflict(
-                    f"{self.url(key)} already exists and is not this commit's manifest (another committer committed "
-                    "the step, or an object was planted there)"
-                ) from None
-        # A committer paused before that write lands it late: if retention purged the step meanwhile (its rank 0
-        # marker goes first), the manifest commits nothing (readers require the marker) and is taken back.
-        if self.marker_key(manifest.step, manifest.attempt, 0) not in self.store.listing(
-            self.attempt_prefix(manifest.step, manifest.attempt)
-        ):
-            self.store.delete([key])
-            raise Conflict(
-                f"step {manifest.step}'s objects ({self.url(self.attempt_prefix(manifest.step, manifest.attempt))}) "
-                "were removed while this committer was paused before committing it: not committed"
-            )
-        return digest(data)
-
-    def _marked(self, step: int, data: bytes) -> bool:
-        """Whether the manifest ``data`` of ``step`` commits anything: its attempt's rank 0 marker exists."""
-        try:
-            found = Manifest.from_json(parse_record(data, "manifest", self.url(self.manifest_key(step))), "")
-            return self.store.head(self.marker_key(step, found.attempt, 0)) is not None
-        except VerificationError:
-            return True  # not a manifest of ours: left to the committer's repair, never overwritten here
 
     def read_latest(self) -> tuple[Latest | None, str | None]:
         """``latest`` as written (not yet checked against its manifest) and its ETag (None: no such object)."""
