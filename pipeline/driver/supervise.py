@@ -169,6 +169,7 @@ class _Active:
     handle: JobHandle
     watch: _Watch
     t0: float
+    requeued: Requeue | None = None  # SLURM's last requeue of its job, as seen
 
 
 class Execution:
@@ -272,6 +273,7 @@ class Execution:
             act.watch.poll()
             again = None if done else act.handle.requeued()
             if again is not None:
+                act.requeued = again
                 self.say(f"     {again.line(act.planned.name, latest_text(self.plan.layout, self.plan.cfg))}")
             if done:
                 try:
@@ -324,6 +326,9 @@ class Execution:
         own = read_record(layout, act.planned.name) or {}
         verdict = own.get("job_id") == act.handle.job_id and own.get("status") in ("succeeded", "failed")
         cause = str(error).splitlines()[0] if error is not None else "it succeeded early"
+        if act.requeued is not None and act.requeued.nodes and not verdict:  # SLURM: "sent from wrong node"
+            cause = (f"SLURM ended its requeued run (restart {act.requeued.restarts}) when the run cut off on "
+                     f"{act.requeued.nodes} (a ghost) ended after its node came back ({cause})")  # fmt: skip
         if not ended:
             return f"ended while {producer} runs: {cause}"
         if error is not None and not verdict:

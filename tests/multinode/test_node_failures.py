@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,19 +80,26 @@ def test_a_node_killed_mid_train_costs_no_committed_step_and_the_run_resumes(
     assert seen["violations"] == [] and seen["seen"][-1] == 12, seen
 
 
-SLOW_STEP_8_20S = "PIPELINE_FAULTS=shard_save.before_marker@step=8@action=sleep@seconds=20"
-"""Step 8 is staged only after the cut: the committer that commits it is the one that took over."""
+GHOST_WINDOWS = ";".join(
+    [
+        "verify.before_publish@step=8@restart=0@action=sleep@seconds=45",  # the first committer: before step 8's commit
+        "verify.before_latest@step=16@action=sleep@seconds=45",  # the one that follows: before latest moves to 16
+        "shard_save.before_marker@step=12@action=sleep@seconds=60",  # train slow enough for both windows
+        "shard_save.before_marker@step=20@action=sleep@seconds=60",
+    ]
+)
+"""The committer's node is cut at two commit windows: its first run stops just before publishing step 8, and the
+committer that follows stops just before moving ``latest`` to step 16; each is cut off there and healed while
+the run goes on."""
 SNAPSHOT = """
 import json, sys
 from pathlib import Path
 from pipeline.storage.integrity import hash_file
 ck = Path(sys.argv[1]) / "checkpoints"
-steps = sorted(int(p.name[5:]) for p in ck.glob("step_*"))
+steps = sorted(int(p.name[5:]) for p in ck.glob("step_*") if (p / "manifest.json").exists())
 print(json.dumps({"manifests": {s: hash_file(ck / f"step_{s}" / "manifest.json") for s in steps},
                   "latest": json.loads((ck / "latest").read_text())}))
 """
-GHOST_S = 10
-"""How long the cut-off committer runs on after its node's network is back, before SLURM hears of it."""
 
 
 def _ghost_pids(cluster: Cluster, node: str, run: Path) -> list[str]:
@@ -98,53 +107,105 @@ def _ghost_pids(cluster: Cluster, node: str, run: Path) -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if "submitit" in line and str(run) in line]
 
 
-def test_the_committers_node_cut_off_is_replaced_and_its_ghost_changes_nothing(
+def _committer_node(cluster: Cluster) -> str:
+    rows = [line.split() for line in cluster.squeue().splitlines()]
+    return next((r[3] for r in rows if len(r) == 4 and r[1] == "verify-manifest-ghosts" and r[2] == "RUNNING"), "")
+
+
+def _until(
+    what: str, cond: Callable[[], bool], launch: subprocess.Popen[str], cluster: Cluster, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if launch.poll() is not None:
+            out = launch.stdout.read() if launch.stdout else ""
+            raise AssertionError(f"the launch ended ({launch.returncode}) before {what}: {out[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g} s: {what}; queue:\n{cluster.squeue()}")
+        time.sleep(1)
+
+
+def test_the_committer_cut_off_at_its_commit_windows_and_healed_mid_run_changes_nothing(
     cluster: Cluster, shared_dir: Path, tmp_path: Path
 ) -> None:
     root = shared_dir / "runs"
-    run = root / "tiny" / "cut"
+    run = root / "tiny" / "ghosts"
+    ck = run / "checkpoints"
     poller = LatestPoller(cluster, run, shared_dir, tmp_path / "poll.log")
-    # train fills node1 and node2 (2 CPUs each): the committer gets node3
     launch = subprocess.Popen(
-        ["bash", str(SCRIPTS / "node.sh"), "exec", LOGIN, "env", SLOW_STEP_8_20S, PYTHON, "-m", "pipeline", *TINY,
-         f"run.root={root}", "run.id=cut", "train.steps=16", "launcher.stages.train.nodes=2",
-         "launcher.stages.train.cpus_per_task=2"],
+        ["bash", str(SCRIPTS / "node.sh"), "exec", LOGIN, "env", f"PIPELINE_FAULTS={GHOST_WINDOWS}", PYTHON, "-m",
+         "pipeline", *TINY, f"run.root={root}", "run.id=ghosts", "train.steps=20"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    healed = False
+
+    seen: dict[str, str] = {}  # every step's manifest hash when first seen: a ghost may not change one
+    cuts: list[str] = []
+    out = ""
     try:
-        _wait_for(cluster, run / "checkpoints" / "step_4" / "manifest.json", 180, launch)
-        assert "verify-manifest-cut RUNNING node3" in cluster.squeue(), cluster.squeue()
-        cluster.node("cut", "node3")  # past SlurmdTimeout: SLURM requeues the committer; the old one runs on, cut off
+        windows = ((8, ck / "staging" / "step_8" / "rank_1.done.json"), (16, ck / "step_16" / "manifest.json"))
+        for step, window in windows:
+
+            def in_window(w: Path = window) -> bool:
+                return _exists(cluster, w)
+
+            _until(f"step {step} in the committer's window", in_window, launch, cluster, 300)
+            time.sleep(3)  # the committer reaches its window (a sleep of 45 s) within a moment of the step's arrival
+            node, fenced = _committer_node(cluster), _latest(cluster, ck)[1]
+            assert node, cluster.squeue()
+            cluster.node("cut", node)  # past SlurmdTimeout: SLURM requeues the committer elsewhere
+            cuts.append(node)
+
+            def moved(s: int = step, e: int = fenced) -> bool:  # by a committer that took over from the cut one
+                now = _latest(cluster, ck)
+                return now[0] >= s and now[1] > e
+
+            _until(f"a new committer moving latest to step {step}", moved, launch, cluster, 300)
+            seen.update({k: v for k, v in _snapshot(cluster, run)["manifests"].items() if k not in seen})
+            cluster.node("heal", node)  # the ghost has its network and mount back while the run goes on
+            ghosts = _ghost_pids(cluster, node, run)
+            print(f"cut {node} at epoch {fenced}, healed at {_latest(cluster, ck)}: ghost pids {ghosts}")
+            cluster.node("resume", node)  # as an admin does: SLURM may place the next requeue there
         out, _ = launch.communicate(timeout=600)
-        assert launch.returncode == 0, out
-        before = json.loads(cluster.python(LOGIN, "-c", SNAPSHOT, str(run)).stdout)
-        cluster.node("heal", "node3")
-        healed = True
-        # The ghost has its network and its mount back while SLURM still has node3 down. (A cut that lasts long,
-        # on a loaded machine, can end it before the heal: its FUSE client fails the blocked calls with EIO.)
-        ghost = _ghost_pids(cluster, "node3", run)
-        print(f"ghost committer at the heal: {ghost or 'none (it ended while cut off)'}\n{out}")
-        time.sleep(GHOST_S)
-        after = json.loads(cluster.python(LOGIN, "-c", SNAPSHOT, str(run)).stdout)
     finally:
         if launch.poll() is None:
             launch.kill()
-        if not healed:
-            cluster.node("heal", "node3")
-        cluster.node("resume", "node3")
-        poller.stop()
-    lines = [line for line in out.splitlines() if "SLURM queued it again" in line]
-    assert len(lines) == 1 and lines[0].lstrip().startswith("verify_manifest:") and "node node3 failed" in lines[0]
-    assert "committed step 16" in out, out
-    assert before["latest"]["step"] == 16 and before["latest"]["epoch"] == 2, before  # the new committer's
-    assert after == before, f"the ghost changed the checkpoints: {before} -> {after}"
-    deadline = time.monotonic() + 60  # once SLURM hears from node3 again, it ends the ghost's step
-    while _ghost_pids(cluster, "node3", run) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not _ghost_pids(cluster, "node3", run), "the ghost outlived node3's return"
-    assert cluster.squeue() == ""
+            out = launch.communicate()[0]
+        for node in cuts:
+            cluster.node("heal", node)
+            cluster.node("resume", node)
+        polled = poller.stop()
+        print(f"{out}\nlatest as polled from the login node (step, epoch): {polled.get('moves')}")
+    assert launch.returncode == 0, out
+    # Each cut: SLURM requeues the committer; or, when the ghost's end reaches SLURM first, it ends the job and
+    # the launcher starts the committer again, saying why.
+    requeues = [line for line in out.splitlines() if "SLURM queued it again" in line]
+    restarts = [line for line in out.splitlines() if "verify_manifest: starting it again" in line]
+    assert len(requeues) >= 1 and all(line.lstrip().startswith("verify_manifest:") for line in requeues), out
+    assert all("a ghost" in line or "ended while train runs" in line for line in restarts), out
+    assert "committed step 20" in out and not any(line.startswith("FAIL ") for line in out.splitlines()), out
+    final = _snapshot(cluster, run)
+    assert final["latest"]["step"] == 20, final
+    changed = {k: (v, final["manifests"][k]) for k, v in seen.items() if final["manifests"].get(k, v) != v}
+    assert not changed, f"a ghost changed committed manifests: {changed}"
     status = cluster.python(LOGIN, "-m", "pipeline.status", "--verify", str(run)).stdout
-    assert "latest: step 16" in status, status
-    seen = poller.seen
-    assert seen["violations"] == [] and seen["seen"][-1] == 16, seen
+    assert "latest: step 20" in status, status
+    assert polled["violations"] == [] and polled["seen"][-1] == 20, polled
+
+
+def _exists(cluster: Cluster, path: Path) -> bool:
+    return cluster.run(LOGIN, "test", "-e", str(path), check=False).returncode == 0
+
+
+def _latest(cluster: Cluster, ck: Path) -> tuple[int, int]:
+    """``latest``'s (step, epoch) as the login node reads it; (-1, 0) when it does not read."""
+    got = cluster.run(LOGIN, "cat", str(ck / "latest"), check=False).stdout
+    try:
+        obj = json.loads(got)
+        return int(obj["step"]), int(obj.get("epoch") or 0)
+    except (ValueError, KeyError, TypeError):
+        return -1, 0
+
+
+def _snapshot(cluster: Cluster, run: Path) -> dict[str, Any]:
+    got: dict[str, Any] = json.loads(cluster.python(LOGIN, "-c", SNAPSHOT, str(run)).stdout)
+    return got

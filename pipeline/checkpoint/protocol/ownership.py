@@ -145,9 +145,7 @@ class CommitterLease:
                 self.store.delete(name)  # an I/O error fails the acquisition in one line, as every other does
         try:  # paused since the confirmation (a ghost already), this newcomer may have been fenced: not admitted
             self.fence()
-        except CommitterLost as e:
-            self._lost = None
-            self._drop_own()
+        except CommitterLost as e:  # its record stays: removing the highest one would take the epoch back
             raise CommitterBusy(f"not taking the committer lease {self.store.where}: {e}") from None
         HELD.add(self.token)
         self._thread = threading.Thread(target=self._beat, name="committer-lease", daemon=True)
