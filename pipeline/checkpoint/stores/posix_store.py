@@ -132,19 +132,25 @@ class PosixCheckpoints:
 
     def newest(self) -> Latest | None:
         """What a reader resumes from (:func:`read_newest`). A ``latest`` naming a step dir whose manifest this
-        mount does not show may be another mount's commit half visible through this mount's cache: looked at
-        again for up to :data:`VISIBILITY_S` before the error stands (damage: the committer repairs it)."""
+        mount does not show, or shows changing (replaced through another mount: identical bytes, but missing or
+        partly read for a moment), may be another mount's commit half visible through this mount's cache: looked
+        at again for up to :data:`VISIBILITY_S` before the error stands. A manifest that reads the same twice
+        and still differs is damage at once (the committer repairs it)."""
         deadline = time.monotonic() + VISIBILITY_S
+        last: bytes | None = None
         while True:
             try:
                 return read_newest(self.layout)
             except VerificationError:
                 named = repair.latest_step_name(self.layout)
                 final = self.layout.committed_step(named) if named is not None else None
-                if final is None or self.storage.kind(final) != "dir" or self.storage.kind(final / MANIFEST):
+                if final is None or self.storage.kind(final) != "dir" or time.monotonic() >= deadline:
                     raise
-                if time.monotonic() >= deadline:
-                    raise
+                if self.storage.kind(final / MANIFEST) is not None:
+                    now = repair.read_or_none(final / MANIFEST)
+                    if now is not None and now == last:
+                        raise  # read the same twice: not a replace in flight
+                    last = now
                 time.sleep(0.05)
 
     def latest_version(self) -> str | None:

@@ -34,6 +34,7 @@ from pipeline.errors import VerificationError
 from pipeline.storage.atomic import is_temp_name, json_bytes
 from pipeline.storage.backend import Storage
 from pipeline.storage.integrity import (
+    MAX_RECORD_BYTES,
     FileEntry,
     lstat_kind,
     read_record_json,
@@ -230,6 +231,16 @@ def holders(
             if (st.st_dev, st.st_ino) in idents:
                 out.setdefault(step, (path, []))[1].append((entry.name, (st.st_dev, st.st_ino)))
     return out
+
+
+def read_or_none(path: Path) -> bytes | None:
+    """``path``'s bytes (a record's size at most), or None when it cannot be opened now (never through a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(MAX_RECORD_BYTES)
 
 
 def latest_step_name(layout: CheckpointLayout) -> int | None:
