@@ -306,6 +306,7 @@ class PosixCheckpoints:
     def tidy(self, fence: Callable[[], None], world_size: int, allow_pickle: bool, first: bool) -> list[str]:
         repairs: list[str] = []
         if first:
+            fence()  # a temp file may be a live holder's write in flight: only the holder sweeps
             repair.sweep_temp_files(self.storage, self.layout)
             for _, path in step_entries(self.storage, self.layout.checkpoints):  # a manifest's, left by a crash
                 if self.storage.kind(path) == "dir":
