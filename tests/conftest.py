@@ -162,8 +162,6 @@ def no_lease_settle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ownership, "SETTLE_S", 0.0)
 
 
-pytest_plugins = ["tests.cpu_census"]  # the CPU each test costs, listed after the run
-
 _RELIABILITY_ROWS: list[tuple[str, str, bool, list[str]]] = []
 
 
