@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import time
+import zlib
+from pathlib import Path
 from typing import Any
 
 from pipeline.config.launcher import LauncherConfig, SlurmLauncherConfig
 from pipeline.driver.plan import Plan, PlannedStage
+from pipeline.errors import StageFailedError
 from pipeline.stagekit.contract import Resources, StageContract
 
 
@@ -69,3 +75,45 @@ def sbatch_lines(planned: PlannedStage, plan: Plan) -> list[str]:
     slurm: Any = executor._executor  # noqa: SLF001 - submitit's own script text, exactly as sbatch gets it
     text = slurm._make_submission_file_text("<task>", "<uid>")  # noqa: SLF001
     return [line for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+def rendezvous_port(job_id: str) -> int:
+    """The job's rendezvous port: a function of its id (every task, on every node, agrees), below the kernel's
+    ephemeral range. submitit's own choice (20000-60000) overlaps that range, where srun's and slurmstepd's
+    listening sockets live: a collision fails rank 0 with EADDRINUSE (seen on the test cluster)."""
+    low, high = 10000, _EPHEMERAL_START
+    return low + zlib.crc32(job_id.encode()) % (high - low)
+
+
+def _ephemeral_start() -> int:
+    try:
+        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return start if start > 12000 else 32768
+
+
+_EPHEMERAL_START = _ephemeral_start()
+
+LOCAL_PORT_ENV = "PIPELINE_RENDEZVOUS_PORT"
+"""Set by the local launcher in a distributed job's setup shell: the port its tasks rendezvous on."""
+
+
+def free_local_port(tries: int = 256) -> int:
+    """A rendezvous port for a local job, chosen once by the launcher: free on this machine now and below the
+    ephemeral range. A port derived from the job id alone can be a running service's (SeaweedFS's master listens
+    on 19333) or another local job's; on SLURM the tasks span nodes and derive it instead (:func:`rendezvous_port`)."""
+    low, high = 10000, _EPHEMERAL_START
+    start = zlib.crc32(f"{os.getpid()}:{time.monotonic_ns()}".encode())
+    for i in range(tries):
+        port = low + (start + i * 7919) % (high - low)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore binds: TIME_WAIT is free
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise StageFailedError(
+        f"no free rendezvous port for a local job in {tries} tries between {low} and {high}; free some ports"
+    )

@@ -13,7 +13,6 @@ import shlex
 import signal
 import sys
 import time
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import submitit
 from submitit.core.utils import FailedJobError
 
 from launchers.base import JobHandle, Launcher
-from launchers.resources import submitit_parameters
+from launchers.resources import LOCAL_PORT_ENV, free_local_port, rendezvous_port, submitit_parameters
 from launchers.task_outcomes import LocalTasks, failure_message, free_space, outcomes, size_text
 from pipeline.config.launcher import LauncherConfig, LocalLauncherConfig, SlurmLauncherConfig
 from pipeline.config.schema import PipelineConfig
@@ -79,7 +78,8 @@ def task_entry(
     distributed = get_stage(stage).CONTRACT.distributed
     if distributed:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        os.environ["MASTER_PORT"] = str(rendezvous_port(str(env.job_id)))
+        local = os.environ.get(LOCAL_PORT_ENV) if env.cluster == "local" else None
+        os.environ["MASTER_PORT"] = local or str(rendezvous_port(str(env.job_id)))
         if isinstance(cfg.launcher, LocalLauncherConfig):
             os.environ["MASTER_ADDR"] = cfg.launcher.master_addr  # a literal IP: no hostname lookup at rendezvous
     if distributed and isinstance(cfg.launcher, SlurmLauncherConfig):
@@ -142,25 +142,6 @@ class RequeuedAtTimeLimit(submitit.helpers.Checkpointable):
         self, stage: str, cfg: PipelineConfig, run_dir: str, attempt: str, beside: JobRef | None = None
     ) -> dict[str, object]:
         return task_entry(stage, cfg, run_dir, attempt, beside)
-
-
-def rendezvous_port(job_id: str) -> int:
-    """The job's rendezvous port: a function of its id (every task, on every node, agrees), below the kernel's
-    ephemeral range. submitit's own choice (20000-60000) overlaps that range, where srun's and slurmstepd's
-    listening sockets live: a collision fails rank 0 with EADDRINUSE (seen on the test cluster)."""
-    low, high = 10000, _EPHEMERAL_START
-    return low + zlib.crc32(job_id.encode()) % (high - low)
-
-
-def _ephemeral_start() -> int:
-    try:
-        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-    return start if start > 12000 else 32768
-
-
-_EPHEMERAL_START = _ephemeral_start()
 
 
 REQUEUE_POLL_S = 5.0
@@ -261,7 +242,8 @@ class SubmititLauncher(Launcher):
         if self.cluster == "local":
             folder.mkdir(parents=True, exist_ok=True)
             controller_log = shlex.quote(str(folder / CONTROLLER_LOG))  # its own stderr: not the terminal's
-            executor.update_parameters(local_setup=[*LOCAL_JOB_SETUP, f"exec 2>>{controller_log}"])
+            port = [f"export {LOCAL_PORT_ENV}={free_local_port()}"] if job.contract.distributed else []
+            executor.update_parameters(local_setup=[*LOCAL_JOB_SETUP, *port, f"exec 2>>{controller_log}"])
         return executor
 
     def submit(self, job: StageJob, after: Sequence[tuple[str, JobHandle]] = ()) -> SubmititHandle:

@@ -117,6 +117,22 @@ def test_rendezvous_port_is_the_jobs_and_below_the_ephemeral_range() -> None:
     assert all(10000 <= p < 32768 for p in ports.values())
 
 
+def test_a_local_jobs_port_is_free_on_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local job's port is chosen once by the launcher and skips a port a service already listens on (a
+    derived port met SeaweedFS's master on 19333 in CI: EADDRINUSE at rank 0's rendezvous)."""
+    import socket  # noqa: PLC0415
+
+    from launchers import resources  # noqa: PLC0415
+
+    monkeypatch.setattr(resources.time, "monotonic_ns", lambda: 7)
+    first = resources.free_local_port()
+    with socket.socket() as busy:
+        busy.bind(("", first))
+        busy.listen()
+        picked = resources.free_local_port()
+    assert picked != first and 10000 <= picked < 32768
+
+
 def test_dry_run_without_srun_says_so_instead_of_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from launchers import resources  # noqa: PLC0415
 
