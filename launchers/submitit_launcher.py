@@ -23,7 +23,7 @@ from submitit.core.utils import FailedJobError
 
 from launchers.base import JobHandle, Launcher
 from launchers.resources import LOCAL_PORT_ENV, free_local_port, rendezvous_port, submitit_parameters
-from launchers.task_outcomes import LocalTasks, failure_message, free_space, outcomes, size_text
+from launchers.task_outcomes import LocalTasks, failure_message, free_space, outcomes, size_text, stale_results
 from pipeline.config.launcher import LauncherConfig, LocalLauncherConfig, SlurmLauncherConfig
 from pipeline.config.schema import PipelineConfig
 from pipeline.driver.supervise import StageJob
@@ -31,7 +31,7 @@ from pipeline.driver.task import execute_task
 from pipeline.errors import StageFailedError
 from pipeline.stagekit import preemption
 from pipeline.stagekit.contract import JobRef
-from pipeline.stagekit.jobs import Requeue, release_begin_time, requeued
+from pipeline.stagekit.jobs import ACTIVE_STATES, Requeue, release_begin_time, requeued, slurm_states
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import clear_file
 
@@ -161,11 +161,12 @@ class SubmititHandle:
         # A local job starts at once; a queued SLURM job's clock starts when it does (it may wait for train).
         self.deadline: float | None = time.monotonic() + launcher.time_limit_s(job) if not launcher.chains else None
         self._next_look, self._restarts = 0.0, 0
+        self._run_since, self._unsettled_since, self._slurm_active = time.time() - 1.0, 0.0, (0.0, True)
 
     def poll(self) -> bool:
         cfg, job, sjob = self.launcher.cfg, self.job, self.sjob
         if sjob.done():
-            return True
+            return self._settled()
         if self.deadline is None and str(sjob.state) in ("RUNNING", "COMPLETING"):
             self.deadline = time.monotonic() + self.launcher.time_limit_s(job)
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -185,6 +186,23 @@ class SubmititHandle:
                 )
         return False
 
+    def _settled(self) -> bool:
+        """Whether a SLURM job of several tasks that submitit calls done is judged now: not while SLURM runs it and a
+        task has no result of this run (its node failed: SLURM may requeue it, ``launcher.peer_grace_s``)."""
+        if not self.launcher.chains or self.job.tasks < 2:
+            return True
+        if not stale_results(self.sjob, self.job.tasks, self._run_since):
+            return True
+        now = time.monotonic()
+        if self._restarts == 0:
+            self._unsettled_since = self._unsettled_since or now
+            if now - self._unsettled_since > self.launcher.cfg.peer_grace_s:
+                return True
+        if now - self._slurm_active[0] >= REQUEUE_POLL_S:
+            state = slurm_states([self.job_id]).get(self.job_id)
+            self._slurm_active = (now, state in ACTIVE_STATES)  # (unknown: judged, as before)
+        return not self._slurm_active[1]
+
     def outcome(self) -> None:
         self.launcher.check_result(self.sjob, self.job)
 
@@ -199,7 +217,7 @@ class SubmititHandle:
         again = requeued(self.job_id)
         if again is None or again.restarts <= self._restarts:
             return None
-        self._restarts = again.restarts
+        self._restarts, self._run_since = again.restarts, time.time()  # results before now are the earlier run's
         # its begin time may lie ahead whatever the reason shown now (Resources while the nodes are busy): lift it
         if release_begin_time(self.job_id):
             again = dataclasses.replace(again, held_until="", released=True)

@@ -89,6 +89,20 @@ def outcomes(sjob: Any, ntasks: int, watched: LocalTasks | None = None) -> list[
     return result
 
 
+def stale_results(sjob: Any, ntasks: int, since: float) -> list[int]:
+    """Tasks of ``sjob`` with no result written since ``since`` (wall-clock seconds: the job's submission, or the
+    launcher's sight of its last requeue): killed with their node, or holding a result of a run before a requeue."""
+    stale = []
+    for task in range(ntasks):
+        try:
+            written = Path(sjob.task(task).paths.result_pickle).stat().st_mtime
+        except OSError:
+            written = -math.inf
+        if written < since:
+            stale.append(task)
+    return stale
+
+
 def _with_storage(error: str, storage: str | None) -> str:
     return f"{error} ({storage} in its log)" if storage and storage not in error else error
 

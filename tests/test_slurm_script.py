@@ -183,3 +183,42 @@ def test_on_slurm_the_committer_is_requeued_at_its_time_limit(tmp_path: Path, mo
     local = SubmititLauncher(plan.cfg.launcher, cluster="local")
     local.submit(StageJob.of(next(s for s in plan.stages if s.name == "verify_manifest"), plan))
     assert submitted["verify_manifest"] is task_entry
+
+
+def test_a_train_job_whose_node_failed_is_left_to_slurm_until_it_requeues_and_the_rerun_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Task 0's result (it failed: its peer's node was killed) while task 1 has none and SLURM still runs the job:
+    SLURM may end it NODE_FAIL and requeue it, so the launcher waits (up to launcher.peer_grace_s); once SLURM
+    requeued it, the first run's results are stale until the rerun writes its own (seen on the test cluster: the
+    launcher reported FAIL while SLURM requeued train and it finished)."""
+    from launchers import submitit_launcher as sl  # noqa: PLC0415
+    from pipeline.config.launcher import SlurmLauncherConfig  # noqa: PLC0415
+    from pipeline.stagekit.jobs import Requeue  # noqa: PLC0415
+
+    results = [tmp_path / "0_result.pkl", tmp_path / "1_result.pkl"]
+    task = [SimpleNamespace(paths=SimpleNamespace(result_pickle=p)) for p in results]
+    sjob = SimpleNamespace(job_id="82", state="RUNNING", paths=SimpleNamespace(folder=tmp_path), done=results[0].exists)
+    sjob.task = lambda t: task[t]  # type: ignore[attr-defined]
+    job = SimpleNamespace(tasks=2, stage="train", resources=SimpleNamespace(timeout_min=60))
+    handle = sl.SubmititHandle(SubmititLauncher(SlurmLauncherConfig(peer_grace_s=60.0), "slurm"), sjob, job)  # type: ignore[arg-type]
+    state = {"82": "RUNNING"}
+    monkeypatch.setattr(sl, "slurm_states", lambda ids: dict(state))
+    monkeypatch.setattr(sl, "REQUEUE_POLL_S", 0.0)
+    assert handle.poll() is False
+    results[0].write_bytes(b"failed")  # rank 0 failed; rank 1 vanished with its node
+    assert handle.poll() is False, "SLURM still runs the job: it may requeue it"
+    monkeypatch.setattr(sl, "requeued", lambda _job: Requeue("82", 1, "NODE_FAIL", "node2", "node2", ""))
+    monkeypatch.setattr(sl, "release_begin_time", lambda _job: False)
+    assert handle.requeued() is not None
+    state["82"] = "RUNNING"  # the rerun
+    assert handle.poll() is False, "the results are the first run's"
+    for p in results:
+        p.write_bytes(b"ok")
+        os.utime(p, (handle._run_since + 5, handle._run_since + 5))  # noqa: SLF001
+    assert handle.poll() is True
+    # a job whose task has no result and that SLURM no longer runs is judged at once (as before)
+    other = sl.SubmititHandle(handle.launcher, sjob, job)  # type: ignore[arg-type]
+    results[1].unlink()
+    state["82"] = "FAILED"
+    assert other.poll() is True

@@ -87,7 +87,9 @@ class LauncherConfig:
     peer_grace_s: float = 60.0
     """Local multi-task jobs (train): once one task has ended (failed, died, or finished), how long the others
     may keep running before the job is cancelled and the first to end is reported (a peer stopped, or blocked
-    in a collective, would otherwise hold the job until its time limit)."""
+    in a collective, would otherwise hold the job until its time limit). On SLURM: how long a job of several tasks
+    whose task 0 has a result while another has none (killed with its node) is left to SLURM, which may end it
+    ``NODE_FAIL`` and requeue it, before the launcher reports the task (keep it above ``SlurmdTimeout``)."""
     stages: StagesResourcesConfig = field(default_factory=StagesResourcesConfig)
     """Resources of each stage's job, over the stage contract's defaults."""
 
