@@ -270,3 +270,25 @@ def test_any_at_finds_a_heartbeat(tmp: Path) -> None:
     )
     assert any("lease." in a.at for a in w.kernel.procs["ghost"].actors) or w.ended, w.ended
     assert after(lambda _w: True, lambda _w: True)(w)
+
+
+# 8. Open (found by the 100,000-schedule run, bucket, seed 20041559 on 38b89b5): a committer retired step 2
+#    (keep_last=1, step 4 committed) and, frozen between its fence and its purge's first act, came back after step 4
+#    was damaged and the appointed committer had quarantined it; its late purge took the retired step the fall-back
+#    needed. A check before the purge is no safety: the purge itself must leave a step a successor may still need.
+PURGE = {"bucket": ("s3.delete", "trash/step_2"), "posix": ("io rename", ".deleting/.step_2")}
+
+
+@pytest.mark.xfail(strict=True, reason="open: a late purge of a committer's own retired step (issue 33's note)")
+@pytest.mark.parametrize("store", ["posix", "bucket"])
+def test_a_late_purge_of_a_retired_step_leaves_the_step_a_fall_back_needs(tmp: Path, store: str) -> None:
+    w = plan(
+        Settings(store=store, steps=(), keep_last=1, live_at=1.0),
+        tmp,
+        run("ghost", until=at("ghost", *PURGE[store]), then=lambda w: w.stage_now(2, 4)),
+        run("live", until=at("live", "store.trashed"), then=lambda w: w.damage(4)),
+        run("ghost", until=ended("ghost")),
+        run("live", then=lambda w: w.finish_writer()),
+    )
+    clean(w)
+    assert w.final_reader[:2] == ("ok", 2), (w.final_ok, w.final_reader)

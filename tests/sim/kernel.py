@@ -122,6 +122,7 @@ class Kernel:
         self.steps = 0
         self.trace: list[str] = []
         self.free = False
+        self.looking = 0  # the simulation's own looks in progress inside an actor: no point, no fault there
 
     # -- building -------------------------------------------------------------------------------------------
 
@@ -160,7 +161,7 @@ class Kernel:
     def point(self, at: str) -> Fault | None:
         """Hand control to the scheduler at ``at``; returns the fault injected here (the caller applies it)."""
         a = self.current()
-        if a is None:
+        if a is None or self.looking:
             return None
         a.at = at
         if self.free:  # one process left, no faults: it runs on without a choice to make here
@@ -171,6 +172,16 @@ class Kernel:
         self._switch(a)
         f, a.fault = a.fault, None
         return f
+
+    @contextmanager
+    def outside(self) -> Iterator[None]:
+        """The simulation's own look from inside an actor's greenlet (a judgement of this instant, not an act of the
+        actor): its store calls are no scheduling points, so nothing else runs and no fault lands meanwhile."""
+        self.looking += 1
+        try:
+            yield
+        finally:
+            self.looking -= 1
 
     def block(self, at: str, ready: Callable[[], bool] | None = None, until: float | None = None) -> None:
         """Not runnable until ``ready()`` holds or virtual time reaches ``until``."""

@@ -220,8 +220,9 @@ class World:
                 self.holders[name] = c.lease
                 self.acquired[name] = self.kernel.now  # (renewed: when its last write of its record began)
                 self.renewed.setdefault(name, self.kernel.now)
-                if name == "newcomer":
-                    self._check_admission(name)
+                if name == "newcomer":  # judged at the admission: the look itself is no point where time passes
+                    with self.kernel.outside():
+                        self._check_admission(name)
                 c.recover()
                 if passes is not None:
                     for _ in range(passes):
