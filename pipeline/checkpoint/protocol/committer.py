@@ -111,6 +111,8 @@ class Committer(LatestRepair):
     def recover(self) -> None:
         """What a committer does first: remove its own litter, re-verify ``latest`` (quarantining damage), and
         finish a commit that was interrupted between publishing a step and moving ``latest``."""
+        if self.epoch is not None:  # first: what its predecessors retired is this holder's before any repair
+            self.store.claim(self.fence, self.epoch)
         self.report.quarantined += self.store.tidy(self.fence, *self._tidy_args(), first=True)
         self.report.quarantined += self.recheck_latest()
         after = self._pointer_step()

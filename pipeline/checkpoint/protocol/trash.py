@@ -5,8 +5,10 @@ epoch of the committer that moved it); phase two (:func:`purge`) deletes it. A c
 moved itself under its own epoch; what anyone else moved (a ghost's retention that acted after a pause, a
 committer before it) stays for :data:`GRACE_S` on the purger's own clock, counted from when it first saw the entry.
 Meanwhile :func:`restore` brings a step back when ``latest`` needs it: a fall-back to the newest step that
-verifies finds it there. Before moving a step, :func:`retire_step` re-reads ``latest`` and the newest committed
-step at the act: neither, nor anything above them, is ever moved.
+verifies finds it there. A new holder first renames what lower epochs left there under its own epoch
+(:func:`claim`): a late purge by its predecessor then finds nothing to delete. Before moving a step,
+:func:`retire_step` re-reads ``latest`` and the newest committed step at the act: neither, nor anything above
+them, is ever moved.
 """
 
 from __future__ import annotations
@@ -96,6 +98,24 @@ def purge(layout: CheckpointLayout, epoch: int, first_seen: dict[str, float]) ->
         except OSError as e:  # another committer purges the same trash: the next pass finishes it
             log.warning("retention: %s not deleted yet (%s); the next pass finishes it", entry, e)
         first_seen.pop(entry.name, None)
+
+
+def claim(layout: CheckpointLayout, epoch: int) -> None:
+    """A new holder's first act on the trash, before any repair: each entry a lower epoch moved there is renamed
+    under ``epoch``. The committer that moved it purges it at once; frozen between its fence and that purge's first
+    act (a rename of the entry's name), it comes back to find the name gone, and deletes nothing this holder's
+    fall-back may need (the newer step damaged meanwhile). This holder purges them after its own repairs."""
+    trash = trash_dir(layout)
+    if not is_real_dir(trash):
+        return
+    for entry in sorted(trash.iterdir()):
+        parsed = parse_entry(entry.name)
+        if parsed is None or parsed[1] >= epoch or not is_real_dir(entry):
+            continue
+        try:
+            move_aside(entry, trash, f"{step_name(parsed[0])}.e{epoch}.{int(time.time())}")
+        except FileNotFoundError:  # purged or brought back meanwhile
+            continue
 
 
 def trashed(layout: CheckpointLayout) -> list[int]:

@@ -113,6 +113,11 @@ class BucketRemoval:
     def restore(self, step: int) -> bool:
         return bucket_trash.restore(self.remote, step)
 
+    def claim(self, fence: Callable[[], None], epoch: int) -> None:
+        """Nothing (open): a record copied under this epoch would spare the objects only until the predecessor's
+        next act, and a bucket has no delete conditional on another object (docs: what the simulation does not
+        prove)."""
+
     def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
         """Phase one (into the trash) for each step, re-checked at the act: never the step ``latest`` names, the
         newest committed one, or anything above them; then phase two for the records this committer may purge

@@ -321,6 +321,10 @@ class PosixCheckpoints:
         repair.finish_unmanifested(self.storage, self.layout, fence, world_size, allow_pickle)
         return repairs
 
+    def claim(self, fence: Callable[[], None], epoch: int) -> None:
+        fence()
+        trash.claim(self.layout, epoch)
+
     def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
         """Each step into the trash, re-checked at the act (:mod:`pipeline.checkpoint.protocol.trash`); then the trash
         entries this committer may delete now."""

@@ -191,6 +191,11 @@ class CheckpointStore(Protocol):
         own litter and quarantine what was planted. Returns a line per repair (``fence`` before any act)."""
         ...
 
+    def claim(self, fence: Callable[[], None], epoch: int) -> None:
+        """A new holder's first act, before any repair: the retired steps lower epochs left restorable become this
+        holder's, where the store can make its predecessor's late purge of them find nothing (``fence`` first)."""
+        ...
+
     def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
         """Remove committed steps retention let go, each re-checked at the act (never ``latest``'s step, the
         newest committed one, or above; ``fence`` before each), and their pieces no other committed step lists."""
