@@ -99,12 +99,13 @@ LOCAL_PORT_ENV = "PIPELINE_RENDEZVOUS_PORT"
 """Set by the local launcher in a distributed job's setup shell: the port its tasks rendezvous on."""
 
 
-def free_local_port(tries: int = 256) -> int:
+def free_local_port(tries: int = 256, start: int | None = None) -> int:
     """A rendezvous port for a local job, chosen once by the launcher: free on this machine now and below the
     ephemeral range. A port derived from the job id alone can be a running service's (SeaweedFS's master listens
     on 19333) or another local job's; on SLURM the tasks span nodes and derive it instead (:func:`rendezvous_port`)."""
     low, high = 10000, _EPHEMERAL_START
-    start = zlib.crc32(f"{os.getpid()}:{time.monotonic_ns()}".encode())
+    if start is None:  # (a test passes its own)
+        start = zlib.crc32(f"{os.getpid()}:{time.monotonic_ns()}".encode())
     for i in range(tries):
         port = low + (start + i * 7919) % (high - low)
         with socket.socket() as sock:

@@ -165,8 +165,8 @@ class SubmititHandle:
 
     def poll(self) -> bool:
         cfg, job, sjob = self.launcher.cfg, self.job, self.sjob
-        if sjob.done():
-            return self._settled()
+        if sjob.done() and self._settled():  # (unsettled: the deadline below still holds)
+            return True
         if self.deadline is None and str(sjob.state) in ("RUNNING", "COMPLETING"):
             self.deadline = time.monotonic() + self.launcher.time_limit_s(job)
         if self.deadline is not None and time.monotonic() > self.deadline:

@@ -117,19 +117,18 @@ def test_rendezvous_port_is_the_jobs_and_below_the_ephemeral_range() -> None:
     assert all(10000 <= p < 32768 for p in ports.values())
 
 
-def test_a_local_jobs_port_is_free_on_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_local_jobs_port_is_free_on_the_machine() -> None:
     """A local job's port is chosen once by the launcher and skips a port a service already listens on (a
     derived port met SeaweedFS's master on 19333 in CI: EADDRINUSE at rank 0's rendezvous)."""
     import socket  # noqa: PLC0415
 
     from launchers import resources  # noqa: PLC0415
 
-    monkeypatch.setattr(resources.time, "monotonic_ns", lambda: 7)
-    first = resources.free_local_port()
+    first = resources.free_local_port(start=7)
     with socket.socket() as busy:
         busy.bind(("", first))
         busy.listen()
-        picked = resources.free_local_port()
+        picked = resources.free_local_port(start=7)
     assert picked != first and 10000 <= picked < 32768
 
 
