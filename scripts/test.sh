@@ -15,7 +15,18 @@ bash scripts/system-packages.sh || true
 docs_site=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$docs_site"
 rm -rf "$docs_site"
+# The deterministic simulation of the commit protocol (tests/simulate.py): 10,000 random schedules over both
+# stores and a small configuration explored exhaustively, on both cores before pytest starts (about 2.5 minutes;
+# its last line says how many violations). SIM_SCHEDULES=0 skips it. A violation fails the run, after pytest.
+sim=0
+if [ "${SIM_SCHEDULES:-10000}" != 0 ]; then
+  began=$SECONDS
+  PYTHONPATH=. .venv/bin/python -m tests.simulate --schedules "${SIM_SCHEDULES:-10000}" --first-seed 1000000 \
+    --workers 2 --show 3 || sim=$?
+  echo "simulation: $((SECONDS - began)) s"
+fi
 # Three workers (PYTEST_WORKERS): the suite mostly waits on the processes it starts; the SLURM tests run one at a
 # time across workers on one shared cluster (tests/slurm/conftest.py). --durations=15 (pyproject) prints the
 # slowest tests at the end.
 .venv/bin/python -m pytest -q -n "${PYTEST_WORKERS:-3}" --dist loadgroup "$@"
+exit "$sim"

@@ -260,3 +260,29 @@ def test_consolidation_streams_row_blocks_and_assembles_the_rest(tmp_path: Path)
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_a_marker_whose_step_was_published_before_its_closing_fsync_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's done-marker is its last write into the staged step: the committer may publish the step between the
+    marker's rename and the closing ``fsync`` of the directory. That is no failure of the rank's; any other write
+    into a directory that vanished still fails."""
+    from pipeline.checkpoint.manifest import Marker, marker_path, write_marker  # noqa: PLC0415
+    from pipeline.storage import atomic  # noqa: PLC0415
+
+    staged, published = tmp_path / "staging" / "step_4", tmp_path / "step_4"
+    staged.mkdir(parents=True)
+    real = atomic.fsync_dir
+
+    def published_first(path: Path) -> None:
+        if Path(path) == staged and staged.exists():
+            staged.rename(published)  # the committer, between the rename and the fsync
+        real(path)
+
+    monkeypatch.setattr(atomic, "fsync_dir", published_first)
+    write_marker(staged, Marker(step=4, rank=0, world_size=1, format="dcp", attempt="a1", files=()))
+    assert marker_path(published, 0).is_file()
+    published.rename(staged)
+    with pytest.raises(FileNotFoundError):
+        atomic.write_json_atomic(staged / "other.json", {})

@@ -279,6 +279,25 @@ def test_a_half_deleted_step_left_in_the_trash_is_finished(tmp_path: Path) -> No
     assert _steps(layout.checkpoints) == ["step_8"]
 
 
+def test_a_claimed_trash_entry_keeps_its_grace_and_an_own_one_goes_at_once(tmp_path: Path) -> None:
+    """A new holder claims what lower epochs left in the trash (a late purge by its predecessor then finds nothing),
+    but a claimed step is not its own: it stays restorable for the grace period, so a fall-back that could not
+    bring it back at once can do so later. What this epoch moved itself is purged at once."""
+    from pipeline.checkpoint.protocol import trash  # noqa: PLC0415
+
+    layout = _run(tmp_path, [8])
+    bin_ = layout.checkpoints / TRASH
+    _step(bin_, 4, MANIFEST).rename(bin_ / "step_4.e1.100")
+    _step(bin_, 6, MANIFEST).rename(bin_ / "step_6.e3.100")
+    trash.claim(layout, 3)
+    names = sorted(os.listdir(bin_))
+    assert len(names) == 2 and names[0].startswith("step_4.c3.") and names[1] == "step_6.e3.100", names
+    first_seen: dict[str, float] = {}
+    trash.purge(layout, 3, first_seen)
+    assert trash.trashed(layout) == [4]  # the claimed one stays; the own one is gone
+    assert trash.restore(layout, 4) and (layout.committed_step(4) / MANIFEST).is_file()
+
+
 def test_an_area_replaced_by_a_link_is_never_entered(tmp_path: Path) -> None:
     layout = _run(tmp_path, [4, 8])
     elsewhere = tmp_path / "elsewhere"

@@ -119,7 +119,9 @@ class Marker(_FileRecord):
 
 
 def write_marker(step_dir: Path, marker: Marker) -> None:
-    write_json_atomic(marker_path(step_dir, marker.rank), marker.to_json())
+    """A rank's last write into its staged step: the committer may publish the step before the write's closing
+    ``fsync`` of the directory, which is then no failure of the rank's."""
+    write_json_atomic(marker_path(step_dir, marker.rank), marker.to_json(), parent_may_move=True)
 
 
 def read_marker(step_dir: Path, rank: int) -> Marker | None:

@@ -80,8 +80,12 @@ def _write_new(tmp: Path, data: bytes, mode: int) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part."""
+def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644, *, parent_may_move: bool = False) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part.
+
+    ``parent_may_move``: the write is the last a directory receives before another process may move it (a rank's
+    done-marker: the committer then publishes the step). The rename has landed; a directory gone by the closing
+    ``fsync`` of it was moved by that process, which makes the tree it moves durable (``publish_dir``)."""
     path = Path(path)
     tmp = _temp_name(path)
     try:
@@ -92,16 +96,20 @@ def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         io_op("unlink", tmp)  # after a simulated crash this raises again: a dead process cleans nothing up
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    try:
+        fsync_dir(path.parent)
+    except FileNotFoundError:
+        if not parent_may_move:
+            raise
+
+
+def write_json_atomic(path: Path, obj: Any, *, parent_may_move: bool = False) -> None:
+    write_bytes_atomic(path, json_bytes(obj), parent_may_move=parent_may_move)
 
 
 def json_bytes(obj: Any) -> bytes:
     """The one JSON encoding of files this pipeline writes (sorted keys, indented, newline-terminated)."""
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_bytes_atomic(path, json_bytes(obj))
 
 
 def create_exclusive(path: Path, data: bytes, mode: int = 0o644) -> bool:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import xxhash
@@ -179,9 +179,12 @@ def safe_join(root: Path, rel: str) -> Path:
 class SafeRoot:
     """:func:`safe_join` for many paths under one ``root`` (a marker's or a manifest's files, a DCP metadata's
     data files): the same checks, but each directory on the way is checked once per :class:`SafeRoot` rather
-    than once per file, and ``root`` and each parent directory are resolved once (a file that is no symlink
-    resolves to its resolved parent plus its name), so checking N files costs O(N), not O(N x depth) path walks.
-    Paths are handled as strings inside (pathlib costs more than the ``lstat`` calls at tens of thousands of files).
+    than once per file, so checking N files costs O(N), not O(N x depth) ``lstat`` calls.
+
+    Nothing is resolved: a path whose every component from ``root`` down is no symlink (each checked with
+    ``lstat``) and that has no ``..`` cannot leave ``root``, wherever ``root`` itself lies (a link above it is the
+    user's choice of where the run lives). Paths are handled as strings inside (pathlib costs more than the
+    ``lstat`` calls at tens of thousands of files).
     """
 
     def __init__(self, root: Path) -> None:
@@ -190,26 +193,13 @@ class SafeRoot:
         # How str(root / "a/b") spells a path under root: "." adds nothing, "/" adds no second slash.
         self._base = "" if self._root == "." else self._root if self._root.endswith("/") else self._root + "/"
         self._real_dirs: set[str] = set()  # components already seen to be real directories, not symlinks
-        self._resolved_root: str | None = None
-        self._resolved_parents: dict[str, str] = {}
 
     def join(self, rel: str) -> Path:
-        root = self.root
-        pure = PurePosixPath(rel)
-        parts = pure.parts
-        too_long = len(rel.encode(errors="replace")) >= 4096 or any(
-            len(p.encode(errors="replace")) > 255 for p in parts
-        )
-        control = any(ord(c) < 32 for c in rel)
-        if not rel or pure.is_absolute() or ".." in parts or rel != str(pure) or "\\" in rel or control or too_long:
-            raise UnsafePathError(
-                f"unsafe path {rel[:200]!r} under {root}: paths in markers and manifests must be relative, "
-                "normalised, without control characters, and no longer than the filesystem allows"
-            )
-        full = parent = self._root
+        parts = _checked_parts(rel, self.root)
+        full = self._root
         for i in range(len(parts) + 1):  # root itself, then every component down to the file
             if i:
-                parent, full = full, (self._base + parts[0] if i == 1 else full + "/" + parts[i - 1])
+                full = self._base + parts[0] if i == 1 else full + "/" + parts[i - 1]
             if full in self._real_dirs:
                 continue
             kind = lstat_kind(full)
@@ -217,22 +207,25 @@ class SafeRoot:
                 raise UnsafePathError(f"{full} is a symlink: nothing under a run's managed areas is ever followed")
             if kind == "dir":
                 self._real_dirs.add(full)
-        if self._resolved_root is None:
-            self._resolved_root = str(root.resolve())
-        resolved_root = self._resolved_root
-        # No component from root down is a symlink (checked above), so the path resolves to its resolved parent
-        # plus its name, as Path.resolve() would find.
-        resolved = resolved_root if not parts else os.path.join(self._resolved_parent(parent), parts[-1])
-        inside = resolved_root if resolved_root.endswith("/") else resolved_root + "/"
-        if resolved != resolved_root and not resolved.startswith(inside):
-            raise UnsafePathError(f"path {rel!r} under {root} resolves to {resolved}, outside the directory (symlink?)")
         return Path(full)
 
-    def _resolved_parent(self, parent: str) -> str:
-        resolved = self._resolved_parents.get(parent)
-        if resolved is None:
-            resolved = self._resolved_parents[parent] = str(Path(parent).resolve())
-        return resolved
+
+def _checked_parts(rel: str, root: Path) -> list[str]:
+    """``rel``'s components, once it is seen to be relative, normalised, free of ``..``, backslashes and control
+    characters, and within the filesystem's name limits (else :class:`UnsafePathError` naming it and ``root``)."""
+    parts = rel.split("/")
+    if (
+        not rel
+        or len(rel.encode(errors="replace")) >= 4096
+        or "\\" in rel
+        or any(ord(c) < 32 for c in rel)
+        or any(p in ("", ".", "..") or len(p.encode(errors="replace")) > 255 for p in parts)
+    ):
+        raise UnsafePathError(
+            f"unsafe path {rel[:200]!r} under {root}: paths in markers and manifests must be relative, "
+            "normalised, without control characters, and no longer than the filesystem allows"
+        )
+    return parts
 
 
 def verify_entries(root: Path, entries: Sequence[FileEntry], where: str | Sequence[str]) -> None:

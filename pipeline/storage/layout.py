@@ -61,7 +61,7 @@ class CheckpointLayout:
     def committed_step(self, step: int) -> Path:
         return self.checkpoints / step_name(step)
 
-    @property
+    @cached_property
     def latest(self) -> Path:
         return self.checkpoints / "latest"
 

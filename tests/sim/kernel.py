@@ -174,6 +174,18 @@ class Kernel:
         return f
 
     @contextmanager
+    def aside(self) -> Iterator[None]:
+        """Run what follows as another thread of the actor's process would: the kernel sees no actor there
+        (:meth:`current` is None), so its points are no choices, its sleeps are real and brief."""
+        glet = greenlet.getcurrent()
+        a = self._by_glet.pop(glet, None)
+        try:
+            yield
+        finally:
+            if a is not None:
+                self._by_glet[glet] = a
+
+    @contextmanager
     def outside(self) -> Iterator[None]:
         """The simulation's own look from inside an actor's greenlet (a judgement of this instant, not an act of the
         actor): its store calls are no scheduling points, so nothing else runs and no fault lands meanwhile."""

@@ -49,12 +49,24 @@ class LatestRepair:
         except VerificationError as e:
             return self._repair_pointer(str(e), version)
         if latest is None:
-            return []
+            return self._bring_back()
         try:
             self.store.verify_committed(latest.step)
         except VerificationError as e:
             return self._quarantine_latest(latest.step, latest.manifest_hash, str(e), version)
         return []
+
+    def _bring_back(self) -> list[str]:
+        """No ``latest``, yet the trash holds a step newer than every committed one: a fall-back that could not
+        bring it back (an I/O error) removed ``latest``. The fall-back again, now (``latest`` only if still absent)."""
+        trashed = self.store.trashed()
+        if not trashed or max(trashed) <= max(self.store.committed(), default=-1):
+            return []
+        repairs: list[str] = []
+        fallback = self._fall_back(repairs, None)
+        if fallback is None:
+            return repairs
+        return [f"latest rebuilt as step {fallback}, brought back from the trash", *repairs]
 
     def _repair_pointer(self, problem: str, version: str | None) -> list[str]:
         """``latest`` names no usable step (malformed, its step missing, its manifest different)."""

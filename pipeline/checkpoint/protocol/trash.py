@@ -5,8 +5,9 @@ epoch of the committer that moved it); phase two (:func:`purge`) deletes it. A c
 moved itself under its own epoch; what anyone else moved (a ghost's retention that acted after a pause, a
 committer before it) stays for :data:`GRACE_S` on the purger's own clock, counted from when it first saw the entry.
 Meanwhile :func:`restore` brings a step back when ``latest`` needs it: a fall-back to the newest step that
-verifies finds it there. A new holder first renames what lower epochs left there under its own epoch
-(:func:`claim`): a late purge by its predecessor then finds nothing to delete. Before moving a step,
+verifies finds it there. A new holder first renames what lower epochs left there as claimed by its own epoch
+(:func:`claim`, ``step_N.c<epoch>.<stamp>``): a late purge by its predecessor then finds nothing to delete, and
+the entry keeps its grace. Before moving a step,
 :func:`retire_step` re-reads ``latest`` and the newest committed step at the act: neither, nor anything above
 them, is ever moved.
 """
@@ -29,7 +30,9 @@ log = logging.getLogger(__name__)
 
 GRACE_S = 120.0
 """How long a step another committer moved to the trash stays restorable, on the purger's own clock."""
-_ENTRY = re.compile(r"^step_(\d+)\.e(\d+)\.\d+(?:\.\d+)?$")
+_ENTRY = re.compile(r"^step_(\d+)\.([ec])(\d+)\.\d+(?:\.\d+)?$")
+"""``step_N.e<E>.<t>``: moved there by the committer of epoch E; ``step_N.c<E>.<t>``: moved by an older epoch,
+claimed by E (:func:`claim`). Only the first is E's own to purge at once."""
 
 
 def trash_dir(layout: CheckpointLayout) -> Path:
@@ -37,9 +40,15 @@ def trash_dir(layout: CheckpointLayout) -> Path:
 
 
 def parse_entry(name: str) -> tuple[int, int] | None:
-    """``(step, epoch)`` of a trash entry this module named, else None."""
+    """``(step, epoch)`` of a trash entry this module named (the epoch that moved or claimed it), else None."""
     m = _ENTRY.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    return (int(m.group(1)), int(m.group(3))) if m else None
+
+
+def _own(name: str, epoch: int) -> bool:
+    """Whether the entry ``name`` was moved to the trash by the committer of ``epoch`` itself (purged at once)."""
+    m = _ENTRY.match(name)
+    return m is not None and m.group(2) == "e" and int(m.group(3)) >= epoch
 
 
 def retire_step(layout: CheckpointLayout, step: int, epoch: int) -> bool:
@@ -85,8 +94,7 @@ def purge(layout: CheckpointLayout, epoch: int, first_seen: dict[str, float]) ->
         return
     now = time.monotonic()
     for entry in sorted(trash.iterdir()):
-        parsed = parse_entry(entry.name)
-        if parsed is not None and parsed[1] < epoch:
+        if parse_entry(entry.name) is not None and not _own(entry.name, epoch):  # another's, or claimed: a grace
             seen = first_seen.setdefault(entry.name, now)
             if now - seen < GRACE_S:
                 continue
@@ -102,9 +110,11 @@ def purge(layout: CheckpointLayout, epoch: int, first_seen: dict[str, float]) ->
 
 def claim(layout: CheckpointLayout, epoch: int) -> None:
     """A new holder's first act on the trash, before any repair: each entry a lower epoch moved there is renamed
-    under ``epoch``. The committer that moved it purges it at once; frozen between its fence and that purge's first
-    act (a rename of the entry's name), it comes back to find the name gone, and deletes nothing this holder's
-    fall-back may need (the newer step damaged meanwhile). This holder purges them after its own repairs."""
+    under ``epoch`` (``step_N.c<epoch>.<t>``). The committer that moved it purges it at once; frozen between its
+    fence and that purge's first act (a rename of the entry's name), it comes back to find the name gone, and
+    deletes nothing this holder's fall-back may need (the newer step damaged meanwhile). A claimed entry is still
+    not this holder's own: it keeps its :data:`GRACE_S` before this holder purges it, so a fall-back that could
+    not bring it back now (an I/O error) can still do so on the next pass or after a rerun."""
     trash = trash_dir(layout)
     if not is_real_dir(trash):
         return
@@ -113,7 +123,7 @@ def claim(layout: CheckpointLayout, epoch: int) -> None:
         if parsed is None or parsed[1] >= epoch or not is_real_dir(entry):
             continue
         try:
-            move_aside(entry, trash, f"{step_name(parsed[0])}.e{epoch}.{int(time.time())}")
+            move_aside(entry, trash, f"{step_name(parsed[0])}.c{epoch}.{int(time.time())}")
         except FileNotFoundError:  # purged or brought back meanwhile
             continue
 

@@ -56,8 +56,8 @@ def quarantine_note(where: Path, is_dir: bool) -> Path:
 
 def step_entries(storage: Storage, area: Path) -> list[tuple[int, Path]]:
     """``step_N`` entries of ``area`` (the listing only nominates; markers and manifests decide)."""
-    steps = ((parse_step(name), area / name) for name in storage.list(area))
-    return sorted((s, p) for s, p in steps if s is not None)
+    steps = ((parse_step(name), name) for name in storage.list(area))
+    return sorted((s, area / name) for s, name in steps if s is not None)
 
 
 # -- repairs -----------------------------------------------------------------------------------------------
