@@ -280,10 +280,7 @@ def test_any_at_finds_a_heartbeat(tmp: Path) -> None:
 PURGE = {"bucket": ("s3.delete", "trash/step_2"), "posix": ("io rename", ".deleting/.step_2")}
 
 
-OPEN_IN_A_BUCKET = pytest.mark.xfail(strict=True, reason="open in a bucket (issue 33's note)")
-
-
-@pytest.mark.parametrize("store", ["posix", pytest.param("bucket", marks=OPEN_IN_A_BUCKET)])
+@pytest.mark.parametrize("store", ["posix", "bucket"])
 def test_a_late_purge_of_a_retired_step_leaves_the_step_a_fall_back_needs(tmp: Path, store: str) -> None:
     w = plan(
         Settings(store=store, steps=(), keep_last=1, live_at=1.0),

@@ -37,15 +37,16 @@ def test_a_small_configuration_explored_exhaustively(store: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "seed",
+    ("seed", "store"),
     [
-        40002071,  # a fall-back's bring-back of the retired step failed (EIO) and removed latest: nothing restored it
-        40002604,  # a rank's closing fsync of its staged step failed: the committer had published the step
+        (40002071, "posix"),  # a failed bring-back (EIO) removed latest: nothing redid it
+        (40002604, "posix"),  # a rank's closing fsync of its staged step failed: the committer had published the step
+        (1004975, "bucket"),  # an appointed committer took a held epoch (stale listing)
     ],
 )
-def test_schedules_that_found_a_gap_now_pass(seed: int) -> None:
-    """Schedules of the directory that broke an invariant on f88d5db (``python -m tests.simulate --replay SEED``)."""
+def test_schedules_that_found_a_gap_now_pass(seed: int, store: str) -> None:
+    """Schedules that broke an invariant on f88d5db (``python -m tests.simulate --replay SEED --store STORE``)."""
     from tests.sim.world import run_one  # noqa: PLC0415
 
-    w = run_one(seed, "posix")
+    w = run_one(seed, store)
     assert not w.violations, w.violations

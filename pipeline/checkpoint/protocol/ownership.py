@@ -125,16 +125,7 @@ class CommitterLease:
             if held is not None and not held.released:
                 log.warning("taking over the committer lease from %s: epoch %d fences it", held.describe(time.time()),
                             self.epoch)  # fmt: skip
-        checked = time.monotonic()
-        try:
-            written = self._write()
-        except FileNotFoundError:  # the records' folder raced by another node's first write (seen on a FUSE mount)
-            written = False
-        if not written:
-            raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._top_line()}")
-        self._renewed = checked
-        time.sleep(SETTLE_S)
-        self._confirm(takeover)
+        self._write_and_confirm(takeover)
         renewed = time.monotonic()
         # Beat 1, at once: a newcomer of this epoch whose listing missed this record yields to it. An I/O error
         # here fails the acquisition in one line, as every other write of it does.
@@ -151,20 +142,44 @@ class CommitterLease:
         self._thread = threading.Thread(target=self._beat, name="committer-lease", daemon=True)
         self._thread.start()
 
-    def _confirm(self, takeover: bool) -> None:
+    def _write_and_confirm(self, takeover: bool) -> None:
+        """Write this holder's first record, settle, confirm it (an appointed holder whose epoch proves taken by a
+        stale view tries the next epoch, up to three times)."""
+        for _ in range(3):
+            checked = time.monotonic()
+            try:
+                written = self._write()
+            except FileNotFoundError:  # the records' folder raced by another node's first write (a FUSE mount)
+                written = False
+            if not written:
+                raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._top_line()}")
+            self._renewed = checked
+            time.sleep(SETTLE_S)
+            if self._confirm(takeover):
+                return
+        raise CommitterBusy(f"the committer lease {self.store.where} kept changing under this acquisition")
+
+    def _confirm(self, takeover: bool) -> bool:
         """After the settle pause: this record must be the highest (two started at once: the token orders them);
         one that was not appointed also yields to a record of a higher epoch, or of its own epoch that has renewed
-        (its judgement rested on a listing that missed a holder: a stale view of a shared mount)."""
+        (its judgement rested on a listing that missed a holder: a stale view of a shared mount). An appointed one
+        that finds another record of its own epoch chose that epoch from such a view: it must fence every record,
+        so it drops its own and returns False (the caller writes the next epoch); True: confirmed."""
         try:
             records = ranked(self.store)
         except (OSError, PipelineError) as e:
             raise CommitterBusy(f"cannot read the committer lease {self.store.where} back: {e}") from None
         if not records or (records[-1][0], records[-1][1]) != (self.epoch, self.token):
             raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._top_line()}")
+        if takeover and any(r[0] == self.epoch for r in records if r[1] != self.token):
+            self._drop_own()  # the other record of this epoch keeps the epoch where it is
+            self.epoch += 1
+            return False
         if not takeover and any(r[0] > self.epoch or (r[0] == self.epoch and self._renewed_before(r[2]))
                                 for r in records if r[1] != self.token):  # fmt: skip
             self._drop_own()
             raise CommitterBusy(f"another committer holds {self.store.where} at epoch {self.epoch}: not taking it")
+        return True
 
     def _renewed_before(self, name: str) -> bool:
         """Whether the record ``name`` of this epoch has renewed at least once: it held the lease before this one

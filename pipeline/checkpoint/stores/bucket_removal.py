@@ -114,9 +114,8 @@ class BucketRemoval:
         return bucket_trash.restore(self.remote, step)
 
     def claim(self, fence: Callable[[], None], epoch: int) -> None:
-        """Nothing (open): a record copied under this epoch would spare the objects only until the predecessor's
-        next act, and a bucket has no delete conditional on another object (docs: what the simulation does not
-        prove)."""
+        fence()
+        bucket_trash.claim(self.remote, epoch)
 
     def retire(self, steps: tuple[int, ...], fence: Callable[[], None], epoch: int) -> None:
         """Phase one (into the trash) for each step, re-checked at the act: never the step ``latest`` names, the

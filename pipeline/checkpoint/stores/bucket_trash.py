@@ -14,8 +14,10 @@ the objects while another record of the step (a ghost's late retention) lists th
 (:meth:`~pipeline.checkpoint.stores.remote.Remote.committed`).
 
 A committer purges at once the records it wrote under its own epoch; anyone else's (a ghost's late retention, a
-committer before it) after :data:`~pipeline.checkpoint.protocol.trash.GRACE_S` on the purger's own clock, counted
-from when it first saw the record.
+committer before it) and the copies it claimed after :data:`~pipeline.checkpoint.protocol.trash.GRACE_S` on the
+purger's own clock, counted from when it first saw the record. A new holder first claims the older epochs' records
+(:func:`claim`): a predecessor frozen before its purge then finds a record it did not write listing the step, and
+leaves its objects.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from pipeline.storage.s3 import Conflict
 
 log = logging.getLogger("pipeline.checkpoint.stores.bucket_store")
 
-_ENTRY = re.compile(r"^step_(\d+)\.e(\d+)\.\d+\.json$")
+_ENTRY = re.compile(r"^step_(\d+)\.([ec])(\d+)\.\d+\.json$")
+"""``step_N.e<E>.<t>.json``: written by the retention of epoch E; ``step_N.c<E>.<t>.json``: a copy of an older
+epoch's record, claimed by E (:func:`claim`). Only the first is E's own to purge at once."""
 
 
 def prefix(remote: Remote) -> str:
@@ -40,14 +44,36 @@ def prefix(remote: Remote) -> str:
 
 
 def entries(remote: Remote) -> list[tuple[int, int, str]]:
-    """Every trash record as ``(step, epoch, key)``, oldest record of a step first."""
+    """Every trash record as ``(step, epoch, key)`` (the epoch that wrote or claimed it), by step, then epoch."""
     out = []
     where = prefix(remote)
     for key in remote.store.listing(where):
         m = _ENTRY.match(key[len(where) :])
         if m:
-            out.append((int(m.group(1)), int(m.group(2)), key))
-    return sorted(out, key=lambda e: (e[0], e[2]))
+            out.append((int(m.group(1)), int(m.group(3)), key))
+    return sorted(out)
+
+
+def _own(remote: Remote, key: str, epoch: int) -> bool:
+    """Whether the record ``key`` was written by the retention of ``epoch`` (or a later one) itself: purged at once."""
+    m = _ENTRY.match(key[len(prefix(remote)) :])
+    return m is not None and m.group(2) == "e" and int(m.group(3)) >= epoch
+
+
+def claim(remote: Remote, epoch: int) -> None:
+    """A new holder's first act on the trash: each record an older epoch wrote (or claimed) is copied as claimed by
+    ``epoch``. A predecessor frozen before its purge comes back to delete its own record, finds this copy listing
+    the step, and leaves the objects (:func:`purge`); the copy is not this holder's own, so it keeps its
+    :data:`GRACE_S` (a fall-back may bring the step back from it meanwhile) and no older epoch purges it at once."""
+    claimed = {step for step, by, key in entries(remote) if by == epoch and not _own(remote, key, epoch)}
+    for step, by, key in entries(remote):
+        if by >= epoch or step in claimed:
+            continue
+        got = remote.store.get(key)
+        if got is None:
+            continue  # purged meanwhile
+        remote.store.put(remote.key(TRASH, f"step_{step}.c{epoch}.{int(time.time())}.json"), got[0])
+        claimed.add(step)
 
 
 def read_record(remote: Remote, key: str) -> Manifest | None:
@@ -77,9 +103,9 @@ def purge(remote: Remote, epoch: int, first_seen: dict[str, float]) -> list[str]
     (for the caller to drop those no committed manifest lists)."""
     now = time.monotonic()
     pieces: list[str] = []
-    for step, by, key in entries(remote):
-        if by < epoch and now - first_seen.setdefault(key, now) < GRACE_S:
-            continue
+    for step, _, key in entries(remote):
+        if not _own(remote, key, epoch) and now - first_seen.setdefault(key, now) < GRACE_S:
+            continue  # another epoch's, or claimed: restorable for the grace period
         manifest = read_record(remote, key)
         remote.store.delete([key])  # first: a restore that reads it again after this withdraws
         first_seen.pop(key, None)
@@ -97,7 +123,7 @@ def purge(remote: Remote, epoch: int, first_seen: dict[str, float]) -> list[str]
 
 def restore(remote: Remote, step: int) -> bool:
     """Bring ``step`` back from its newest trash record (see the module docstring); returns whether it did."""
-    found = [key for s, _, key in entries(remote) if s == step]
+    found = [key for s, _, key in entries(remote) if s == step]  # the newest epoch's last: a claim, if any
     if not found:
         return False
     got = remote.store.get(found[-1])
