@@ -292,3 +292,34 @@ def test_a_late_purge_of_a_retired_step_leaves_the_step_a_fall_back_needs(tmp: P
     )
     clean(w)
     assert w.final_reader[:2] == ("ok", 2), (w.final_ok, w.final_reader)
+
+
+@pytest.mark.parametrize("token", ["0" * 16, "f" * 16])  # below and above the released record's: either way
+def test_an_appointed_committer_whose_listing_missed_its_epoch_takes_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, token: str
+) -> None:
+    """A stale listing (a shared mount's view) showed the appointed committer no record, so it chose epoch 1, which
+    a released holder already had. Its confirmation finds that record and it takes epoch 2, above every record, so
+    a newcomer of epoch 2 whose write lands late yields to it (found as seed 1004975, bucket)."""
+    from pipeline.checkpoint.protocol import ownership  # noqa: PLC0415
+
+    store = ownership.FileLease(tmp_path / "committer")
+    before = ownership.CommitterLease(store, lease_s=30)
+    before.acquire()
+    before.release()
+    real, listings = ownership.ranked, []
+
+    def stale_first(s: ownership.LeaseStore) -> list[tuple[int, str, str]]:
+        listings.append(s)
+        return [] if len(listings) == 1 else real(s)
+
+    monkeypatch.setattr(ownership, "ranked", stale_first)
+    live = ownership.CommitterLease(store, lease_s=30)
+    live.token = token
+    live.acquire(takeover=True)
+    try:
+        records = real(store)
+        assert live.epoch == 2 and (records[-1][0], records[-1][1]) == (2, live.token), records
+        assert [r[0] for r in records if r[1] != live.token] == [1]  # the released record, below it
+    finally:
+        live.release()

@@ -677,7 +677,7 @@ class _PointLease:
 
 class _remote_store:
     """Every :class:`Remote` of the world reads and writes the bucket in memory; its transfer pools run in the
-    caller's greenlet, as a thread of their own would see the kernel (no points, no actor: :class:`_Aside`)."""
+    caller's greenlet, as a thread of their own would see the kernel (no points, no actor: ``Kernel.aside``)."""
 
     def __init__(self, bucket: MemoryBucket, kernel: Kernel) -> None:
         self.bucket = bucket

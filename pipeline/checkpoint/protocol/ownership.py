@@ -163,18 +163,24 @@ class CommitterLease:
         """After the settle pause: this record must be the highest (two started at once: the token orders them);
         one that was not appointed also yields to a record of a higher epoch, or of its own epoch that has renewed
         (its judgement rested on a listing that missed a holder: a stale view of a shared mount). An appointed one
-        that finds another record of its own epoch chose that epoch from such a view: it must fence every record,
-        so it drops its own and returns False (the caller writes the next epoch); True: confirmed."""
+        that finds, at the highest epoch, its own and another record of it that has renewed (whatever their tokens)
+        chose that epoch from such a view: it must fence every record, so it drops its own and returns False (the
+        caller writes the next epoch); True: confirmed. Two started at once (no renewal yet) stay ordered by token."""
         try:
             records = ranked(self.store)
         except (OSError, PipelineError) as e:
             raise CommitterBusy(f"cannot read the committer lease {self.store.where} back: {e}") from None
-        if not records or (records[-1][0], records[-1][1]) != (self.epoch, self.token):
-            raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._top_line()}")
-        if takeover and any(r[0] == self.epoch for r in records if r[1] != self.token):
+        if (
+            takeover
+            and records
+            and records[-1][0] == self.epoch
+            and any(r[0] == self.epoch and self._renewed_before(r[2]) for r in records if r[1] != self.token)
+        ):
             self._drop_own()  # the other record of this epoch keeps the epoch where it is
             self.epoch += 1
             return False
+        if not records or (records[-1][0], records[-1][1]) != (self.epoch, self.token):
+            raise CommitterBusy(f"another committer took {self.store.where} at the same moment: {self._top_line()}")
         if not takeover and any(r[0] > self.epoch or (r[0] == self.epoch and self._renewed_before(r[2]))
                                 for r in records if r[1] != self.token):  # fmt: skip
             self._drop_own()

@@ -45,8 +45,9 @@ def parse_entry(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(3))) if m else None
 
 
-def _own(name: str, epoch: int) -> bool:
-    """Whether the entry ``name`` was moved to the trash by the committer of ``epoch`` itself (purged at once)."""
+def own_entry(name: str, epoch: int) -> bool:
+    """Whether the entry ``name`` was moved to the trash by the committer of ``epoch`` (or a later one) itself,
+    not claimed: purged at once. A bucket's records are named alike, plus ``.json``."""
     m = _ENTRY.match(name)
     return m is not None and m.group(2) == "e" and int(m.group(3)) >= epoch
 
@@ -94,7 +95,7 @@ def purge(layout: CheckpointLayout, epoch: int, first_seen: dict[str, float]) ->
         return
     now = time.monotonic()
     for entry in sorted(trash.iterdir()):
-        if parse_entry(entry.name) is not None and not _own(entry.name, epoch):  # another's, or claimed: a grace
+        if parse_entry(entry.name) is not None and not own_entry(entry.name, epoch):  # another's, or claimed: a grace
             seen = first_seen.setdefault(entry.name, now)
             if now - seen < GRACE_S:
                 continue

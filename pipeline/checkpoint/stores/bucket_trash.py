@@ -23,24 +23,25 @@ leaves its objects.
 from __future__ import annotations
 
 import logging
-import re
 import time
 
 from pipeline.checkpoint.manifest import Manifest
-from pipeline.checkpoint.protocol.trash import GRACE_S
+from pipeline.checkpoint.protocol.trash import GRACE_S, own_entry, parse_entry
 from pipeline.checkpoint.stores.remote import TRASH, Remote, parse_record
 from pipeline.errors import VerificationError
 from pipeline.storage.s3 import Conflict
 
 log = logging.getLogger("pipeline.checkpoint.stores.bucket_store")
 
-_ENTRY = re.compile(r"^step_(\d+)\.([ec])(\d+)\.\d+\.json$")
-"""``step_N.e<E>.<t>.json``: written by the retention of epoch E; ``step_N.c<E>.<t>.json``: a copy of an older
-epoch's record, claimed by E (:func:`claim`). Only the first is E's own to purge at once."""
-
 
 def prefix(remote: Remote) -> str:
     return remote.key(TRASH) + "/"
+
+
+def _name(key: str) -> str:
+    """A record's name as the directory's trash names its entries: ``step_N.e<E>.<t>`` (written by the retention
+    of epoch E) or ``step_N.c<E>.<t>`` (an older epoch's record, claimed by E: :func:`claim`)."""
+    return key.rsplit("/", 1)[-1].removesuffix(".json")
 
 
 def entries(remote: Remote) -> list[tuple[int, int, str]]:
@@ -48,16 +49,11 @@ def entries(remote: Remote) -> list[tuple[int, int, str]]:
     out = []
     where = prefix(remote)
     for key in remote.store.listing(where):
-        m = _ENTRY.match(key[len(where) :])
-        if m:
-            out.append((int(m.group(1)), int(m.group(3)), key))
+        rel = key[len(where) :]
+        parsed = parse_entry(rel.removesuffix(".json")) if rel.endswith(".json") and "/" not in rel else None
+        if parsed is not None:
+            out.append((*parsed, key))
     return sorted(out)
-
-
-def _own(remote: Remote, key: str, epoch: int) -> bool:
-    """Whether the record ``key`` was written by the retention of ``epoch`` (or a later one) itself: purged at once."""
-    m = _ENTRY.match(key[len(prefix(remote)) :])
-    return m is not None and m.group(2) == "e" and int(m.group(3)) >= epoch
 
 
 def claim(remote: Remote, epoch: int) -> None:
@@ -65,8 +61,9 @@ def claim(remote: Remote, epoch: int) -> None:
     ``epoch``. A predecessor frozen before its purge comes back to delete its own record, finds this copy listing
     the step, and leaves the objects (:func:`purge`); the copy is not this holder's own, so it keeps its
     :data:`GRACE_S` (a fall-back may bring the step back from it meanwhile) and no older epoch purges it at once."""
-    claimed = {step for step, by, key in entries(remote) if by == epoch and not _own(remote, key, epoch)}
-    for step, by, key in entries(remote):
+    records = entries(remote)
+    claimed = {step for step, by, key in records if by == epoch and not own_entry(_name(key), epoch)}
+    for step, by, key in records:
         if by >= epoch or step in claimed:
             continue
         got = remote.store.get(key)
@@ -104,7 +101,7 @@ def purge(remote: Remote, epoch: int, first_seen: dict[str, float]) -> list[str]
     now = time.monotonic()
     pieces: list[str] = []
     for step, _, key in entries(remote):
-        if not _own(remote, key, epoch) and now - first_seen.setdefault(key, now) < GRACE_S:
+        if not own_entry(_name(key), epoch) and now - first_seen.setdefault(key, now) < GRACE_S:
             continue  # another epoch's, or claimed: restorable for the grace period
         manifest = read_record(remote, key)
         remote.store.delete([key])  # first: a restore that reads it again after this withdraws
