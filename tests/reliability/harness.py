@@ -224,8 +224,12 @@ def _check_latest(layout: RunLayout) -> tuple[int | None, list[str]]:
     return latest.step, []
 
 
-def _check_steps(layout: RunLayout) -> tuple[set[int], list[str]]:
-    """The published steps and those that do not verify against their manifest (or have none)."""
+def _check_steps(layout: RunLayout, *, unfinished_ok: bool) -> tuple[set[int], list[str]]:
+    """The published steps and those that do not verify against their manifest (or have none).
+
+    ``unfinished_ok``: a step moved into place whose manifest was not yet written (the commit's last write: a
+    fault between the two leaves it) is no committed step to any reader and no violation right after a fault;
+    the next committer pass finishes it, so after a rerun it is one."""
     steps, bad = set(), []
     for d in sorted(layout.checkpoints.iterdir()) if layout.checkpoints.is_dir() else []:
         step = parse_step(d.name)
@@ -233,7 +237,8 @@ def _check_steps(layout: RunLayout) -> tuple[set[int], list[str]]:
             continue
         steps.add(step)
         if not (d / MANIFEST).is_file():
-            bad.append(f"{d} is a published step without {MANIFEST}")
+            if not unfinished_ok:
+                bad.append(f"{d} is a published step without {MANIFEST} (the rerun did not finish its commit)")
             continue
         try:
             verify_committed(d)
@@ -251,19 +256,22 @@ def check_run(
     """The invariants after any scenario, as a list of violations (empty: all hold).
 
     * ``checkpoints/latest`` names a step whose files verify against its manifest;
-    * every ``checkpoints/step_N`` has a manifest and verifies against it;
+    * every ``checkpoints/step_N`` has a manifest and verifies against it (without ``final_step``, right after a
+      fault, one may still lack its manifest: moved into place, its commit not finished, no reader's step);
     * every step in ``committed_before`` (committed before the fault) is still there, unchanged, and verifies,
       and latest did not go back behind them;
     * with ``final_step``: the run is complete, latest is that step and its export exists.
     """
     latest, bad = _check_latest(layout)
-    steps, bad_steps = _check_steps(layout)
+    steps, bad_steps = _check_steps(layout, unfinished_ok=final_step is None)
     bad += bad_steps
     for step, manifest_hash in (committed_before or {}).items():
         manifest = layout.committed_step(step) / MANIFEST
         if step not in steps:
             bad.append(f"committed step {step} was lost ({manifest.parent} is gone)")
-        elif manifest.is_file() and hash_file(manifest) != manifest_hash:
+        elif not manifest.is_file():
+            bad.append(f"committed step {step} lost its manifest ({manifest} is missing)")
+        elif hash_file(manifest) != manifest_hash:
             bad.append(f"committed step {step} changed: {manifest} differs from before the fault")
     if committed_before and latest is not None and latest < max(committed_before):
         bad.append(f"latest went back to step {latest} from step {max(committed_before)}")
