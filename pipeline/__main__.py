@@ -2,6 +2,12 @@
 
 import sys
 
-from pipeline.cli import main
+try:
+    from pipeline.cli import main
+except ModuleNotFoundError as e:  # a library-only install: the app's extra is missing
+    from pipeline.errors import missing
+
+    print(f"error: {missing('app', 'the app (python -m pipeline)', e.name or 'hydra-core')}", file=sys.stderr)
+    sys.exit(2)
 
 sys.exit(main(sys.argv[1:]))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
 
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
@@ -81,6 +83,11 @@ class CheckpointFormatError(PipelineError):
     """A checkpoint is not in a format this pipeline can read safely."""
 
 
+class StateError(PipelineError):
+    """A training state holds a value a resume could not load back (refused at save, before anything is staged),
+    or a ``Checkpointer`` option is not one it has."""
+
+
 class RunBusyError(PipelineError):
     """Another launch owns the run (its lease in the run dir), or the lease cannot be read safely."""
 
@@ -93,3 +100,23 @@ def run_command(main: Callable[[list[str]], int], note: str) -> int:
     except KeyboardInterrupt:
         print(f"interrupted: {note}", file=sys.stderr)
         return 130
+
+
+# -- the optional parts of the install (pip install 'race-free-ckpt[<extra>]'): a feature used without its
+# extra stops with one line naming the extra. The core (the library and its command lines) needs only torch, numpy,
+# safetensors and xxhash.
+
+PACKAGE = "race-free-ckpt"
+
+
+def missing(extra: str, what: str, module: str) -> PipelineError:
+    """The one-line error for ``what`` used without ``module`` (from the extra ``extra``)."""
+    return PipelineError(f"{what} needs {module}, which is not installed: pip install '{PACKAGE}[{extra}]'")
+
+
+def need(module: str, extra: str, what: str) -> ModuleType:
+    """``import module``, or :func:`missing`'s error."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise missing(extra, what, module.split(".", maxsplit=1)[0]) from None

@@ -1,6 +1,7 @@
-"""``python -m pipeline.export <dir> [--config DIR] [--dtype DTYPE] [--max-shard-size 5GB] [--force] [--storage URL]``
+"""``python -m pipeline.export <dir> [--step N | --best] [--config DIR] [--dtype DTYPE] [--force] [--storage URL]``
 
-Writes the newest committed step of a checkpoint dir (a ``torchrun`` script's ``Checkpointer``, or a run dir) in
+Writes the newest committed step (or the one ``--step``/``--best`` names) of a checkpoint dir (a ``torchrun``
+script's ``Checkpointer``, or a run dir) in
 Hugging Face's sharded safetensors layout: consolidated first when needed (verified against its manifest,
 streamed), then ``<dir>/export/step_N/model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` +
 ``provenance.json`` (the done-marker: source step, manifest hash, consolidated file hash, settings, every file's
@@ -18,7 +19,7 @@ import sys
 
 from pipeline.checkpoint.options import EXPORT_DTYPES
 from pipeline.checkpoint.outputs import export_latest
-from pipeline.consolidate import build_output
+from pipeline.consolidate import add_step_arguments, build_output, chosen_step
 from pipeline.errors import PipelineError, run_command
 from pipeline.formats.hf_model import HFConfig
 from pipeline.storage.sizes import parse_size
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest shard (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="redo it even if the output verifies")
     p.add_argument("--storage", default=None, help="s3://bucket/prefix: read the step from that bucket first")
+    add_step_arguments(p)
     return p
 
 
@@ -59,9 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return build_output(
         args.dir,
-        lambda layout: export_latest(layout, args.dtype, max_bytes, force=args.force, config=config),
+        lambda layout, step: export_latest(layout, args.dtype, max_bytes, force=args.force, config=config, step=step),
         lambda out: f"{out['files']} files -> {out['out']}",
         args.storage,
+        chosen_step(args),
+        (args.best_metric, args.best_mode),
     )
 
 

@@ -1,9 +1,11 @@
-"""``python -m pipeline.status <run dir | run id | last> [--root DIR] [--experiment NAME] [--json] [--verify]``
+"""``python -m pipeline.status <run dir | run id | last> [--step N | --best] [--verify] [--json] [--root DIR]``
 
 Shows one run without touching it (no lease, nothing written): who owns it, each stage's last record (with the
 scheduler's word on its job), the errors and their logs, committed / staged / quarantined steps, retention,
-outputs, and the resume command. A library checkpoint dir shows its checkpoints. ``--verify`` also re-hashes every
-committed step against its manifest and says per step ok or damaged (naming the file). Exit 0 when the status
+outputs, and the resume command. A library checkpoint dir shows its checkpoints (a dir whose checkpoints live in a
+bucket shows the bucket's). ``--step N`` / ``--best`` also name that committed step with its recorded metrics.
+``--verify`` also re-hashes every committed step (or only the one named) against its manifest and says per step ok
+or damaged (naming the file). Exit 0 when the status
 could be shown (a failed run included), 1 when ``--verify`` found a damaged step or the checkpoints' store (a
 bucket) cannot be read, 2 for bad arguments or an unknown run (one line on stderr).
 """
@@ -16,7 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.driver.run_status import collect, collect_checkpoints, verify_steps
+from pipeline.consolidate import add_step_arguments
+from pipeline.consolidate import chosen_step as chosen_arg
+from pipeline.driver.run_status import chosen_step, collect, collect_checkpoints, verify_steps
 from pipeline.driver.status_view import render
 from pipeline.errors import PipelineError, RunNotFoundError, run_command
 from pipeline.rundir.layout import RUN_YAML, RunLayout
@@ -42,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also re-hash every committed step's files against its manifest (reads every byte; changes nothing): "
         "ok or damaged per step, exit 1 when one is damaged",
     )
+    add_step_arguments(p)
     return p
 
 
@@ -54,6 +59,11 @@ def resolve_run(arg: str, root: str, experiment: str | None) -> RunLayout | Chec
     library = CheckpointLayout(path.resolve())
     if lstat_kind(library.checkpoints) == "dir":
         return library
+    if arg.startswith("s3://"):
+        raise RunNotFoundError(
+            f"{arg}: status takes the local dir the checkpoints' bucket is recorded in (the Checkpointer's directory, "
+            "or the run dir), which names the bucket: python -m pipeline.status <that dir>"
+        )
     if "/" in arg or arg in (".", ".."):
         raise RunNotFoundError(
             f"{arg} is not a run dir (no {RUN_YAML}) nor a checkpoint dir of the library (no checkpoints/)"
@@ -79,9 +89,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     status = collect(layout) if isinstance(layout, RunLayout) else collect_checkpoints(layout)
     lines = list(render(status))
+    only = None
+    if args.step is not None or args.best:
+        try:
+            chosen = status["chosen"] = chosen_step(layout, chosen_arg(args), args.best_metric, args.best_mode)
+        except (PipelineError, OSError) as e:
+            print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        only = int(chosen["step"])
+        shown = ", ".join(f"{k} {v}" for k, v in sorted(chosen["metrics"].items())) or "no metrics recorded"
+        lines.append(f"chosen ({chosen['asked']}): step {only}, {shown}; manifest {chosen['manifest']}")
     if args.verify:
         try:
-            checks = status["verify"] = verify_steps(layout)
+            checks = status["verify"] = verify_steps(layout, only)
         except (PipelineError, OSError) as e:
             print(f"error: cannot verify: {' '.join(str(e).split())}", file=sys.stderr)
             return 2

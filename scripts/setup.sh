@@ -11,4 +11,4 @@ command -v "$PY" >/dev/null || PY=python3
 # deepspeed is an sdist whose setup imports torch: build it against the torch above, not in an isolated env.
 .venv/bin/python -m pip install -q setuptools wheel
 .venv/bin/python -m pip install -q --no-build-isolation deepspeed==0.19.8
-.venv/bin/python -m pip install -q -e '.[dev,data,docs]'
+.venv/bin/python -m pip install -q -e '.[all,dev,docs]'

@@ -140,3 +140,20 @@ def test_hydra_template_round_trips_through_a_resolver_and_a_literal_config_valu
     literal = OmegaConf.create({"template": docs.hydra_template(text, literal=True)}).template
     for template in (via_resolver, literal):  # Hydra reads the template from the config, then substitutes
         assert string.Template(template).substitute(FLAGS_HELP="", CONFIG="") == text
+
+
+def test_every_experiment_in_help_is_described_by_a_whole_sentence(composed: object) -> None:
+    """Each experiment's line(s) under "Experiments" in --help end a sentence: never a comment cut mid-way."""
+    text = docs.render_help(STAGES, composed)  # type: ignore[arg-type]
+    block = text.split("Experiments (+experiment=<name>):\n", 1)[1].split("\n\n", 1)[0]
+    entries: dict[str, str] = {}
+    name = ""
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            name, _, rest = line.strip().partition(" ")
+            entries[name] = rest.strip()
+        else:
+            entries[name] += " " + line.strip()
+    assert set(entries) == set(keys.experiment_names())
+    for name, described in entries.items():
+        assert described and described[-1] in ".!?)", f"{name}: {described!r} ends mid-sentence"

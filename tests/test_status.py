@@ -468,3 +468,13 @@ def test_status_of_a_run_and_of_a_library_dir_loads_no_hydra_or_app_module(
     )
     assert "latest: step 8" in out.stdout and "run the training script again" in out.stdout, out.stdout
     assert out.stdout.splitlines()[-1] == "[]", out.stdout.splitlines()[-1]
+
+
+def test_the_fast_tier_line_says_where_the_replicas_are() -> None:
+    from pipeline.driver.status_view import _resume_lines  # noqa: PLC0415
+
+    fast = {"every": 2, "dir": "/dev/shm/x", "replicas": 1, "keep": 2}
+    one_node = _resume_lines({"fast": {**fast, "same_node": True}, "tier": "none", "attempt": "a"}, None)[0]
+    assert "1 replica(s) on this node (one node: they do not survive its loss)" in one_node
+    nodes = _resume_lines({"fast": {**fast, "same_node": False}, "tier": "none", "attempt": "a"}, None)[0]
+    assert "1 replica(s) on other nodes" in nodes

@@ -3,7 +3,8 @@
     from pipeline.checkpoint import Checkpointer
 
 * :class:`Checkpointer` (training side: ``should_save``, ``save``/``save_async``/``wait``, ``load_latest``,
-  ``reached_preemption``, ``close``), :class:`RankLocal` / :func:`RankRNG` for per-rank state;
+  ``load(step=...)``, ``steps``/``best_step``, ``reached_preemption``, ``close``), :class:`RankLocal` /
+  :func:`RankRNG` for per-rank state, :class:`ResumableLoader` for a plain ``DataLoader``;
 * :class:`Committer` / :class:`CommitPolicy`: the one committer (also ``python -m pipeline.commit``);
 * the on-disk protocol beneath them: :mod:`.manifest` (markers, manifests, ``latest``), :mod:`.rank_save`,
   :mod:`.retention`, :mod:`.state` (the key schema), :mod:`pipeline.storage.backend` (the storage seam).
@@ -24,9 +25,19 @@ _EXPORTS = {
     "CommitterBusy": "pipeline.checkpoint.protocol.committer",
     "RankLocal": "pipeline.checkpoint.save.state",
     "RankRNG": "pipeline.checkpoint.save.state",
+    "ResumableLoader": "pipeline.checkpoint.loader",
     "SaveResult": "pipeline.checkpoint.save.rank_save",
 }
-__all__ = ["Checkpointer", "CommitPolicy", "Committer", "CommitterBusy", "RankLocal", "RankRNG", "SaveResult"]
+__all__ = [
+    "Checkpointer",
+    "CommitPolicy",
+    "Committer",
+    "CommitterBusy",
+    "RankLocal",
+    "RankRNG",
+    "ResumableLoader",
+    "SaveResult",
+]
 
 
 def __getattr__(name: str) -> Any:

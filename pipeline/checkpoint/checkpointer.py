@@ -23,9 +23,11 @@ then waits, bounded, for it to commit the job's steps, and names in a WARNING th
 layout is the app's (``<dir>/checkpoints/...``), so ``python -m pipeline.status <dir>``, ``python -m
 pipeline.consolidate <dir>`` and the app's import read it.
 
-Collectives: the constructor, :meth:`save`, :meth:`save_async`, :meth:`wait`, :meth:`load_latest`,
+Collectives: the constructor, :meth:`save`, :meth:`save_async`, :meth:`wait`, :meth:`load_latest`, :meth:`load`,
 :meth:`should_save` (with ``every_minutes``), :meth:`reached_preemption` and :meth:`close` are called by every rank
-at the same point, on a gloo group of the checkpointer's own (timeout ``deadline_s``).
+at the same point, on a gloo group of the checkpointer's own (timeout ``deadline_s``). :meth:`steps`,
+:meth:`latest_step` and :meth:`best_step` only read the store (any rank, any time). A value a resume could not
+load is refused at :meth:`save` on every rank (:class:`~pipeline.errors.StateError`, one line).
 """
 
 from __future__ import annotations
@@ -44,32 +46,51 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.checkpoint import options, resume
-from pipeline.checkpoint.fast.codec import fill, unpack
-from pipeline.checkpoint.fast.resuming import FastResume
+from pipeline.checkpoint import one_line, options
 from pipeline.checkpoint.fast.tier import FAST_DIR_ENV, FastConfig, FastTier
-from pipeline.checkpoint.manifest import Manifest
+from pipeline.checkpoint.loading import Loading
 from pipeline.checkpoint.protocol.committer import CommitPolicy
-from pipeline.checkpoint.save import deepspeed_engine, rank_save
+from pipeline.checkpoint.save import agree, deepspeed_engine, rank_save
 from pipeline.checkpoint.save.async_save import stuck_writers
 from pipeline.checkpoint.save.background import BackgroundCommitter
 from pipeline.checkpoint.save.external_wait import await_external_commit
 from pipeline.checkpoint.save.rank_save import RankTarget, SaveResult, Written
 from pipeline.checkpoint.save.session import CheckpointSession
-from pipeline.checkpoint.save.state import apply_state, load_state, piece_groups, save_state
-from pipeline.checkpoint.stores.stores import record_store, recorded_store, remote_at, store_for
-from pipeline.errors import PipelineError
+from pipeline.checkpoint.save.state import piece_groups, save_state
+from pipeline.checkpoint.stores.stores import record_store, recorded_store, remote_at
+from pipeline.errors import ConfigError, PipelineError
 from pipeline.storage.layout import CheckpointLayout
 
 log = logging.getLogger(__name__)
 
 COMMITTERS = ("thread", "external")
-EXTERNAL_COMMIT_WAIT_S = 60.0
-"""``external_commit_wait_s``'s default: how long :meth:`Checkpointer.close` waits with no committer running."""
 
 
-class Checkpointer:
+def _check_options(given: dict[str, Any]) -> None:
+    """Each option's value (its name is checked by :func:`options.check_call`): one line naming a bad one."""
+    if given["committer"] not in COMMITTERS:
+        raise ConfigError(f"committer={given['committer']!r}: choose one of {', '.join(COMMITTERS)}")
+    options.check_every_steps(given["every_steps"])
+    for name in ("keep_last", "keep_every"):
+        options.check_keep(given[name], name)
+    options.check_best(given["keep_best"], given["best_metric"], given["best_mode"])
+    minutes = given["every_minutes"]
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, int | float) or not minutes > 0):
+        raise ConfigError(f"every_minutes={minutes!r}: must be positive or None")
+    options.check_deadline(given["deadline_s"])
+    options.check_seconds(given["poll_interval_s"])
+    wait = given["external_commit_wait_s"]
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not wait >= 0:
+        raise ConfigError(f"external_commit_wait_s={wait!r}: must be 0 or more seconds")
+    options.check_writer_threads(given["writer_threads"])
+
+
+class Checkpointer(Loading):
     """Save, commit and resume one training run's checkpoints under ``directory``."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Checkpointer:
+        options.check_call("Checkpointer", cls.__init__, args, kwargs)  # a typo: one line, the nearest name
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -90,57 +111,51 @@ class Checkpointer:
         poll_interval_s: float = 0.5,
         storage: str | None = None,
         dedup: bool = True,
-        external_commit_wait_s: float = EXTERNAL_COMMIT_WAIT_S,
+        external_commit_wait_s: float = 60.0,
         fast_every: int | None = None,
         fast_dir: str | None = None,
         fast_replicas: int = 1,
         fast_keep: int = 2,
     ) -> None:
-        """Every rank constructs it alike (a collective).
+        """Every rank constructs it alike (a collective). Without a process group (one process, no ``torchrun``)
+        it starts a one-rank gloo group of its own, in memory, and ends it in :meth:`close`.
 
-        ``every_steps`` / ``every_minutes``: when :meth:`should_save` says yes (either may be None).
-        ``keep_last`` / ``keep_every``: retention, done by the committer (``latest``'s step always stays).
-        ``keep_best``: also keep the ``keep_best`` steps with the best ``best_metric`` (passed to :meth:`save` in
-        ``metrics``; ``best_mode`` ``min``: lowest is best, ``max``: highest); a step without it is kept.
-        ``committer``: ``thread`` (rank 0 commits in the background) or ``external`` (``python -m
-        pipeline.commit <dir> --follow`` runs beside the job). ``deadline_s`` bounds every wait: markers,
-        async writers, the committer's last pass, the checkpoint group's collectives.
-        ``writer_threads``: files per rank written in parallel (None: the CPUs a rank has to itself, at most 4).
-        ``preemption_signals``: signals that set the preemption flag (SLURM's ``--signal=USR2@...``); installed
-        only from the main thread.
-        ``storage``: ``s3://bucket/prefix`` keeps the checkpoints in an S3-compatible bucket (AWS environment
-        variables and config files say where and as whom); ``directory`` then holds the committer lock and the
-        verified local copy of the step :meth:`load_latest` loads.
-        ``dedup``: the model's parameters that do not train (``requires_grad=False``) and its buffers are saved as
-        pieces of their own, and a piece whose bytes equal the latest committed step's is not written again (a
-        hard link; in a bucket, one object) — every step still complete (:mod:`pipeline.checkpoint.save.pieces`).
-        ``external_commit_wait_s``: with ``committer="external"``, how long :meth:`close` (rank 0) waits, while no
-        committer holds the dir, for one to commit the steps this job saved (a running one is waited for up to
-        ``deadline_s``); steps still uncommitted then are named in a WARNING and stay staged. 0: do not wait.
-        ``fast_every``: also keep a fast copy every this many steps (:meth:`save_fast`): each rank's shard in
-        ``fast_dir`` (node-local; default ``/dev/shm/pipeline-fast``, or ``$PIPELINE_FAST_DIR``) and on
-        ``fast_replicas`` peer nodes, the newest ``fast_keep`` steps; :meth:`load_latest` restores from the
-        newest one that verifies on every rank when it is at least as new as the durable tier's
-        (:mod:`pipeline.checkpoint.fast`).
+        :param directory: where the checkpoints go (``<directory>/checkpoints/...``, the app's layout).
+        :param every_steps: :meth:`should_save` says yes every this many steps (None: never by steps).
+        :param every_minutes: ... or once this many minutes passed since the last save (rank 0's clock decides).
+        :param keep_last: retention, done by the committer: keep the newest N committed steps (``latest``'s step
+            always stays). None: keep every step.
+        :param keep_every: retention: also keep every step divisible by N.
+        :param keep_best: retention: also keep the N steps whose ``best_metric`` is best; the metric is passed to
+            :meth:`save` in ``metrics`` by every rank and reduced across ranks (the mean); a step without it is kept.
+        :param best_metric: the metric ``keep_best`` and :meth:`best_step` rank by (default ``loss``).
+        :param best_mode: ``min`` (lowest is best, a loss) or ``max`` (highest, an accuracy).
+        :param committer: ``thread`` (rank 0 commits in the background) or ``external`` (``python -m
+            pipeline.commit <dir> --follow`` runs beside the job).
+        :param deadline_s: bounds every wait (markers, async writers, the committer's last pass, the checkpoint
+            group's collectives); default 600.
+        :param writer_threads: files per rank written in parallel (None: the CPUs a rank has to itself, at most 4).
+        :param fail_on_save_error: a failed save raises instead of returning ``ok=False`` (never committed either way).
+        :param preemption_signals: signals that set the flag :meth:`reached_preemption` reports (SLURM's
+            ``--signal=USR2@...``); installed only from the main thread.
+        :param poll_interval_s: how often the committer thread looks for complete steps (default 0.5 s).
+        :param storage: ``s3://bucket/prefix`` keeps the checkpoints in an S3-compatible bucket (AWS environment
+            variables and config files say where and as whom); ``directory`` then holds the committer lock and the
+            verified local copy of the step a load reads.
+        :param dedup: the model's frozen parameters and buffers are saved as pieces of their own, not written again
+            while their bytes equal the latest committed step's (every step still complete).
+        :param external_commit_wait_s: with ``committer="external"``, how long :meth:`close` (rank 0) waits, while
+            no committer holds the dir, for one to commit the job's steps (default 60 s; 0: do not wait); those
+            still uncommitted then are named in a WARNING and stay staged.
+        :param fast_every: also keep a fast copy every this many steps (:meth:`save_fast`), node-local and on peers.
+        :param fast_dir: the fast copies' node-local dir (default ``$PIPELINE_FAST_DIR`` or
+            ``/dev/shm/pipeline-fast``).
+        :param fast_replicas: peer nodes holding a copy of each rank's fast shard (default 1).
+        :param fast_keep: fast steps kept (default 2).
         """
-        if committer not in COMMITTERS:
-            raise PipelineError(f"committer={committer!r}: choose one of {', '.join(COMMITTERS)}")
-        options.check_every_steps(every_steps)
-        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
-            options.check_keep(value, name)
-        options.check_best(keep_best, best_metric, best_mode)
-        if every_minutes is not None and not every_minutes > 0:
-            raise PipelineError(f"every_minutes={every_minutes!r}: must be positive or None")
-        options.check_deadline(deadline_s)
-        options.check_seconds(poll_interval_s)
-        if not external_commit_wait_s >= 0:
-            raise PipelineError(f"external_commit_wait_s={external_commit_wait_s!r}: must be 0 or more seconds")
-        options.check_writer_threads(writer_threads)
-        if not dist.is_available() or not dist.is_initialized():
-            raise PipelineError(
-                "Checkpointer needs torch.distributed initialised first (dist.init_process_group; torchrun sets "
-                "the environment): every rank constructs it"
-            )
+        _check_options(locals())
+        self._own_group = agree.ensure_process_group()
+        one_line.install()  # after torch's own hook (init_process_group), so in front of it
         self.layout = CheckpointLayout(Path(directory).resolve())
         self._storage = storage
         self.remote = None if storage is None else remote_at(storage, self.layout.run_dir)
@@ -160,6 +175,7 @@ class Checkpointer:
         decided = self._broadcast(opened)
         if not isinstance(decided, tuple):
             self._stop_committer()
+            self._end_own_group()
             raise PipelineError(str(decided))
         self.attempt = decided[0]
         threads = writer_threads if writer_threads is not None else rank_save.auto_writer_threads(self.world_size)
@@ -176,11 +192,13 @@ class Checkpointer:
                 self.fast = FastTier(cfg, self.layout.run_dir, self.attempt, self.group, deadline_s)
             except PipelineError:
                 self._stop_committer()  # as for any other failed open: nothing of this Checkpointer runs on
+                self._end_own_group()
                 raise
         self.resumed: dict[str, Any] | None = None
         """How :meth:`load_latest` resumed (rank 0): the tier, the step, where each rank's bytes came from."""
         self._last_save = time.monotonic()
         self._closed = False
+        self._keep = keep
 
     # -- set-up (rank 0) ---------------------------------------------------------------------------------------
 
@@ -257,7 +275,9 @@ class Checkpointer:
             raise PipelineError("save_fast: this Checkpointer has no fast tier (pass fast_every=K)")
         if deepspeed_engine.find_engine(state) is not None:
             raise PipelineError("save_fast: a DeepSpeed engine saves in its own layout: use save() for it")
-        return self.fast.save(step, save_state(state, step, self.rank), self.session.any_rank)
+        sd = save_state(state, step, self.rank)
+        agree.admit(step, sd, self.rank, self.session.any_rank)
+        return self.fast.save(step, sd, self.session.any_rank)
 
     def save(self, step: int, state: dict[str, Any], metrics: Mapping[str, Any] | None = None) -> SaveResult:
         """Save ``state`` as ``step`` (blocking); returns how this rank's save went, with every rank agreeing on
@@ -267,14 +287,17 @@ class Checkpointer:
         ``{"loss": loss.item()}``): recorded in the step's manifest (rank 0's values) for ``keep_best`` and
         ``status``; a value that is not finite is recorded as null."""
         self._check_open()
-        started, recorded = time.monotonic(), options.check_metrics(metrics)
+        started = time.monotonic()
         engine_key = deepspeed_engine.find_engine(state)
         if engine_key is None:
             sd = save_state(state, step, self.rank)
-            result = self.session.save(step, sd, piece_groups(state), started, recorded)
+            agree.admit(step, sd, self.rank, self.session.any_rank)
+            result = self.session.save(step, sd, piece_groups(state), started, self._metrics(step, metrics))
         else:
             engine = state[engine_key]
             rest = save_state({k: v for k, v in state.items() if k != engine_key}, step, self.rank)
+            agree.admit(step, rest, self.rank, self.session.any_rank)
+            recorded = self._metrics(step, metrics)
 
             def write(staged: Path) -> Written:
                 return deepspeed_engine.write_step(self.target, staged, engine, rest, self.group)
@@ -288,56 +311,26 @@ class Checkpointer:
         ``metrics`` as :meth:`save`); returns the seconds training was blocked. The previous async save is settled
         first. A state with a DeepSpeed engine is saved synchronously (its files are DeepSpeed's to write)."""
         self._check_open()
-        t0, recorded = time.monotonic(), options.check_metrics(metrics)
+        t0 = time.monotonic()
         if deepspeed_engine.find_engine(state) is not None:
-            self.save(step, state, recorded)
+            self.save(step, state, metrics)
             return time.monotonic() - t0
         sd = save_state(state, step, self.rank)
+        agree.admit(step, sd, self.rank, self.session.any_rank)
+        recorded = self._metrics(step, metrics)
         self._last_save = time.monotonic()
         return self.session.save_async(step, sd, piece_groups(state), t0, recorded)
+
+    def _metrics(self, step: int, metrics: Mapping[str, Any] | None) -> dict[str, float | None]:
+        """The metrics recorded with ``step``: with ``keep_best``, each the mean over the ranks (a collective)."""
+        recorded = options.check_metrics(metrics)
+        if self._keep["keep_best"] is None:
+            return recorded
+        return agree.reduce_metrics(recorded, self._keep["best_metric"], self.group, self.rank, step)
 
     def wait(self) -> SaveResult | None:
         """Settle the pending async save (at most ``deadline_s``, polling the writer's liveness); None if none."""
         return self.session.wait()
-
-    # -- resume ------------------------------------------------------------------------------------------------
-
-    def load_latest(self, into: dict[str, Any]) -> int:
-        """Load the newest committed step into ``into`` (same keys as saved) and return it; 0 when there is
-        none. Rank 0 first lets every completely staged step be committed (a step saved before a kill is never
-        lost nor trained again), verifies the step against its manifest, and hands its choice to every rank."""
-        self._check_open()
-        engine_key = deepspeed_engine.find_engine(into)
-        rest = {k: v for k, v in into.items() if k != engine_key}
-
-        def load(step_dir: Path, manifest: Manifest) -> int:
-            if engine_key is not None:
-                deepspeed_engine.load_engine(into[engine_key], step_dir, manifest)
-            same_world = manifest.world_size == self.world_size
-            return load_state(rest, step_dir, self.group, self.rank, same_world=same_world)
-
-        fast, store = None, store_for(self.layout, self.remote)
-        if self.fast is not None and engine_key is None:
-            fast = FastResume(self.fast, store, self.layout.checkpoints, lambda blob: self._load_fast(rest, blob))
-        first, floor = (fast.first, fast.floor) if fast is not None else (None, None)
-        step = self.session.load_latest(self._resume_step, load, first=first, floor=floor)
-        if fast is not None and self.rank == 0:
-            self.resumed = fast.record(step)
-        if self.rank == 0 and (self.resumed or {}).get("tier") != "fast":  # the fast tier logs its own line
-            resume.log_resumed(store, step)
-        self._last_save = time.monotonic()
-        return step
-
-    def _load_fast(self, into: dict[str, Any], blob: memoryview) -> int:
-        target = fill(save_state(into, 0, self.rank), unpack(blob, f"rank {self.rank}'s fast copy"))
-        return apply_state(into, target)
-
-    def _resume_step(self) -> int | str:
-        if self._committer is not None and not self._committer.recovered.wait(self.deadline_s):
-            errors = "; ".join(self._committer.errors[-3:]) or "no error reported"
-            return f"cannot resume: the committer's first pass over {self.layout.checkpoints} did not finish ({errors})"
-        alive = self._committer.alive if self._committer is not None else None
-        return resume.decide_with(self.layout, self.world_size, self.deadline_s, alive, self.remote)
 
     # -- end ---------------------------------------------------------------------------------------------------
 
@@ -367,10 +360,15 @@ class Checkpointer:
             self._stop_committer()
             if not stuck_writers():
                 dist.destroy_process_group(self.group)
+                self._end_own_group()
 
     def _stop_committer(self) -> None:
         if self._committer is not None:
             self._committer.stop(self.deadline_s)
+
+    def _end_own_group(self) -> None:
+        agree.end_process_group(self._own_group)
+        self._own_group = False
 
     def _check_open(self) -> None:
         if self._closed:
@@ -386,3 +384,5 @@ class Checkpointer:
             self._closed = True
             self.session.abandon(f"training failed: {getattr(exc[0], '__name__', exc[0])}")
             self._stop_committer()
+            if not stuck_writers():
+                self._end_own_group()

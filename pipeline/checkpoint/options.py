@@ -9,8 +9,11 @@ takes. ``None`` means "unset" wherever a knob is optional.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.storage.s3 import S3Url
@@ -117,3 +120,19 @@ def check_metrics(metrics: Mapping[str, object] | None) -> dict[str, float | Non
             raise ConfigError(f"metrics[{name!r}]={value!r} must be a number (e.g. loss.item())") from None
         out[name] = number if math.isfinite(number) else None
     return out
+
+
+def check_call(owner: str, init: Callable[..., None], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """The arguments of ``owner(...)`` bind to ``init``'s parameters, or one line naming what does not, with the
+    nearest valid name for a typo (``keep_lst`` -> ``keep_last``) instead of Python's ``TypeError``."""
+    params = inspect.signature(init).parameters
+    names = [n for n, p in params.items() if n != "self" and p.kind is p.KEYWORD_ONLY]
+    for key in kwargs:
+        if key not in params or params[key].kind is inspect.Parameter.POSITIONAL_ONLY:
+            near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]}=?" if near else f"its options: {', '.join(names)}"
+            raise ConfigError(f"{owner}({key}=...): no such option; {hint}")
+    try:
+        inspect.signature(init).bind(None, *args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{owner}(...): {e}") from None

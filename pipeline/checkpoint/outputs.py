@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.checkpoint.manifest import MANIFEST, Latest, read_latest, read_manifest, verify_committed
 from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import clear_file, move_aside, publish_dir, remove_tree, write_json_atomic
-from pipeline.storage.integrity import FileEntry, describe, lstat_kind, read_record_json, verify_entries
+from pipeline.storage.integrity import FileEntry, describe, hash_file, lstat_kind, read_record_json, verify_entries
 from pipeline.storage.layout import CheckpointLayout, step_name
 
 CONSOLIDATED_MARKER = "consolidated.json"
@@ -27,11 +27,17 @@ CONSOLIDATED_WEIGHTS = "model.safetensors"
 """The full-tensor weights file in ``consolidated/step_N/``."""
 
 
-def source_step(layout: CheckpointLayout, verify: bool) -> Latest:
-    """The committed step that downstream stages read: ``latest`` (its manifest hash checked).
+def source_step(layout: CheckpointLayout, verify: bool, step: int | None = None) -> Latest:
+    """The committed step that downstream stages read: ``latest`` (its manifest hash checked), or ``step``.
 
     ``verify=True`` also checks every file against the manifest: done once per job, in ``check_inputs``.
     """
+    if step is not None:
+        step_dir = layout.committed_step(step)
+        if verify:
+            verify_committed(step_dir, step)
+        read_manifest(step_dir)  # a committed step: one error naming it otherwise
+        return Latest(step=step, manifest_hash=hash_file(step_dir / MANIFEST))
     latest = read_latest(layout)
     if latest is None:
         raise PipelineError(
@@ -108,12 +114,16 @@ def consolidate_step(
 
 
 def consolidate_latest(
-    layout: CheckpointLayout, allow_pickle: bool = False, verify: bool = True, force: bool = False
+    layout: CheckpointLayout,
+    allow_pickle: bool = False,
+    verify: bool = True,
+    force: bool = False,
+    step: int | None = None,
 ) -> dict[str, Any]:
-    """``latest``'s step as ``consolidated/step_N/model.safetensors`` (full tensors, streamed; published with
-    its done-marker naming the step's manifest hash). Skipped, saying so, when that output already verifies,
-    unless ``force`` (the old output then moves to ``.retired/``)."""
-    latest = source_step(layout, verify=verify)
+    """``latest``'s step (or committed ``step``) as ``consolidated/step_N/model.safetensors`` (full tensors,
+    streamed; published with its done-marker naming the step's manifest hash). Skipped, saying so, when that
+    output already verifies, unless ``force`` (the old output then moves to ``.retired/``)."""
+    latest = source_step(layout, verify=verify, step=step)
     source = {"step": latest.step, "manifest_hash": latest.manifest_hash}
     final = layout.consolidated_step(latest.step)
     if not force and verified_output(final, CONSOLIDATED_MARKER, source):
@@ -130,10 +140,12 @@ def export_latest(
     max_shard_bytes: int = 5 * 10**9,
     force: bool = False,
     config: str | Path | Any | None = None,
+    step: int | None = None,
 ) -> dict[str, Any]:
-    """``latest``'s step as ``export/step_N/``: Hugging Face's sharded safetensors (``model-0000i-of-0000n``,
-    at most ``max_shard_bytes`` each) and ``model.safetensors.index.json``, cast to ``dtype``, with a done-marker
-    naming the step's manifest hash and the consolidated file it was made from (consolidated first if needed).
+    """``latest``'s step (or committed ``step``) as ``export/step_N/``: Hugging Face's sharded safetensors
+    (``model-0000i-of-0000n``, at most ``max_shard_bytes`` each) and ``model.safetensors.index.json``, cast to
+    ``dtype``, with a done-marker naming the step's manifest hash and the consolidated file it was made from
+    (consolidated first if needed).
 
     ``config``: the model's ``transformers`` config (a directory holding ``config.json``, the file, or a
     ``PretrainedConfig``): the weights are checked against the model it describes (on the meta device, before
@@ -148,9 +160,9 @@ def export_latest(
     if dtype not in ("float32", "bfloat16", "float16"):
         raise PipelineError(f"dtype {dtype!r}: choose float32, bfloat16 or float16")
     hf = HFConfig.of(config) if config is not None else None
-    consolidated = consolidate_latest(layout)
+    consolidated = consolidate_latest(layout, step=step)
     step = int(consolidated["step"])
-    latest = source_step(layout, verify=False)  # consolidate_latest verified it just now
+    latest = source_step(layout, verify=False, step=step)  # consolidate_latest verified it just now
     weights = layout.consolidated_step(step) / CONSOLIDATED_WEIGHTS
     source = {
         "step": step,

@@ -7,6 +7,7 @@ template (:func:`hydra_template`).
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Iterable
 from typing import Any
@@ -24,15 +25,22 @@ _ABSENT = object()
 
 
 def _experiment_summary(name: str) -> str:
-    """The first comment line of ``conf/experiment/<name>.yaml`` that is not the ``@package`` header."""
+    """The first sentence of ``conf/experiment/<name>.yaml``'s opening comment (after the ``@package`` header),
+    whole: it may run over several comment lines."""
+    words: list[str] = []
     for line in (conf_dir() / "experiment" / f"{name}.yaml").read_text().splitlines():
         text = line.strip()
         if not text.startswith("#"):
             break
         text = text.lstrip("#").strip()
-        if text and not text.startswith("@package"):
-            return text
-    return ""
+        if text.startswith("@package"):
+            continue
+        if not text and words:
+            break
+        words += text.split()
+    paragraph = " ".join(words)
+    end = re.search(r"[.!?](\s|$)", paragraph)
+    return paragraph[: end.start() + 1] if end else paragraph
 
 
 def compose_defaults(experiment: str | None = None) -> DictConfig:

@@ -24,8 +24,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import IO, Any
 
-from tqdm import tqdm
-
 from pipeline.checkpoint.manifest import read_manifest
 from pipeline.errors import PipelineError, plural
 from pipeline.rundir.layout import RunLayout
@@ -155,7 +153,7 @@ class StageProgress:
         from pipeline.stages import get_stage  # noqa: PLC0415 - a launch shows progress; status imports no stage
 
         self._tail = MetricsTail(layout.metrics) if get_stage(stage).CONTRACT.reports_progress else None
-        self._bar: tqdm[Any] | None = None
+        self._bar: Any = None  # a tqdm bar (the app's extra; imported when a bar is drawn)
         self._window: deque[tuple[int, float, int]] = deque(maxlen=WINDOW)  # (step, time, tokens)
         self._total: int | None = None
         self._resume = 0
@@ -305,6 +303,8 @@ class StageProgress:
     def _open_bar(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        from tqdm import tqdm  # noqa: PLC0415 - only the app draws a bar
+
         self._bar = tqdm(
             total=self._total,
             initial=self._resume,
@@ -319,5 +319,7 @@ class StageProgress:
         if self._bar is None:
             self.say(text)
             return
+        from tqdm import tqdm  # noqa: PLC0415
+
         with tqdm.external_write_mode(file=self.stream):  # clear the bar, print, redraw it
             self.say(text)

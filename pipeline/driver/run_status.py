@@ -17,6 +17,7 @@ from typing import Any
 
 from pipeline.checkpoint.fast import RESUMED_FILE
 from pipeline.checkpoint.protocol.retention import output_areas
+from pipeline.checkpoint.steps import pick
 from pipeline.checkpoint.stores.posix_status import read_json as _read_json
 from pipeline.checkpoint.stores.posix_status import step_entries as _step_entries
 from pipeline.checkpoint.stores.posix_status import why as _why
@@ -234,12 +235,13 @@ def _committer_running(layout: CheckpointLayout) -> bool:
         return False
 
 
-def verify_steps(layout: CheckpointLayout) -> list[Status]:
-    """``--verify``: every committed step's files re-hashed against its manifest, read in place (in a bucket
-    nothing is cached), nothing changed: ``{"step", "ok", "error"}`` per step, the error naming the damaged file."""
+def verify_steps(layout: CheckpointLayout, only: int | None = None) -> list[Status]:
+    """``--verify``: every committed step's files (or step ``only``'s) re-hashed against its manifest, read in place
+    (in a bucket nothing is cached), nothing changed: ``{"step", "ok", "error"}`` per step, the error naming the
+    damaged file."""
     store = _store(layout)
     out: list[Status] = []
-    for step in store.committed():
+    for step in store.committed() if only is None else [only]:
         try:
             store.verify_committed(step)
             out.append({"step": step, "ok": True, "error": None})
@@ -262,3 +264,11 @@ def collect_checkpoints(layout: CheckpointLayout) -> Status:
         "exported": _outputs(*output_areas(layout)["export"]),
         "resume": "run the training script again (Checkpointer.load_latest resumes from latest)",
     }
+
+
+def chosen_step(layout: CheckpointLayout, which: int | str, metric: str, mode: str) -> Status:
+    """``--step N`` / ``--best``: that committed step and its recorded metrics (a PipelineError naming the
+    committed steps when there is no such step)."""
+    store = _store(layout)
+    step = pick(store, which, metric, mode)
+    return {"step": step, "asked": which, "metrics": store.step_metrics(step), "manifest": store.manifest_where(step)}

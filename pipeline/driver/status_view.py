@@ -109,9 +109,10 @@ def _resume_lines(rec: Any, error: str | None) -> list[str]:
     lines = []
     fast = rec.get("fast")
     if isinstance(fast, dict):
+        where = "on this node (one node: they do not survive its loss)" if fast.get("same_node") else "on other nodes"
         lines.append(
             f"  fast tier: every {fast.get('every')} steps in {fast.get('dir')} (node-local), "
-            f"{fast.get('replicas')} replica(s) on other nodes, newest {fast.get('keep')} kept"
+            f"{fast.get('replicas')} replica(s) {where}, newest {fast.get('keep')} kept"
         )
     step, tier = rec.get("step"), rec.get("tier")
     if tier == "none":

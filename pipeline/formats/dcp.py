@@ -266,20 +266,30 @@ def load_into(
     process_group: Any = None,
     no_dist: bool = False,
     metadata: Metadata | None = None,
-) -> None:
-    """``dcp.load`` of the checkpoint at ``path`` into ``state``, through the safe reader and planner.
+    partial: bool = False,
+    hint: str = "",
+) -> list[str]:
+    """``dcp.load`` of the checkpoint at ``path`` into ``state``, through the safe reader and planner; returns the
+    keys of ``state`` the checkpoint does not hold (left as they are: only with ``partial`` or ``no_dist``; else
+    they fail the load in one line naming them, ``hint`` saying how to load the rest).
 
     A failure on any rank is one typed error: the first :class:`PipelineError` a rank raised (e.g. the
     metadata refusal), else a :class:`CheckpointFormatError` naming the rank and the cause. DCP's own
     ``CheckpointException`` is a ``BaseException`` that would slip past every ``except Exception``.
     """
+    if metadata is None:
+        metadata = read_metadata_safe(Path(path))
+    missing = absent_keys(state, metadata)
+    if missing and not (partial or no_dist):
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointFormatError(f"{path} holds no value for {shown} (the state gained it since?){hint}")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(
                 state,
                 storage_reader=SafeReader(str(path), metadata),
-                planner=SafeLoadPlanner(allow_partial_load=no_dist),
+                planner=SafeLoadPlanner(allow_partial_load=no_dist or partial),
                 process_group=process_group,
                 no_dist=no_dist,
             )
@@ -294,10 +304,25 @@ def load_into(
         raise
     except Exception as e:
         raise _load_failure(path, f"{type(e).__name__}: {error_summary(e)}") from None
+    return missing
+
+
+def absent_keys(state: dict[str, Any], metadata: Metadata) -> list[str]:
+    """The flattened keys of ``state`` (``extra.epoch``) that the checkpoint described by ``metadata`` lacks."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # noqa: PLC0415 - torch-private
+
+    flat, _ = flatten_state_dict(state)
+    return sorted(k for k in flat if k not in metadata.state_dict_metadata)
 
 
 def _load_failure(path: Path, cause: str) -> CheckpointFormatError:
     return CheckpointFormatError(
-        f"cannot load the DCP checkpoint {path} ({cause}); if its files were changed since the commit, "
-        "run stage=verify_manifest to check them against the manifest"
+        f"cannot load the DCP checkpoint {path} ({cause}); to check its files against its manifest: "
+        f"python -m pipeline.status {_run_dir_of(path)} --verify"
     )
+
+
+def _run_dir_of(path: Path) -> Path:
+    """The dir ``status`` takes for a step dir (``<dir>/checkpoints/step_N`` -> ``<dir>``)."""
+    path = Path(path)
+    return path.parent.parent if path.parent.name == "checkpoints" else path

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, need
 
 CONFIG = "config.json"
 TOKENIZER_FILES = (
@@ -78,7 +78,8 @@ class HFConfig:
     def of(cls, given: str | Path | Any) -> HFConfig:
         """From a directory holding ``config.json``, a ``config.json`` file, or a ``PretrainedConfig``; a
         one-line :class:`ConfigError` for anything else."""
-        from transformers import CONFIG_MAPPING, PretrainedConfig  # noqa: PLC0415
+        transformers = need("transformers", "hf", "a model config (--config, export.config)")
+        CONFIG_MAPPING, PretrainedConfig = transformers.CONFIG_MAPPING, transformers.PretrainedConfig  # noqa: N806
 
         if isinstance(given, HFConfig):
             return given

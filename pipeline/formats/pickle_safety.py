@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import pickletools
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.errors import PipelineError
 
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
-def error_summary(e: BaseException) -> str:
-    """An exception's text on one line, at most 200 characters (for one-line error messages)."""
-    return " ".join(str(e).split())[:200] or type(e).__name__
+
+def error_summary(e: BaseException, limit: int = 200) -> str:
+    """An exception's text on one line, without terminal codes, cut at a word to at most ``limit`` characters
+    (for one-line error messages)."""
+    text = " ".join(_TERMINAL_CODES.sub("", str(e)).split())
+    if len(text) > limit:
+        text = text[: limit - 1].rsplit(" ", 1)[0] + "…"
+    return text or type(e).__name__
 
 
 _MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})

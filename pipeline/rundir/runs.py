@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipeline.errors import ConfigError, RunNotFoundError
 from pipeline.rundir.layout import RUN_YAML
 
@@ -33,6 +31,8 @@ class RunYaml:
 
 def read_run_yaml(path: Path) -> RunYaml:
     """``run.yaml`` at ``path``; ConfigError (one line) when it is missing, a symlink or malformed."""
+    import yaml  # noqa: PLC0415 - the app's (the library's command lines read no run.yaml)
+
     try:
         if path.is_symlink():
             raise ConfigError(f"{path} is a symlink: run.yaml must be a regular file written by the pipeline")

@@ -35,7 +35,7 @@ from typing import Any
 
 import xxhash
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, need
 from pipeline.storage.faults import inject
 from pipeline.storage.s3_probe import Conflict, StoreError, probe
 
@@ -102,7 +102,7 @@ def client() -> Any:
     with _clients_lock:
         found = _clients.get(pid)
         if found is None:
-            import boto3  # noqa: PLC0415 (only runs that use a bucket pay for boto3's import)
+            boto3 = need("boto3", "s3", "checkpoints in a bucket (s3://...)")  # only runs with a bucket import it
             from botocore.config import Config  # noqa: PLC0415
 
             found = boto3.session.Session().client(

@@ -32,15 +32,21 @@ def durable_floor(store: CheckpointStore, world_size: int) -> int:
 
 
 def record_resume(
-    checkpoints: Path, fast_rec: dict[str, Any] | None, step: int, attempt: str, cfg: FastConfig | None
+    checkpoints: Path,
+    fast_rec: dict[str, Any] | None,
+    step: int,
+    attempt: str,
+    cfg: FastConfig | None,
+    same_node: bool = False,
 ) -> dict[str, Any]:
-    """Rank 0: write ``checkpoints/resumed.json`` (the tier, the step, each rank's source) and return it."""
+    """Rank 0: write ``checkpoints/resumed.json`` (the tier, the step, each rank's source) and return it.
+    ``same_node``: rank 0's replicas are on its own node (one node: they do not survive its loss)."""
     rec = dict(fast_rec or {"tier": "durable"})
     if rec.get("tier") != "fast":
         rec.update(tier="durable" if step else "none", step=step)
     rec.update(attempt=attempt, at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if cfg is not None:
-        rec["fast"] = dataclasses.asdict(cfg)
+        rec["fast"] = dataclasses.asdict(cfg) | {"same_node": same_node}
     try:
         write_json_atomic(checkpoints / RESUMED_FILE, rec)
     except OSError as e:
@@ -67,4 +73,5 @@ class FastResume:
 
     def record(self, step: int) -> dict[str, Any]:
         """Rank 0: ``checkpoints/resumed.json``."""
-        return record_resume(self.checkpoints, self.rec, step, self.tier.attempt, self.tier.cfg)
+        same_node = bool(self.tier.same_node)
+        return record_resume(self.checkpoints, self.rec, step, self.tier.attempt, self.tier.cfg, same_node)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -86,9 +87,10 @@ class Holder:
 
     def describe(self, now: float) -> str:
         job = f", {self.job}" if self.job else ""
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started)) if self.started else "?"
         return (
-            f"pid {self.pid} on {self.host}{job}, epoch {self.epoch}, heartbeat {max(0.0, now - self.heartbeat):.1f} s "
-            "ago"
+            f"pid {self.pid} on {self.host}{job}, since {since}, epoch {self.epoch}, heartbeat "
+            f"{max(0.0, now - self.heartbeat):.1f} s ago"
         )
 
     @staticmethod

@@ -273,8 +273,8 @@ class BucketCheckpoints(BucketRemoval):
     def check(self) -> None:
         self.remote.store.check_conditional_writes(self.remote.root.prefix)
 
-    def local(self) -> CheckpointLayout:
-        return pull(self.remote)
+    def local(self, step: int | None = None) -> CheckpointLayout:
+        return pull(self.remote, step)
 
     def latest_where(self) -> str:
         return self.remote.url(self.remote.key(LATEST))

@@ -48,6 +48,7 @@ from pipeline.checkpoint.manifest import (
     write_marker,
 )
 from pipeline.checkpoint.protocol import trash
+from pipeline.checkpoint.protocol.lease_records import newest_holder
 from pipeline.checkpoint.protocol.ownership import LEASE, CommitterBusy, FileLease, LeaseStore
 from pipeline.checkpoint.protocol.step_checks import verified_manifest
 from pipeline.checkpoint.stores import posix_status, repair
@@ -105,8 +106,13 @@ class PosixCheckpoints:
         self.storage.makedirs(self.layout.checkpoints)
         with self.storage.exclusive(self.layout.committer_lock) as mine:  # one node: the kernel's lock, fast
             if not mine:
+                try:  # who holds it, for the message only: a record that cannot be read names nobody
+                    held = newest_holder(self.lease_store())
+                except (OSError, PipelineError):
+                    held = None
+                who = f" ({held.describe(time.time())})" if held is not None else ""
                 raise CommitterBusy(
-                    f"another committer holds {self.layout.committer_lock}: exactly one commits "
+                    f"another committer holds {self.layout.committer_lock}{who}: exactly one commits "
                     f"{self.layout.checkpoints} (stop the other one, or let it finish)"
                 )
             yield
@@ -373,7 +379,7 @@ class PosixCheckpoints:
     def check(self) -> None:
         """Nothing to ask a directory before a launch: ``prepare_dirs`` makes it."""
 
-    def local(self) -> CheckpointLayout:
+    def local(self, step: int | None = None) -> CheckpointLayout:
         return self.layout
 
     def latest_where(self) -> str:

@@ -247,9 +247,10 @@ class CheckpointStore(Protocol):
         """Before a launch: the store answers and does what the protocol relies on (one line if not)."""
         ...
 
-    def local(self) -> CheckpointLayout:
-        """A local checkpoints dir whose ``latest`` names the newest committed step, for the readers (resume,
-        consolidate, export): the directory itself, or a verified copy pulled from the bucket."""
+    def local(self, step: int | None = None) -> CheckpointLayout:
+        """A local checkpoints dir holding ``step`` (None: the newest committed step, which its ``latest`` then
+        names), for the readers (resume, consolidate, export, ``load(step=...)``): the directory itself, or a
+        verified copy pulled from the bucket."""
         ...
 
     def latest_where(self) -> str: ...
