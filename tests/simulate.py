@@ -23,8 +23,9 @@ import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import tests.conftest  # noqa: F401  (registers the test format the staged steps use)
 from tests.sim.world import Settings, World, run_one, scratch_root
@@ -63,25 +64,27 @@ def _chunk(args: tuple[str, list[int]]) -> Tally:
     return t
 
 
-def explore(store: str, seeds: range, workers: int) -> Tally:
-    chunks = [(store, list(seeds[i :: workers * 8])) for i in range(workers * 8)]
+def _chunks(store: str, seeds: range, workers: int) -> list[tuple[str, list[int]]]:
+    return [(store, list(seeds[i :: workers * 8])) for i in range(workers * 8)]
+
+
+def _merge(parts: Iterable[Tally]) -> Tally:
     total = Tally()
-    if workers <= 1:
-        parts: Iterator[Tally] = map(_chunk, chunks)
-    else:
-        ctx = mp.get_context("fork")
-        pool = ctx.Pool(workers)
-        parts = pool.imap_unordered(_chunk, chunks)
     for t in parts:
         total.schedules += t.schedules
         total.steps += t.steps
         total.faults.update(t.faults)
         total.failed += t.failed
-    if workers > 1:
-        pool.close()
-        pool.join()
     total.failed.sort()
     return total
+
+
+def explore(store: str, seeds: range, workers: int) -> Tally:
+    chunks = _chunks(store, seeds, workers)
+    if workers <= 1:
+        return _merge(map(_chunk, chunks))
+    with mp.get_context("fork").Pool(workers) as pool:
+        return _merge(pool.imap_unordered(_chunk, chunks))
 
 
 def exhaustive(store: str, depth: int, settings: Settings) -> tuple[int, list[tuple[list[int], str]]]:
@@ -171,17 +174,32 @@ def main(argv: list[str] | None = None) -> int:
             print(report(w, args.replay, store))
         return 0
     bad = 0
+    n = args.schedules // len(stores)
+    start = time.monotonic()
+    # One pool for all of it (each store's exhaustive part and its random chunks), so both cores stay busy to the
+    # end: the exhaustive part used to run first, alone, on one core, and each store's pool drained on its own.
+    pool = mp.get_context("fork").Pool(args.workers) if args.workers > 1 else None
+    exh: dict[str, Any] = {}
+    rand: dict[str, Any] = {}
     for store in stores:
-        start = time.monotonic()
-        runs, failed = exhaustive(store, args.depth, small(store)) if args.depth > 0 else (0, [])
-        n = args.schedules // len(stores)
-        t = explore(store, range(args.first_seed, args.first_seed + n), args.workers)
+        if pool is not None:
+            if args.depth > 0:
+                exh[store] = pool.apply_async(exhaustive, (store, args.depth, small(store)))
+            seeds = range(args.first_seed, args.first_seed + n)
+            rand[store] = pool.map_async(_chunk, _chunks(store, seeds, args.workers))
+    for store in stores:
+        if pool is not None:
+            runs, failed = exh[store].get() if store in exh else (0, [])
+            t = _merge(rand[store].get())
+        else:
+            runs, failed = exhaustive(store, args.depth, small(store)) if args.depth > 0 else (0, [])
+            t = explore(store, range(args.first_seed, args.first_seed + n), 1)
         faults = ", ".join(f"{k} {v}" for k, v in sorted(t.faults.items()))
         print(
             f"{store}: {t.schedules} random schedules (seeds {args.first_seed}-{args.first_seed + n - 1}, "
             f"{t.steps} operations stepped), and {runs} schedules covering every choice of the first {args.depth} "
             f"of a small configuration (2 committers, 2 steps, a pause); faults injected: {faults}; "
-            f"{len(t.failed) + len(failed)} violations ({time.monotonic() - start:.0f} s)"
+            f"{len(t.failed) + len(failed)} violations (done {time.monotonic() - start:.0f} s after the start)"
         )
         for choices, what in failed[: args.show]:
             print(f"  exhaustive, choices {choices[: args.depth + 4]}...: {what}")
@@ -191,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         for seed, st, _ in t.failed[: args.show]:
             print(report(minimize(seed, st), seed, st))
         bad += len(t.failed) + len(failed)
+    if pool is not None:
+        pool.close()
+        pool.join()
     print(f"{bad} violations")
     return 1 if bad else 0
 
