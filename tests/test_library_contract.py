@@ -297,3 +297,21 @@ def test_a_second_committer_on_the_same_node_is_refused_naming_the_holder(tmp_pa
     finally:
         first.terminate()
         first.wait(30)
+
+
+class _Opaque:
+    pass
+
+
+def test_a_value_the_reader_refuses_at_load_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+    from pipeline.formats.dcp import load_into  # noqa: PLC0415
+
+    dcp.save({"t": torch.ones(2), "extra": {"note": _Opaque()}}, checkpoint_id=str(tmp_path), no_dist=True)
+    with pytest.raises(CheckpointFormatError) as caught:
+        load_into({"t": torch.zeros(2), "extra": {"note": None}}, tmp_path, no_dist=True)
+    text = str(caught.value)
+    assert "\n" not in text and "\x1b" not in text, text
+    assert f"{tmp_path}: the value 'extra.note' cannot be loaded by the restricted reader (global " in text, text
+    assert "nothing was unpickled" in text, text

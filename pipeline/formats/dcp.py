@@ -46,7 +46,7 @@ from pipeline.formats.dcp_metadata import (  # noqa: F401 - re-exported: the rea
     to_torch,
 )
 from pipeline.formats.dcp_pieces import Pieces
-from pipeline.formats.pickle_safety import error_summary
+from pipeline.formats.pickle_safety import error_summary, weights_only_reason
 from pipeline.storage.faults import io_op
 from pipeline.storage.integrity import FileEntry
 
@@ -78,8 +78,18 @@ class SafeReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
+    where = ""
+    """The checkpoint's path, for the error naming a value the restricted reader refuses."""
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - refused or unreadable bytes: one line naming the value
+            raise CheckpointFormatError(
+                f"{self.where}: the value {read_item.dest_index.fqn!r} cannot be loaded by the restricted reader "
+                f"({weights_only_reason(e)}); nothing was unpickled. A step this library saved never holds such a "
+                "value (save refuses it): was it written by another tool, or changed since?"
+            ) from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
 
@@ -289,7 +299,7 @@ def load_into(
             dcp.load(
                 state,
                 storage_reader=SafeReader(str(path), metadata),
-                planner=SafeLoadPlanner(allow_partial_load=no_dist or partial),
+                planner=_planner(path, no_dist or partial),
                 process_group=process_group,
                 no_dist=no_dist,
             )
@@ -305,6 +315,12 @@ def load_into(
     except Exception as e:
         raise _load_failure(path, f"{type(e).__name__}: {error_summary(e)}") from None
     return missing
+
+
+def _planner(path: Path, partial: bool) -> SafeLoadPlanner:
+    planner = SafeLoadPlanner(allow_partial_load=partial)
+    planner.where = str(path)
+    return planner
 
 
 def absent_keys(state: dict[str, Any], metadata: Metadata) -> list[str]:

@@ -21,6 +21,16 @@ def error_summary(e: BaseException, limit: int = 200) -> str:
     return text or type(e).__name__
 
 
+def weights_only_reason(e: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` refused: the global it names, without torch's multi-paragraph advice
+    and terminal codes; else the error's own text on one line."""
+    marker = "Unsupported global: GLOBAL "
+    text = " ".join(_TERMINAL_CODES.sub("", str(e)).split())
+    if marker in text:
+        return "global " + text.split(marker, 1)[1].split(" ", 1)[0] + " is not allowed"
+    return error_summary(e)
+
+
 _MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 
 

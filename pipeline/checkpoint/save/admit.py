@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeline.formats.pickle_safety import error_summary
+from pipeline.formats.pickle_safety import error_summary, weights_only_reason
 
 _SCALARS = (bool, int, float, str, bytes, type(None))
 _HINT = (
@@ -76,18 +76,9 @@ def _round_trip(value: Any) -> str | None:
     try:
         back = torch.load(buf, weights_only=True)
     except Exception as e:  # noqa: BLE001 - the reader's refusal is the answer, named in one line below
-        return f"the restricted reader refuses it: {_first_reason(e)}"
+        return f"the restricted reader refuses it: {weights_only_reason(e)}"
     try:
         same = bool(back == value)
     except Exception:  # noqa: BLE001 - a value whose == is not a bool (a container of tensors): it loaded
         same = True
     return None if same else "it does not come back equal"
-
-
-def _first_reason(e: BaseException) -> str:
-    """The refused global of a weights-only load, without torch's multi-paragraph advice or terminal codes."""
-    marker = "Unsupported global: GLOBAL "
-    text = " ".join(str(e).split())
-    if marker in text:
-        return "global " + text.split(marker, 1)[1].split(" ", 1)[0] + " is not allowed"
-    return error_summary(e)
