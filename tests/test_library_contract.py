@@ -181,6 +181,10 @@ def test_any_committed_step_loads_by_number_or_best_and_a_state_that_gained_a_ke
         kept = {"epoch": -5}
         assert ck.load({"model": model, "optim": opt, "extra": kept}, step=4, exclude=("extra",)) == 4
         assert kept == {"epoch": -5} and float(model.weight[0, 0]) == 4.0
+        assert ck.load({"model": model, "optim": opt, "extra": kept}, step=6, exclude="extra") == 6  # one key
+        assert kept == {"epoch": -5} and float(model.weight[0, 0]) == 6.0
+        with pytest.raises(ConfigError, match=r"the state has no key 'extr' \(its keys: model, optim, extra\)"):
+            ck.load({"model": model, "optim": opt, "extra": kept}, step=6, exclude=("extr",))
     finally:
         ck.close()
     _command_lines_take_a_step(tmp_path / "run")

@@ -20,7 +20,7 @@ from pipeline.checkpoint.save.session import CheckpointSession
 from pipeline.checkpoint.save.state import apply_state, load_state, save_state
 from pipeline.checkpoint.stores.remote import Remote
 from pipeline.checkpoint.stores.stores import store_for
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 from pipeline.storage.layout import CheckpointLayout
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,12 @@ class Loading:
         return steps.best_of(store_for(self.layout, self.remote), self._keep["best_metric"], self._keep["best_mode"])
 
     def load(
-        self, into: dict[str, Any], step: int | str = "latest", *, exclude: tuple[str, ...] = (), partial: bool = False
+        self,
+        into: dict[str, Any],
+        step: int | str = "latest",
+        *,
+        exclude: str | tuple[str, ...] = (),
+        partial: bool = False,
     ) -> int:
         """Load committed ``step`` into ``into`` and return it: a step number, ``"best"`` (:meth:`best_step`) or
         ``"latest"`` (:meth:`load_latest`; 0 when there is none). A collective: rank 0 picks the step and verifies
@@ -71,6 +76,7 @@ class Loading:
         if step == steps.LATEST:
             return self.load_latest(into, exclude=exclude, partial=partial)
         self._check_open()
+        exclude = _excluded(into, exclude)
         store = store_for(self.layout, self.remote)
 
         def decide() -> int | str:
@@ -102,13 +108,14 @@ class Loading:
 
         return load
 
-    def load_latest(self, into: dict[str, Any], *, exclude: tuple[str, ...] = (), partial: bool = False) -> int:
+    def load_latest(self, into: dict[str, Any], *, exclude: str | tuple[str, ...] = (), partial: bool = False) -> int:
         """Load the newest committed step into ``into`` (same keys as saved; ``exclude`` and ``partial`` as for
         :meth:`load`) and return it; 0 when there is none. Rank 0 first lets every completely staged step be
         committed (a step saved before a kill is never lost nor trained again), verifies the step against its
         manifest, and hands its choice to every rank."""
         self._check_open()
         engine_key = deepspeed_engine.find_engine(into)
+        exclude = _excluded(into, exclude)
         rest = {k: v for k, v in into.items() if k != engine_key and k not in exclude}
         load = self._loader(into, exclude, partial)
 
@@ -136,3 +143,13 @@ class Loading:
             return f"cannot resume: the committer's first pass over {self.layout.checkpoints} did not finish ({errors})"
         alive = self._committer.alive if self._committer is not None else None
         return resume.decide_with(self.layout, self.world_size, self.deadline_s, alive, self.remote)
+
+
+def _excluded(into: dict[str, Any], exclude: Any) -> tuple[str, ...]:
+    """``exclude`` as a tuple of ``into``'s top-level keys: one key given as a string is that key (not its
+    letters); a key ``into`` does not have is one line naming the keys it has (a typo would load everything)."""
+    keys = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+    unknown = [k for k in keys if k not in into]
+    if unknown:
+        raise ConfigError(f"exclude={list(keys)!r}: the state has no key {unknown[0]!r} (its keys: {', '.join(into)})")
+    return keys
