@@ -7,6 +7,7 @@ is handled, and on a chaining launcher (SLURM) the jobs queued after it are queu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -153,6 +154,32 @@ def test_a_committer_verdict_after_train_ended_stands(tmp_path: Path) -> None:
     ex.poll()
     assert launcher.live("verify_manifest") is verdict
     assert ex.status["verify_manifest"] == "failed" and "FAIL verify_manifest: VerificationError" in lines[-1]
+
+
+def test_a_ghosts_failed_record_is_no_verdict_of_the_requeued_run(tmp_path: Path) -> None:
+    """SLURM requeued the committer (its node cut off); the cut-off first run (a ghost, the same job id) writes
+    ``failed`` once its node is back, and its end makes SLURM end the requeued run too. That record is the
+    earlier run's, not the job's verdict: the committer is started again, also once train has ended."""
+    from pipeline.stagekit.jobs import Requeue
+
+    ex, launcher, lines = _execution(tmp_path, chains=True)
+    _start_train(ex, launcher)
+    train = next(s for s in ex.plan.stages if s.name == "train")
+    write_record(ex.plan.layout, "train", status="succeeded", attempt=train.launch_id)
+    job = launcher.live("verify_manifest")
+    act = next(a for a in ex.active if a.handle is job)
+    act.requeued = Requeue(job.job_id, 1, "NODE_FAIL", "node2", "node2", "")
+    layout = ex.plan.layout
+    write_record(layout, "verify_manifest", status="running", job_id=job.job_id, attempt="a", restart=1)
+    write_record(layout, "verify_manifest", status="failed", job_id=job.job_id, attempt="a", restart=0)  # the ghost
+    assert read_json(layout.stage_record("verify_manifest"))["status"] == "running", "a later run's record is kept"
+    ghost = {"status": "failed", "job_id": job.job_id, "restart": 0}  # landed anyway (the writer reads, then writes)
+    layout.stage_record("verify_manifest").write_text(json.dumps(ghost))
+    job.end("stage verify_manifest failed: its task died without a result or a Python error")
+    ex.poll()
+    assert launcher.live("verify_manifest") is not job, lines
+    assert any("(a ghost) ended after its node came back" in line for line in lines), lines
+    assert "verify_manifest" not in ex.status
 
 
 def test_no_restart_while_an_interrupt_is_handled(tmp_path: Path) -> None:

@@ -324,7 +324,12 @@ class Execution:
         rec = read_record(layout, producer) or {}
         ended = running is None or (rec.get("attempt") == running.planned.launch_id and rec.get("status") in _ENDED)
         own = read_record(layout, act.planned.name) or {}
-        verdict = own.get("job_id") == act.handle.job_id and own.get("status") in ("succeeded", "failed")
+        runs = act.requeued.restarts if act.requeued is not None else 0  # a ghost's record is an earlier run's
+        verdict = (
+            own.get("job_id") == act.handle.job_id
+            and own.get("status") in ("succeeded", "failed")
+            and int(own.get("restart") or 0) >= runs
+        )
         cause = str(error).splitlines()[0] if error is not None else "it succeeded early"
         if act.requeued is not None and act.requeued.nodes and not verdict:  # SLURM: "sent from wrong node"
             cause = (f"SLURM ended its requeued run (restart {act.requeued.restarts}) when the run cut off on "

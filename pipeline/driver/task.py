@@ -19,7 +19,7 @@ from pipeline.config.schema import PipelineConfig
 from pipeline.errors import one_line
 from pipeline.rundir.layout import RunLayout
 from pipeline.stagekit.contract import JobRef, TaskContext
-from pipeline.stagekit.records import now_iso, write_record
+from pipeline.stagekit.records import now_iso, slurm_restart, write_record
 from pipeline.stages import get_stage
 from pipeline.storage.layout import restrict_umask
 
@@ -69,6 +69,7 @@ def execute_task(
     started = now_iso()
     t0 = time.monotonic()
     common = {"attempt": attempt, "job_id": job_id, "started": started, "world_size": world_size, "pid": os.getpid()}
+    common["restart"] = slurm_restart()  # which run of the job: a ghost of an earlier run shares its job id
 
     def record(status: str, **extra: object) -> None:
         if rank == 0 and layout.stages.is_dir():

@@ -51,6 +51,8 @@ def read_record(layout: RunLayout, stage: str) -> dict[str, Any] | None:
 
 def write_record(layout: RunLayout, stage: str, **fields: Any) -> dict[str, Any]:
     rec = read_record(layout, stage) or {}
+    if _earlier_run(fields, rec):  # a ghost of the job's earlier run (back from a cut-off node) writes late
+        return rec
     if fields.get("status") == "running":
         rec = {}  # a new attempt starts a fresh record
     rec.update(fields)
@@ -60,6 +62,21 @@ def write_record(layout: RunLayout, stage: str, **fields: Any) -> dict[str, Any]
     rec.setdefault("pid", os.getpid())
     write_json_atomic(layout.stage_record(stage), rec)
     return rec
+
+
+def slurm_restart() -> int:
+    """Which run of its SLURM job this process belongs to: 0 for the first, n after SLURM requeued it n times
+    (``SLURM_RESTART_COUNT``); 0 off SLURM."""
+    value = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return int(value) if value.isdigit() else 0
+
+
+def _earlier_run(fields: dict[str, Any], rec: dict[str, Any]) -> bool:
+    """The record already belongs to a later run of the same job than the writer's (best effort only: a reader
+    that must not take a ghost's verdict compares ``restart`` itself)."""
+    mine, theirs = fields.get("restart"), rec.get("restart")
+    same_job = fields.get("job_id") is not None and fields.get("job_id") == rec.get("job_id")
+    return same_job and isinstance(mine, int) and isinstance(theirs, int) and theirs > mine
 
 
 def job_nodes() -> str:
