@@ -30,7 +30,7 @@ from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout
 from pipeline.stagekit.contract import JobRef, Resources, StageContract
 from pipeline.stagekit.jobs import Requeue
-from pipeline.stagekit.records import now_iso, read_record, resume_command, write_record
+from pipeline.stagekit.records import has_verdict, now_iso, read_record, resume_command, write_record
 
 Say = Callable[[str], None]
 
@@ -323,13 +323,8 @@ class Execution:
         running = next((a for a in self.active if a.planned.name == producer), None)
         rec = read_record(layout, producer) or {}
         ended = running is None or (rec.get("attempt") == running.planned.launch_id and rec.get("status") in _ENDED)
-        own = read_record(layout, act.planned.name) or {}
-        runs = act.requeued.restarts if act.requeued is not None else 0  # a ghost's record is an earlier run's
-        verdict = (
-            own.get("job_id") == act.handle.job_id
-            and own.get("status") in ("succeeded", "failed")
-            and int(own.get("restart") or 0) >= runs
-        )
+        run = act.requeued.restarts if act.requeued is not None else 0  # a ghost's record is an earlier run's
+        verdict = has_verdict(layout, act.planned.name, act.handle.job_id, run)
         cause = str(error).splitlines()[0] if error is not None else "it succeeded early"
         if act.requeued is not None and act.requeued.nodes and not verdict:  # SLURM: "sent from wrong node"
             cause = (f"SLURM ended its requeued run (restart {act.requeued.restarts}) when the run cut off on "

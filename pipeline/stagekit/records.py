@@ -64,6 +64,15 @@ def write_record(layout: RunLayout, stage: str, **fields: Any) -> dict[str, Any]
     return rec
 
 
+def has_verdict(layout: RunLayout, stage: str, job_id: str, run: int) -> bool:
+    """The stage's record says how job ``job_id`` ended (``succeeded``/``failed``), written by its run ``run`` or
+    a later one: not by a ghost of an earlier run (a process on a node cut off, back after SLURM requeued it)."""
+    rec = read_record(layout, stage) or {}
+    written_by = rec.get("restart")
+    written_by = written_by if isinstance(written_by, int) else 0
+    return rec.get("job_id") == job_id and rec.get("status") in ("succeeded", "failed") and written_by >= run
+
+
 def slurm_restart() -> int:
     """Which run of its SLURM job this process belongs to: 0 for the first, n after SLURM requeued it n times
     (``SLURM_RESTART_COUNT``); 0 off SLURM."""
