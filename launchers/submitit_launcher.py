@@ -187,14 +187,14 @@ class SubmititHandle:
         return False
 
     def _settled(self) -> bool:
-        """Whether a SLURM job of several tasks that submitit calls done is judged now: not while SLURM runs it and a
-        task has no result of this run (its node failed: SLURM may requeue it, ``launcher.peer_grace_s``)."""
-        if not self.launcher.chains or self.job.tasks < 2:
+        """Whether a SLURM job that submitit calls done is judged now: not while SLURM still holds it and a task has
+        no result of this run (its node failed: SLURM requeues it; with several tasks, ``launcher.peer_grace_s``)."""
+        if not self.launcher.chains:
             return True
         if not stale_results(self.sjob, self.job.tasks, self._run_since):
             return True
         now = time.monotonic()
-        if self._restarts == 0:
+        if self._restarts == 0 and self.job.tasks > 1:  # (one task: only SLURM's word, e.g. requeued on NODE_FAIL)
             self._unsettled_since = self._unsettled_since or now
             if now - self._unsettled_since > self.launcher.cfg.peer_grace_s:
                 return True

@@ -221,3 +221,30 @@ def test_a_train_job_whose_node_failed_is_left_to_slurm_until_it_requeues_and_th
     results[1].unlink()
     state["82"] = "FAILED"
     assert other.poll() is True
+
+
+def test_a_one_task_committer_that_slurm_requeued_on_node_fail_is_not_judged_while_slurm_holds_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The committer's node was cut off: submitit's view says the job ended (NODE_FAIL) with no result, while SLURM
+    has already queued it again. Judged then, the launcher started a second committer beside the requeued one
+    (seen on the test cluster: one of them was fenced out and the launch failed); it waits for SLURM's word."""
+    from launchers import submitit_launcher as sl  # noqa: PLC0415
+    from pipeline.config.launcher import SlurmLauncherConfig  # noqa: PLC0415
+
+    result = tmp_path / "0_result.pkl"
+    task = SimpleNamespace(paths=SimpleNamespace(result_pickle=result))
+    sjob = SimpleNamespace(job_id="91", state="NODE_FAIL", paths=SimpleNamespace(folder=tmp_path), done=lambda: True)
+    sjob.task = lambda t: task  # type: ignore[attr-defined]
+    job = SimpleNamespace(tasks=1, stage="verify_manifest", resources=SimpleNamespace(timeout_min=60))
+    handle = sl.SubmititHandle(SubmititLauncher(SlurmLauncherConfig(), "slurm"), sjob, job)  # type: ignore[arg-type]
+    state = {"91": "PENDING"}
+    monkeypatch.setattr(sl, "slurm_states", lambda ids: dict(state))
+    monkeypatch.setattr(sl, "REQUEUE_POLL_S", 0.0)
+    assert handle.poll() is False, "SLURM holds it (requeued): not ended"
+    state["91"] = "NODE_FAIL"
+    assert handle.poll() is True, "SLURM no longer holds it: judged"
+    result.write_bytes(b"ok")
+    os.utime(result, (handle._run_since + 5, handle._run_since + 5))  # noqa: SLF001
+    state["91"] = "RUNNING"
+    assert handle.poll() is True, "a result of this run: judged at once"

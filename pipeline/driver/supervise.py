@@ -337,12 +337,12 @@ class Execution:
 
     def _restart(self, act: _Active, why: str) -> None:
         """Start the committer's job again; on a chaining launcher, queue its dependents again after it."""
-        self.restarts += 1
-        name = act.planned.name
+        self.restarts, name = self.restarts + 1, act.planned.name
         self.say(
             f"     {name}: starting it again (restart {self.restarts} of at most {RESTARTS_PER_LAUNCH} per launch): "
             f"job {act.handle.job_id} {why}"
         )
+        act.handle.cancel(wait=False)  # on a scheduler: a run of it SLURM requeued meanwhile must not live on
         after = downstream(self.plan, name)
         queued = [a for a in self.active if a.planned in after]  # on the scheduler's queue, after the ended job
         for dep in reversed(queued):  # all at once, the last first (as on an interrupt)
