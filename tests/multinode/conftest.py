@@ -1,4 +1,4 @@
-"""The project's multi-node cluster (``scripts/cluster/start.sh``) as a session fixture, and how tests act in it.
+"""The project's multi-node cluster (``scripts/cluster/start.sh``) as a fixture, and how tests act in it.
 
 Three SLURM nodes and a login node, each a network namespace with its own hostname, address, node-local tmpfs
 (``/local``) and its own FUSE client of one SeaweedFS filer at ``/shared``. Tests drive it as a user would: the
@@ -6,7 +6,9 @@ pipeline's CLI on the login node (``Cluster.pipeline``), faults through ``script
 cut its network, heal it). Every test here is marked ``multinode``.
 
 The first test session (xdist worker) to need the cluster starts it, the last one out stops it, so nothing is
-left behind (mounts, namespaces, bridge, daemons). Needs root; skipped with a one-line reason where the packages
+left behind (mounts, namespaces, bridge, daemons). Its scope is this package: its tests run as one xdist group,
+so the cluster stops once they are done, and its idle daemons (about a tenth of a core) do not cost the rest of
+the suite. Needs root; skipped with a one-line reason where the packages
 are missing and were not installed (``missing Debian packages ...``) or the kernel refuses namespaces or FUSE
 (``the kernel refuses ...``); ``tests/conftest.py`` fails the session after the first where this machine could
 have installed them, and after either under CI.
@@ -142,7 +144,7 @@ def _script(name: str, timeout: float) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=timeout, check=False)  # fmt: skip
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.skip(f"needs root: bash {SCRIPTS.relative_to(ROOT)}/start.sh makes namespaces and FUSE mounts")

@@ -1,9 +1,10 @@
-"""The project's single-node SLURM cluster for tests (``scripts/slurm/start.sh``), as a session fixture.
+"""The project's single-node SLURM cluster for tests (``scripts/slurm/start.sh``), as a package fixture.
 
 A cluster that is already up and usable (``scontrol ping`` says UP, the node is idle/mix/alloc) is used as it
 is and never stopped: starting the script with another ``SLURM_ROOT`` would generate another config and so
 restart, or refuse to touch, a cluster other people may be using. Otherwise the fixture starts one with
-``SLURM_ROOT=/tmp/pipeline-slurm`` (or ``$SLURM_ROOT``) and stops it at the end of the session.
+``SLURM_ROOT=/tmp/pipeline-slurm`` (or ``$SLURM_ROOT``) and stops it once this package's tests are done (they
+run as one xdist group): its idle daemons do not cost the rest of the suite.
 
 Needs root. Skipped when not root (``needs root: ...``) or when the packages are missing and were not installed
 (``missing Debian packages ...: `` and why, from ``scripts/system-packages.sh``); ``tests/conftest.py`` fails the
@@ -114,7 +115,7 @@ def _run_script(script: Path, env: dict[str, str], timeout_s: float) -> subproce
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     if os.geteuid() != 0:
         pytest.skip(f"needs root: run `sudo bash {START_SCRIPT.relative_to(ROOT)}`, then the tests as root")
