@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pipeline.storage",),
     ("pipeline.formats",),
     ("pipeline.checkpoint",),
+    ("pipeline.integrations",),
     ("pipeline.rundir",),
     ("pipeline.config",),
     ("pipeline.workload", "pipeline.strategies"),

@@ -38,7 +38,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -59,6 +59,7 @@ from pipeline.checkpoint.save.session import CheckpointSession
 from pipeline.checkpoint.save.state import piece_groups, save_state
 from pipeline.checkpoint.stores.stores import record_store, recorded_store, remote_at
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.storage.integrity import FileEntry
 from pipeline.storage.layout import CheckpointLayout
 
 log = logging.getLogger(__name__)
@@ -303,6 +304,16 @@ class Checkpointer(Loading):
                 return deepspeed_engine.write_step(self.target, staged, engine, rest, self.group)
 
             result = self.session.save_files(step, deepspeed_engine.format_of(engine), write, started, recorded)
+        self._last_save = time.monotonic()
+        return result
+
+    def save_files(
+        self, step: int, fmt: str, write: Callable[[Path], tuple[FileEntry, ...]], metrics: Any = None
+    ) -> Any:
+        """:meth:`save` for a trainer that writes its own files (a Hugging Face ``Trainer``'s): ``write(staged)``
+        writes this rank's files of ``step`` (format ``fmt``) into the staged dir and returns their entries."""
+        self._check_open()
+        result = self.session.save_files(step, fmt, write, time.monotonic(), self._metrics(step, metrics))
         self._last_save = time.monotonic()
         return result
 

@@ -17,7 +17,8 @@ Each :class:`Format` answers, from the step's own files (never from a directory 
 checkpoint the user trusts); the pipeline's own steps never need it.
 
 Formats: ``torch_dcp`` (DDP/FSDP2), ``deepspeed_zero1|2|3`` (DeepSpeed's own layout), ``torch_save`` (one
-``torch.save`` file, imported). Tests may register their own.
+``torch.save`` file, imported), ``hf_trainer`` (a Hugging Face ``Trainer``'s checkpoint,
+:mod:`pipeline.integrations.hf`). Tests may register their own.
 """
 
 from __future__ import annotations
@@ -137,10 +138,48 @@ def _torch_save_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor, allo
     return consolidate_torch_save(step_dir, out, on_tensor, allow_pickle=allow_pickle)
 
 
+HF_TRAINER = "hf_trainer"
+_HF_RNG = re.compile(r"^rng_state_(\d+)\.pth$")
+_HF_MARKER = re.compile(r"^rank_\d+\.done\.json$")
+
+
+def _hf_owner(rel: str) -> int | None:
+    """A Hugging Face ``Trainer`` checkpoint under DDP (or one process): each rank writes its ``rng_state_<r>.pth``,
+    the main process everything else (the model, ``optimizer.pt``, ``scheduler.pt``, ``trainer_state.json``)."""
+    if _HF_MARKER.match(rel):
+        return None
+    m = _HF_RNG.match(rel)
+    return int(m.group(1)) if m else 0
+
+
+def _hf_stored(step_dir: Path, _allow_pickle: bool = False) -> set[str]:
+    """What a Trainer checkpoint must hold: its state, the model's config and weights (one file, or the shards
+    its index names), and, when it saved them, the RNG states of every rank."""
+    from pipeline.formats.hf_trainer import trainer_files  # noqa: PLC0415
+
+    return trainer_files(step_dir)
+
+
+def _hf_world(step_dir: Path, _allow_pickle: bool = False) -> int:
+    return _hf_world_of(_hf_stored(step_dir))
+
+
+def _hf_world_of(stored: set[str]) -> int:
+    ranks = [int(m.group(1)) for rel in stored if (m := _HF_RNG.match(rel))]
+    return max(ranks, default=0) + 1
+
+
+def _hf_consolidate(step_dir: Path, out: Path, on_tensor: OnTensor, _allow_pickle: bool = False) -> int:
+    from pipeline.formats.hf_trainer import consolidate_trainer  # noqa: PLC0415
+
+    return consolidate_trainer(step_dir, out, on_tensor)
+
+
 FORMATS: dict[str, Format] = {
     "torch_dcp": Format("torch_dcp", _dcp_stored, _dcp_owner, _dcp_world, _dcp_consolidate, _dcp_world_of),
     **{name: Format(name, _zero_stored, _zero_owner, _zero_world, _zero_consolidate) for name in STAGE_OF},
     TORCH_SAVE: Format(TORCH_SAVE, _torch_save_stored, _torch_save_owner, _torch_save_world, _torch_save_consolidate),
+    HF_TRAINER: Format(HF_TRAINER, _hf_stored, _hf_owner, _hf_world, _hf_consolidate, _hf_world_of),
 }
 
 

@@ -1,0 +1,7 @@
+"""The trainers users already run, on the commit protocol (docs/trainers.md).
+
+* :mod:`pipeline.integrations.hf`: :class:`~pipeline.integrations.hf.CommittedTrainer`, a drop-in for the Hugging
+  Face ``Trainer`` (``pip install 'race-free-ckpt[hf]'``).
+
+Each module imports its trainer's package: ``import pipeline.checkpoint`` never pulls one in.
+"""
