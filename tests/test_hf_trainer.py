@@ -60,7 +60,7 @@ def test_a_rank_killed_mid_run_resumes_bit_identically_and_every_tool_reads_the_
 
     watcher = LatestWatcher(CheckpointLayout(killed))
     watcher.start()
-    first = subprocess.Popen(_torchrun(killed, pause_s=0.3), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+    first = subprocess.Popen(_torchrun(killed, pause_s=0.5), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 240
