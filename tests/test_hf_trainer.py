@@ -154,7 +154,9 @@ def test_the_plain_trainer_resumes_into_a_half_written_checkpoint_and_the_commit
     assert again.returncode != 0 and "checkpoint-8" in again.stderr, again.stderr[-2000:]
 
     assert _one_process(committed, DIE_AT_8="1").returncode == 9
-    assert _latest_step(committed) == 4 and not (committed / "checkpoints" / "step_8").exists()
+    assert _latest_step(committed) in (0, 4) and not (committed / "checkpoints" / "step_8").exists()
+    # (step 4 is committed, or completely staged if the kill came before the committer's next pass: the rerun
+    # commits it before it decides where to resume)
     again = _one_process(committed)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from committed step 4 " in again.stderr, again.stderr[-3000:]
