@@ -38,7 +38,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -55,11 +55,10 @@ from pipeline.checkpoint.save.async_save import stuck_writers
 from pipeline.checkpoint.save.background import BackgroundCommitter
 from pipeline.checkpoint.save.external_wait import await_external_commit
 from pipeline.checkpoint.save.rank_save import RankTarget, SaveResult, Written
-from pipeline.checkpoint.save.session import CheckpointSession
+from pipeline.checkpoint.save.session import CheckpointSession, Write
 from pipeline.checkpoint.save.state import piece_groups, save_state
 from pipeline.checkpoint.stores.stores import record_store, recorded_store, remote_at
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.storage.integrity import FileEntry
 from pipeline.storage.layout import CheckpointLayout
 
 log = logging.getLogger(__name__)
@@ -307,9 +306,7 @@ class Checkpointer(Loading):
         self._last_save = time.monotonic()
         return result
 
-    def save_files(
-        self, step: int, fmt: str, write: Callable[[Path], tuple[FileEntry, ...]], metrics: Any = None
-    ) -> Any:
+    def save_files(self, step: int, fmt: str, write: Write, metrics: Mapping[str, Any] | None = None) -> SaveResult:
         """:meth:`save` for a trainer that writes its own files (a Hugging Face ``Trainer``'s): ``write(staged)``
         writes this rank's files of ``step`` (format ``fmt``) into the staged dir and returns their entries."""
         self._check_open()

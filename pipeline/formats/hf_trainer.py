@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import CheckpointFormatError
+from pipeline.storage.integrity import lstat_kind
 
 TRAINER_STATE = "trainer_state.json"
 WEIGHTS = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
@@ -25,12 +26,12 @@ EXTRA = ("config.json", "adapter_config.json", "generation_config.json", "optimi
 def trainer_files(step_dir: Path) -> set[str]:
     """The files holding ``step_dir``'s data: its state, weights (an index and the shards it names) and the
     optimizer, scheduler and RNG files the ``Trainer`` wrote; a step without state or weights is refused."""
-    if not (step_dir / TRAINER_STATE).is_file():
+    if not _is_file(step_dir / TRAINER_STATE):
         raise CheckpointFormatError(f"{step_dir}: no {TRAINER_STATE} (not a Trainer checkpoint)")
     files = {TRAINER_STATE}
-    files |= {name for name in (*WEIGHTS, *EXTRA) if (step_dir / name).is_file()}
+    files |= {name for name in (*WEIGHTS, *EXTRA) if _is_file(step_dir / name)}
     files |= {p.name for p in step_dir.glob("rng_state*.pth")}
-    if (step_dir / WEIGHTS_INDEX).is_file():
+    if _is_file(step_dir / WEIGHTS_INDEX):
         files |= {WEIGHTS_INDEX, *_index_shards(step_dir / WEIGHTS_INDEX)}
     if not files & {*WEIGHTS, WEIGHTS_INDEX}:
         raise CheckpointFormatError(f"{step_dir}: no model weights ({' or '.join((*WEIGHTS, WEIGHTS_INDEX))})")
@@ -51,38 +52,46 @@ def _index_shards(index: Path) -> set[str]:
 
 def consolidate_trainer(step_dir: Path, out: Path, on_tensor: Callable[[str], None] | None = None) -> int:
     """Stream the model weights of a ``Trainer`` checkpoint (safetensors, one file or shards) into one
-    safetensors file, tensor by tensor; the tensor count."""
-    from safetensors import safe_open  # noqa: PLC0415
+    safetensors file, tensor by tensor (memory: the largest tensor); the tensor count."""
+    from contextlib import ExitStack  # noqa: PLC0415
 
-    from pipeline.formats.safetensors_stream import StreamingSafetensorsWriter, TensorSpec  # noqa: PLC0415
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
 
-    if (step_dir / WEIGHTS_INDEX).is_file():
+    from pipeline.formats.safetensors_shards import unreadable  # noqa: PLC0415
+    from pipeline.formats.safetensors_stream import DTYPES, StreamingSafetensorsWriter, TensorSpec  # noqa: PLC0415
+
+    if _is_file(step_dir / WEIGHTS_INDEX):
         shards = sorted(_index_shards(step_dir / WEIGHTS_INDEX))
-    elif (step_dir / "model.safetensors").is_file():
+    elif _is_file(step_dir / "model.safetensors"):
         shards = ["model.safetensors"]
     else:
         raise CheckpointFormatError(f"{step_dir}: only safetensors weights consolidate (save_safetensors=True)")
-    handles = [safe_open(str(step_dir / s), framework="pt") for s in shards]
-    where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118 - safe_open has keys(), not iteration
-    specs = []
-    for name in sorted(where):
-        meta = where[name].get_slice(name)
-        specs.append(TensorSpec(name, _dtype(meta.get_dtype()), tuple(meta.get_shape())))
-    with StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"}) as writer:
-        for spec in specs:
-            writer.write(spec.name, where[spec.name].get_tensor(spec.name))
-            if on_tensor is not None:
-                on_tensor(spec.name)
-        writer.close()
+    by_code = {code: dtype for dtype, code in DTYPES.items()}
+    with ExitStack() as files:
+        where: dict[str, Any] = {}
+        specs = []
+        for shard in shards:
+            try:
+                handle = files.enter_context(safe_open(str(step_dir / shard), framework="pt"))
+                for name in handle.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                    meta = handle.get_slice(name)
+                    if meta.get_dtype() not in by_code:
+                        raise CheckpointFormatError(f"{step_dir / shard}: {name} is {meta.get_dtype()}, not a dtype "
+                                                    "the consolidation writes")  # fmt: skip
+                    where[name] = handle
+                    specs.append(TensorSpec(name, by_code[meta.get_dtype()], tuple(meta.get_shape())))
+            except SafetensorError as e:
+                raise unreadable(step_dir / shard, e) from None
+        specs.sort(key=lambda spec: spec.name)
+        with StreamingSafetensorsWriter(out, specs, metadata={"format": "pt"}) as writer:
+            for spec in specs:
+                writer.write(spec.name, where[spec.name].get_tensor(spec.name))
+                if on_tensor is not None:
+                    on_tensor(spec.name)
+            writer.close()
     return len(specs)
 
 
-def _dtype(name: str) -> Any:
-    import torch  # noqa: PLC0415
-
-    table = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}  # fmt: skip
-    if name not in table:
-        raise CheckpointFormatError(f"safetensors dtype {name} is not one the consolidation writes")
-    return table[name]
+def _is_file(path: Path) -> bool:
+    """A regular file itself (never through a link planted in the step)."""
+    return lstat_kind(path) == "file"

@@ -41,7 +41,7 @@ from pipeline.checkpoint.checkpointer import Checkpointer
 from pipeline.errors import ConfigError, need
 from pipeline.formats.registry import FORMATS, HF_TRAINER
 from pipeline.storage.atomic import is_temp_name
-from pipeline.storage.integrity import FileEntry, describe
+from pipeline.storage.integrity import FileEntry, describe, lstat_kind
 
 need("transformers", "hf", "pipeline.integrations.hf")
 from transformers import Trainer  # noqa: E402
@@ -75,6 +75,7 @@ class CommittedTrainer(Trainer):
             **(checkpointer or {}),
         }
         self.checkpointer = Checkpointer(str(a.output_dir), **options)
+        self._best_metric: str = options["best_metric"]
         self.committed_resume: int | None = None
         """The step ``train`` resumed from (0: none committed, from scratch), once it was called."""
 
@@ -113,7 +114,7 @@ class CommittedTrainer(Trainer):
 
     def _save_metrics(self) -> dict[str, float]:
         """The metric best-k ranks by, from the newest evaluation at this step (every rank has the same)."""
-        key = self.checkpointer._keep["best_metric"]
+        key = self._best_metric
         for entry in reversed(self.state.log_history):
             if entry.get("step") != self.state.global_step:
                 break
@@ -163,7 +164,7 @@ def own_files(staged: Path, rank: int) -> tuple[FileEntry, ...]:
     rank's files, the markers and temporary files are never listed, whatever state they are in."""
     owner = FORMATS[HF_TRAINER].owner
     entries = []
-    for path in sorted(p for p in staged.rglob("*") if p.is_file()):
+    for path in sorted(p for p in staged.rglob("*") if lstat_kind(p) == "file"):  # a link is never listed
         rel = path.relative_to(staged).as_posix()
         if is_temp_name(path.name) or owner(rel) != rank:
             continue
