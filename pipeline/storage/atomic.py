@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -170,9 +171,13 @@ def publish_dir(staged: Path, final: Path) -> None:
     are dropped, everything is fsynced, then one rename publishes it and both parents are fsynced. A symlink
     is never published (nor followed to fsync what it points at).
     """
-    if not os.path.lexists(staged):  # moved away meanwhile (another committer published it): a race, not a link
-        raise FileNotFoundError(errno.ENOENT, "nothing to publish: it was moved or removed meanwhile", str(staged))
-    if os.path.islink(staged) or not staged.is_dir():
+    try:  # one lstat: a dir moved away between two looks (another committer published it) is a race, not a link
+        mode = os.lstat(staged).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT, "nothing to publish: it was moved or removed meanwhile", str(staged)
+        ) from None
+    if not stat.S_ISDIR(mode):
         raise UnsafePathError(f"cannot publish {staged}: it is a symlink or not a directory; links are never published")
     if os.path.lexists(final):
         raise PipelineError(

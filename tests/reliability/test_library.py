@@ -25,7 +25,7 @@ from pipeline.checkpoint.manifest import complete_markers, read_latest, step_mar
 from pipeline.checkpoint.protocol import step_checks
 from pipeline.checkpoint.stores import posix_store
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.storage import faults
+from pipeline.storage import faults, integrity
 from pipeline.storage.layout import CheckpointLayout
 from tests.reliability.conftest import record, sized
 from tests.reliability.test_crash_points import _crash, litter, pick_points, tree_hashes
@@ -233,8 +233,10 @@ def test_exactly_one_committer_holds_a_dir_and_one_publishes_a_race(
     # The same race, its windows made certain: the other committer publishes the step after this one hashed the
     # files and before it reads the format's metadata (CI once saw "CheckpointFormatError: .metadata is missing"),
     # or after this one wrote the manifest and before its own rename (CI once saw "UnsafePathError: cannot
-    # publish ... not a directory").
-    for step, window in ((4, (step_checks, "check_stored")), (5, (posix_store, "inject"))):
+    # publish ... not a directory"), or while this one hashes the staged files (CI once saw "FileNotFoundError:
+    # .../staging/step_3/__0_1.distcp": the file had moved with the other's rename).
+    windows = ((4, (step_checks, "check_stored")), (5, (posix_store, "inject")), (6, (integrity, "hash_file")))
+    for step, window in windows:
         ck = Checkpointer(tmp_path, committer="external", deadline_s=10, external_commit_wait_s=0)
         assert ck.save(step, {"model": model, "optim": opt}).ok
         ck.close()

@@ -292,7 +292,7 @@ class Committer(LatestRepair):
         published this step first: the same attempt, so the same manifest; ``latest`` is its to move)."""
         try:
             manifest = self.store.verify_staged(step, markers, self.policy.allow_pickle)
-        except VerificationError:
+        except (VerificationError, FileNotFoundError):  # a file gone mid-read: moved by another's publish?
             if self.store.raced(step):  # another committer published it while this one read it: it is done
                 return ""
             raise
