@@ -8,9 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from pipeline.checkpoint import options
@@ -308,12 +307,15 @@ class PipelineConfig:
             )
 
 
-_REGISTERED: list[ConfigStore] = []
+_REGISTERED: list[Any] = []
 
 
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore, once per store (each registration builds every structured
-    config: about 0.1 s, and the key docs ask for it once per config group)."""
+    config: about 0.1 s, and the key docs ask for it once per config group). Hydra is imported here, not with the
+    schema: a stage's task unpickles its config without it (half a second of CPU per task process)."""
+    from hydra.core.config_store import ConfigStore  # noqa: PLC0415
+
     cs = ConfigStore.instance()
     if any(done is cs for done in _REGISTERED):
         return
