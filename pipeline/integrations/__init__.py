@@ -2,6 +2,8 @@
 
 * :mod:`pipeline.integrations.hf`: :class:`~pipeline.integrations.hf.CommittedTrainer`, a drop-in for the Hugging
   Face ``Trainer`` (``pip install 'race-free-ckpt[hf]'``).
+* :mod:`pipeline.integrations.lightning`: :class:`~pipeline.integrations.lightning.CommittedCheckpoint`, a drop-in
+  for PyTorch Lightning's ``ModelCheckpoint`` (``pip install 'race-free-ckpt[lightning]'``).
 
 Each module imports its trainer's package: ``import pipeline.checkpoint`` never pulls one in.
 """

@@ -1,0 +1,219 @@
+"""PyTorch Lightning on the commit protocol (``pipeline.integrations.lightning.CommittedCheckpoint``), as a user
+runs it: ``examples/lightning_train.py`` under ``torchrun`` on 2 CPU ranks (gloo, DDP, real ``pytorch_lightning``).
+
+* one uninterrupted run (module fixture) with Lightning's ``AsyncCheckpointIO`` asked for: its saves are
+  committed all the same, and ``save_top_k=2, monitor="step", mode="max"`` (Lightning's "the newest k") leaves
+  exactly the newest two steps;
+* a rank ``kill -9``-ed mid-run, the same command run again (``fit(ckpt_path="last")``): it resumes from the
+  newest committed step, mid-epoch, and every loss equals the uninterrupted run's bit for bit; ``latest``, polled
+  during the run, only ever names steps that verify; ``save_top_k=2, monitor="train_loss"`` leaves exactly the two
+  best steps and the newest; ``status --verify``, ``consolidate`` (the same weights as the uninterrupted run's)
+  and ``export`` read what the trainer wrote;
+* why a user would switch: Lightning's own ``ModelCheckpoint`` with ``AsyncCheckpointIO`` removes the previous
+  checkpoint as soon as it has queued the new one; killed at that moment it leaves no checkpoint, and the relaunch
+  trains from step 0. The committed one killed at the same point resumes from a committed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from pipeline.storage.layout import CheckpointLayout
+from tests.conftest import ROOT
+from tests.test_examples import LatestWatcher
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.trainers]
+
+EXAMPLE = "examples/lightning_train.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::UserWarning"}
+
+
+def _torchrun(out: Path, *args: str) -> list[str]:
+    """The example on 2 ranks: 24 steps (20 an epoch, so saves fall mid-epoch), a save every 4."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE,
+            "--out", str(out), *args]  # fmt: skip
+
+
+def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True, timeout=300, check=False)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """Step -> the loss rank 0 logged last for it (a resumed run logs the steps after its resume step again)."""
+    return {e["step"]: e["loss"] for e in map(json.loads, (out / "losses.jsonl").read_text().splitlines())}
+
+
+def _latest_step(out: Path) -> int:
+    latest = out / "checkpoints" / "latest"
+    return json.loads(latest.read_text())["step"] if latest.exists() else 0
+
+
+def _steps(out: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+
+
+def _verify(out: Path, steps: int) -> None:
+    status = subprocess.run(
+        [sys.executable, "-m", "pipeline.status", str(out), "--verify"], capture_output=True, text=True, check=False
+    )
+    assert status.returncode == 0 and f"verify: {steps} of {steps} committed step(s) ok" in status.stdout, status
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run, Lightning's async checkpointing asked for, keeping the newest 2 steps."""
+    out = tmp_path_factory.mktemp("lightning") / "whole"
+    done = _run(_torchrun(out, "--async-save", "--keep-by", "step"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_async_saves_are_committed_and_the_newest_k_are_kept(whole: Path) -> None:
+    assert _latest_step(whole) == 24 and sorted(_losses(whole)) == list(range(1, 25))
+    assert _steps(whole) == [20, 24], "save_top_k=2 with monitor='step', mode='max': the newest two steps"
+    assert not list((whole / "checkpoints" / "staging").glob("step_*")), "every async save committed at the end"
+    _verify(whole, 2)
+
+
+def test_a_rank_killed_mid_run_resumes_bit_identically_and_every_tool_reads_the_steps(
+    whole: Path, tmp_path: Path
+) -> None:
+    killed = tmp_path / "killed"
+    best_k = ("--keep-by", "train_loss")
+    watcher = LatestWatcher(CheckpointLayout(killed))
+    watcher.start()
+    cmd = _torchrun(killed, *best_k, "--pause", "0.3")
+    first = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while _latest_step(killed) < 8 and first.poll() is None:
+            assert time.monotonic() < deadline, "no step 8 committed in 240 s"
+            time.sleep(0.05)
+        assert first.poll() is None, f"the run ended before the kill:\n{first.communicate()[1][-3000:]}"
+        rank1 = [p for p in psutil.Process(first.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        os.kill(rank1[0].pid, signal.SIGKILL)
+        assert first.wait(120) != 0
+        assert _latest_step(killed) < 20, "the kill came mid-run"
+        again = _run(_torchrun(killed, *best_k))
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        watcher.halt.set()
+        watcher.join(10)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = [line for line in again.stderr.splitlines() if "resuming from committed step" in line]
+    assert len(resumed) == 1, again.stderr[-3000:]
+    assert 8 <= int(resumed[0].split("committed step ")[1].split()[0]) < 20, resumed  # mid-epoch: 20 an epoch
+
+    assert _losses(killed) == _losses(whole), "the resumed run's losses differ from the uninterrupted run's"
+    assert watcher.bad == [] and len(watcher.seen) >= 2, (watcher.bad, watcher.seen)
+    losses = _losses(whole)
+    saved = [s for s in losses if s % 4 == 0]
+    best = sorted(saved, key=lambda s: (losses[s], -s))[:2]  # the lowest two; a tie: the newer step
+    assert _steps(killed) == sorted({24, *best}), f"save_top_k=2 by train_loss ({best}), the newest: {_steps(killed)}"
+
+    _verify(killed, len(_steps(killed)))
+    for out in (killed, whole):
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeline.consolidate", str(out)], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr
+    mine, theirs = (load_file(out / "consolidated" / "step_24" / "model.safetensors") for out in (killed, whole))
+    assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in theirs) and mine
+    tool = [sys.executable, "-m", "pipeline.export", str(killed)]
+    export = subprocess.run(tool, capture_output=True, text=True, check=False)
+    assert export.returncode == 0 and (killed / "export" / "step_24" / "model.safetensors.index.json").is_file()
+
+
+KILL_AT_ROTATION = """
+import os, sys, time
+from pathlib import Path
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from pytorch_lightning.callbacks import ModelCheckpoint
+import pipeline.integrations.lightning as integration
+
+write = TorchCheckpointIO.save_checkpoint
+
+
+def slow_write(self, checkpoint, path, storage_options=None):  # a checkpoint big enough to take a while
+    if checkpoint["global_step"] == 8:
+        time.sleep(3)
+    write(self, checkpoint, path, storage_options)
+
+
+TorchCheckpointIO.save_checkpoint = slow_write
+DIE = bool(os.environ.get("DIE_AT_8"))
+OUT = sys.argv[sys.argv.index("--out") + 1]
+if os.environ.get("PLAIN"):  # the example on Lightning's own ModelCheckpoint, resumed from its newest file
+    remove = ModelCheckpoint._remove_checkpoint
+
+    def remove_then_die(self, trainer, filepath):  # the kill right after the rotation
+        remove(self, trainer, filepath)
+        if trainer.global_step == 8 and DIE:
+            os._exit(9)
+
+    class PlainCheckpoint(ModelCheckpoint):
+        def __init__(self, **kwargs):
+            kwargs["save_last"] = None  # no last.ckpt: the newest top-k file is the resume point
+            super().__init__(**kwargs)
+
+    ModelCheckpoint._remove_checkpoint = remove_then_die
+    integration.CommittedCheckpoint = PlainCheckpoint
+    import pytorch_lightning as pl
+
+    fit = pl.Trainer.fit
+
+    def fit_from_newest(self, model, data, ckpt_path=None):
+        files = sorted(Path(OUT).glob("*.ckpt"), key=os.path.getmtime)
+        return fit(self, model, data, ckpt_path=str(files[-1]) if files else None)
+
+    pl.Trainer.fit = fit_from_newest
+else:
+    commit = integration.CommittedCheckpoint._commit
+
+    def commit_then_die(self, trainer, score):  # the same moment: the step-8 save handed over, nothing more
+        commit(self, trainer, score)
+        if trainer.global_step == 8 and DIE:
+            os._exit(9)
+
+    integration.CommittedCheckpoint._commit = commit_then_die
+sys.argv = ["lightning_train.py", *sys.argv[1:]]
+import runpy
+runpy.run_path("examples/lightning_train.py", run_name="__main__")
+"""
+
+
+def _one_process(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    args = ["--out", str(out), "--steps", "12", "--keep", "1", "--async-save"]
+    return _run([sys.executable, "-c", KILL_AT_ROTATION, *args], **env)
+
+
+def test_lightnings_async_rotation_killed_leaves_nothing_to_resume_and_the_committed_one_resumes(
+    tmp_path: Path,
+) -> None:
+    plain, committed = tmp_path / "plain", tmp_path / "committed"
+    assert _one_process(plain, PLAIN="1", DIE_AT_8="1").returncode == 9
+    assert list(plain.glob("*.ckpt")) == [], "step 4's file removed, step 8's only queued when the kill came"
+    again = _one_process(plain, PLAIN="1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [e["step"] for e in map(json.loads, (plain / "losses.jsonl").read_text().splitlines())]
+    assert steps[:8] == list(range(1, 9)) and steps[8] == 1, f"the relaunch trained from step 0 again: {steps}"
+
+    assert _one_process(committed, DIE_AT_8="1").returncode == 9
+    assert _latest_step(committed) in (0, 4), "step 4 committed (or completely staged: the rerun commits it)"
+    again = _one_process(committed)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = [line for line in again.stderr.splitlines() if "resuming from committed step" in line]
+    assert resumed and int(resumed[0].split("committed step ")[1].split()[0]) in (4, 8), again.stderr[-3000:]
+    assert _latest_step(committed) == 12 and _steps(committed) == [12]
