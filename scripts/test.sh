@@ -24,6 +24,8 @@ if [ "${SIM_SCHEDULES:-10000}" != 0 ]; then
   PYTHONPATH=. .venv/bin/python -m tests.simulate --schedules "${SIM_SCHEDULES:-10000}" --first-seed 1000000 \
     --workers 2 --show 3 || sim=$?
   echo "simulation: $((SECONDS - began)) s"
+  # pytest's own schedules (tests/test_simulation.py, 500 a store for a plain pytest) are a smoke check here
+  export SIM_PYTEST_SCHEDULES="${SIM_PYTEST_SCHEDULES:-100}"
 fi
 # Three workers (PYTEST_WORKERS): the suite mostly waits on the processes it starts; the SLURM tests run one at a
 # time across workers on one shared cluster (tests/slurm/conftest.py). --durations=15 (pyproject) prints the

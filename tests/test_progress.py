@@ -369,7 +369,7 @@ def test_many_commits_are_one_line_after_the_first_few(tmp_path: Path) -> None:
 
 
 def _cli(root: Path, *extra: str) -> None:
-    proc = run_cli("+experiment=tiny", f"run.root={root}", "run.id=m", *extra)
+    proc = run_cli("+experiment=tiny", f"run.root={root}", "run.id=m", "strategy.world_size=1", *extra)  # 1 rank
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -401,7 +401,7 @@ def test_train_appends_events_across_attempts(tmp_path: Path) -> None:
     assert steps == list(range(1, 9))
     for attempt, resume, total, saved in ((first, 0, 4, [4]), (second, 4, 8, [8])):
         ev = _attempt_events(layout, attempt)
-        assert [(e["resume_from"], e["total"], e["world_size"]) for e in ev["start"]] == [(resume, total, 2)]
+        assert [(e["resume_from"], e["total"], e["world_size"]) for e in ev["start"]] == [(resume, total, 1)]
         assert [e["step"] for e in ev["step"]] == list(range(resume + 1, total + 1))
         for e in ev["step"]:
             assert e["tokens"] > 0 and e["step_s"] > 0 and e["loss"] > 0 and e["lr"] > 0
@@ -421,7 +421,7 @@ def test_train_appends_events_across_attempts(tmp_path: Path) -> None:
     progress = StageProgress(layout, "train", second, lines.append, tty=False, interval_s=3600)
     progress.close()
     assert len(lines) == 3, lines
-    assert lines[0] == "train: steps 5..8 (resumed from step 4) on 2 ranks"
+    assert lines[0] == "train: steps 5..8 (resumed from step 4) on 1 rank"
     assert lines[1].startswith("train: step 8/8 (100%)  loss ") and "steps/s" in lines[1]
     assert lines[2].startswith("train: staged step 8: ") and lines[2].endswith(" GB/s)")
 
