@@ -1,4 +1,4 @@
-"""The one function that maps a stage's resources to submitit parameters."""
+"""Where and how a stage's job runs: submitit parameters, the rendezvous port, the variables a task drops."""
 
 from __future__ import annotations
 
@@ -14,6 +14,28 @@ from pipeline.config.launcher import LauncherConfig, SlurmLauncherConfig
 from pipeline.driver.plan import Plan, PlannedStage
 from pipeline.errors import StageFailedError
 from pipeline.stagekit.contract import Resources, StageContract
+
+# What a surrounding launcher (torchrun, a SLURM allocation, a user's shell) may have left in the environment. Any
+# of the first six makes TorchDistributedEnvironment.export() refuse ("... is already set"); an inherited
+# MASTER_PORT would also become the job's port; TORCHELASTIC_USE_AGENT_STORE=True would make rank 0 a client of a
+# store nobody hosts. A job's rendezvous is its own, so every task drops them all.
+INHERITED_RENDEZVOUS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 def submitit_parameters(

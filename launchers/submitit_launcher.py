@@ -22,7 +22,14 @@ import submitit
 from submitit.core.utils import FailedJobError
 
 from launchers.base import JobHandle, Launcher
-from launchers.resources import LOCAL_PORT_ENV, free_local_port, rendezvous_port, submitit_parameters
+from launchers.local_forks import PRELOAD_ENV, ForkingLocalExecutor, forked_preload
+from launchers.resources import (
+    INHERITED_RENDEZVOUS,
+    LOCAL_PORT_ENV,
+    free_local_port,
+    rendezvous_port,
+    submitit_parameters,
+)
 from launchers.task_outcomes import LocalTasks, failure_message, free_space, outcomes, size_text, stale_results
 from pipeline.config.launcher import LauncherConfig, LocalLauncherConfig, SlurmLauncherConfig
 from pipeline.config.schema import PipelineConfig
@@ -34,28 +41,6 @@ from pipeline.stagekit.contract import JobRef
 from pipeline.stagekit.jobs import ACTIVE_STATES, Requeue, release_begin_time, requeued, slurm_states
 from pipeline.stages import get_stage
 from pipeline.storage.atomic import clear_file
-
-# What a surrounding launcher (torchrun, a SLURM allocation, a user's shell) may have left in the environment. Any
-# of the first six makes TorchDistributedEnvironment.export() refuse ("... is already set"); an inherited
-# MASTER_PORT would also become the job's port; TORCHELASTIC_USE_AGENT_STORE=True would make rank 0 a client of a
-# store nobody hosts. A job's rendezvous is its own, so every task drops them all.
-_INHERITED_RENDEZVOUS = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_NAME",
-    "ROLE_WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
 
 
 def task_entry(
@@ -73,7 +58,7 @@ def task_entry(
     env = submitit.JobEnvironment()
     if env.cluster == "local":  # submitit ignores SIGTERM (a SLURM habit); a local cancel must stop the task now
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    for key in _INHERITED_RENDEZVOUS:
+    for key in INHERITED_RENDEZVOUS:
         os.environ.pop(key, None)
     distributed = get_stage(stage).CONTRACT.distributed
     if distributed:
@@ -261,7 +246,11 @@ class SubmititLauncher(Launcher):
             folder.mkdir(parents=True, exist_ok=True)
             controller_log = shlex.quote(str(folder / CONTROLLER_LOG))  # its own stderr: not the terminal's
             port = [f"export {LOCAL_PORT_ENV}={free_local_port()}"] if job.contract.distributed else []
-            executor.update_parameters(local_setup=[*LOCAL_JOB_SETUP, *port, f"exec 2>>{controller_log}"])
+            preload = forked_preload(job)
+            forks = [f"export {PRELOAD_ENV}={shlex.quote(','.join(preload))}"] if preload else []
+            executor.update_parameters(local_setup=[*LOCAL_JOB_SETUP, *port, *forks, f"exec 2>>{controller_log}"])
+            if preload:  # the same executor, its controller the forking one (launchers.local_forks)
+                executor._executor.__class__ = ForkingLocalExecutor
         return executor
 
     def submit(self, job: StageJob, after: Sequence[tuple[str, JobHandle]] = ()) -> SubmititHandle:

@@ -25,6 +25,7 @@ from typing import Any
 
 import psutil
 
+from launchers.local_forks import forked_tasks
 from pipeline.driver.task import parse_failure_line
 
 # Errors a task gets because a peer failed, not because of anything of its own: they never make the root cause
@@ -315,7 +316,11 @@ class LocalTasks:
             return
         for proc in tree:
             try:
-                if not any("submitit.local._local" in part for part in proc.cmdline()):
+                cmdline = proc.cmdline()
+                if any("launchers.local_forks" in part for part in cmdline):
+                    self._discover_forked(proc)
+                    continue
+                if not any("submitit.local._local" in part for part in cmdline):
                     continue
                 children = proc.children()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -330,6 +335,15 @@ class LocalTasks:
                 if env.get("SUBMITIT_LOCAL_JOB_ID") == str(self.sjob.job_id) and "SUBMITIT_LOCAL_GLOBALID" in env:
                     self.procs.setdefault(int(env["SUBMITIT_LOCAL_GLOBALID"]), child)
                     self._first_seen = self._first_seen if self._first_seen is not None else time.monotonic()
+
+    def _discover_forked(self, controller: psutil.Process) -> None:
+        """A forking controller's tasks (:mod:`launchers.local_forks`): their command line and ``/proc``
+        environment are the controller's, so it names them in ``<job id>_tasks.json`` once all are forked."""
+        children = {c.pid: c for c in controller.children()}
+        for task, pid in forked_tasks(Path(self.sjob.paths.folder), str(self.sjob.job_id)).items():
+            if pid in children:
+                self.procs.setdefault(task, children[pid])
+                self._first_seen = self._first_seen if self._first_seen is not None else time.monotonic()
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -44,7 +44,14 @@ def test_consolidate_with_no_committed_step_says_so_in_one_line(make_run: RunFac
 def test_train_that_fails_before_any_commit_launches_no_consolidate(tmp_path: Path) -> None:
     """Train fails at its start (a corpus too small for the batch): the committer beside it ends well with nothing
     committed, and consolidate and export are skipped instead of started."""
-    proc = run_cli("+experiment=tiny", f"run.root={tmp_path}", "run.id=n", "run.create=true", "data.num_documents=1")
+    proc = run_cli(
+        "+experiment=tiny",
+        f"run.root={tmp_path}",
+        "run.id=n",
+        "run.create=true",
+        "data.num_documents=1",
+        "strategy.world_size=1",
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL train" in proc.stdout and "the data gives only" in proc.stdout
     assert "skip consolidate: train did not succeed" in proc.stdout

@@ -104,6 +104,10 @@ class LocalLauncherConfig(LauncherConfig):
     kind: str = "local"
     master_addr: str = "127.0.0.1"
     """Rendezvous address for multi-task jobs; a literal IP so a hostname lookup cannot stall start-up."""
+    fork_tasks: bool = True
+    """A CPU job of several tasks (train on gloo) imports torch and the model's code once in its controller and
+    forks its ranks from it, instead of each rank importing them again (about 6 CPU-s a rank). false: each task
+    is a new interpreter, as submitit starts it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from launchers.local_forks import forked_tasks
 from pipeline.checkpoint.manifest import MANIFEST, read_latest, verify_committed
 from pipeline.config.identity import read_run_record
 from pipeline.rundir.layout import RunLayout
@@ -411,12 +412,18 @@ def job_tree(job_id: str) -> list[psutil.Process]:
 
 
 def ranks_of(job_id: str) -> list[psutil.Process]:
-    """The task processes (``submitit.core._submit``) of a local job."""
+    """The task processes of a local job: submitit's (``submitit.core._submit``) or, for a train job, the ones its
+    controller forked (named in its job folder's ``<job id>_tasks.json``: :mod:`launchers.local_forks`)."""
     out = []
     for p in job_tree(job_id):
         with contextlib.suppress(psutil.Error):
-            if "submitit.core._submit" in " ".join(p.cmdline()):
+            cmdline = p.cmdline()
+            if "submitit.core._submit" in " ".join(cmdline):
                 out.append(p)
+            elif cmdline[-2:-1] == ["launchers.local_forks"]:  # the controller: its argv ends with the job folder
+                folder = Path(cmdline[-1].replace("%j", job_id))
+                forked = set(forked_tasks(folder, job_id).values())
+                out += [c for c in p.children() if c.pid in forked]
     return out
 
 

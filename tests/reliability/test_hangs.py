@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launchers.local_forks import forked_tasks
 from pipeline.rundir.layout import RunLayout
 from tests.conftest import ROOT
 from tests.reliability.conftest import record
@@ -94,11 +95,18 @@ class Launch:
     def ranks(self, stage: str = "train") -> dict[int, psutil.Process]:
         """The task processes of the stage's job, by rank (``SUBMITIT_LOCAL_GLOBALID``)."""
         folder = str(self.layout.logs / stage)
+        forked = {  # a train job's ranks forked by its controller (launchers.local_forks): named in its job folder
+            pid: task
+            for named in (self.layout.logs / stage).glob("*/*_tasks.json")
+            for task, pid in forked_tasks(named.parent, named.name.split("_", 1)[0]).items()
+        }
         ranks = {}
         for p in self.run_processes():
             try:
                 cmd = " ".join(p.cmdline())
-                if "submitit.core._submit" in cmd and folder in cmd:
+                if p.pid in forked and folder in cmd:
+                    ranks[forked[p.pid]] = p
+                elif "submitit.core._submit" in cmd and folder in cmd:
                     ranks[int(p.environ()["SUBMITIT_LOCAL_GLOBALID"])] = p
             except (psutil.NoSuchProcess, KeyError):
                 continue
