@@ -1,5 +1,5 @@
 """A Hugging Face Accelerate loop whose checkpoints are committed (docs/trainers.md): a small MLP on fixed random
-data, ``torchrun --nproc-per-node 2 examples/accelerate_train.py --out runs/acc`` (or ``accelerate launch``).
+data, ``torchrun --nproc-per-node 2 examples/accelerate_train.py --out runs/acc``.
 Rerun the same command after a kill: ``load_state(accelerator)`` resumes from the newest committed step, and the
 epoch's first batches already trained are skipped with ``accelerator.skip_first_batches`` (with
 ``--stateful-loader``, Accelerate's ``use_stateful_dataloader=True``, the loader's saved position is restored

@@ -32,7 +32,7 @@ committed), and with ``automatic_checkpoint_naming`` a :func:`save_state` withou
 counts its saves (``iteration`` + 1: step 1 is Accelerate's ``checkpoint_0``); a save or a load sets ``iteration`` to
 its step, so the numbering goes on after a resume.
 
-DDP or one process (``torchrun`` / ``accelerate launch``, gloo or NCCL); FSDP, DeepSpeed, Megatron-LM and XLA are
+DDP or one process (``torchrun``, gloo or NCCL); FSDP, DeepSpeed, Megatron-LM and XLA are
 refused in one line.
 """
 
@@ -87,7 +87,7 @@ def checkpointer(accelerator: Accelerator, options: dict[str, Any] | None = None
     if kind in _REFUSED:
         raise ConfigError(
             f"pipeline.integrations.accelerate: {kind.value} writes checkpoints in its own per-rank layout, not "
-            "supported yet; use DDP (torchrun / accelerate launch) or one process, or the library's Checkpointer"
+            "supported yet; use DDP (torchrun) or one process, or the library's Checkpointer"
         )
     config = accelerator.project_configuration
     if config.project_dir is None:
