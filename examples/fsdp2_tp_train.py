@@ -110,19 +110,25 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=5, help="save every N steps")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to watch or kill it)")
+    p.add_argument("--fast-every", type=int, default=None, help="also keep a fast copy every N steps (node-local)")
+    p.add_argument("--fast-dir", default=None, help="node-local dir of the fast tier ({rank} is filled in)")
     p.add_argument("--full-params", help="at the end, rank 0 writes the full parameters here (safetensors)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.dp * args.tp != world:
         raise SystemExit(f"error: --dp {args.dp} x --tp {args.tp} is not the {world} ranks: launch dp*tp ranks")
+    if 4 % args.tp:
+        raise SystemExit(f"error: --tp {args.tp} does not divide the model's 4 attention heads: use 1, 2 or 4")
     torch.manual_seed(0)
     model = TinyLM()
     parallelize(model, args.dp, args.tp)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = Tokens(rank // args.tp, args.dp)
 
-    ckpt = Checkpointer(args.out, every_steps=args.every, keep_last=3)  # ckpt
+    fast_dir = args.fast_dir.format(rank=rank) if args.fast_dir else None
+    ckpt = Checkpointer(args.out, every_steps=args.every, keep_last=3,  # ckpt
+                        fast_every=args.fast_every, fast_dir=fast_dir)  # fmt: skip  # ckpt
     state = {"model": model, "optim": opt, "data": data}  # ckpt
     start = ckpt.load_latest(into=state)  # ckpt
     for step in range(start + 1, args.steps + 1):
@@ -140,6 +146,8 @@ def main() -> None:
         stop = ckpt.reached_preemption(step)  # ckpt
         if ckpt.should_save(step) or step == args.steps or stop:  # ckpt
             ckpt.save(step, state)  # ckpt
+        if ckpt.should_save_fast(step):  # ckpt: a copy of this rank's shards, restored only at the same layout
+            ckpt.save_fast(step, state)  # ckpt
         if stop:  # ckpt
             break  # ckpt
     ckpt.close()  # ckpt

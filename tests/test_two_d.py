@@ -2,10 +2,12 @@
 through the library, with ``examples/fsdp2_tp_train.py`` launched by ``torchrun`` as a user would.
 
 The reference runs 4 ranks at dp=2, tp=2 uninterrupted and writes every parameter's ``full_tensor()`` at the
-end. The split run stops after a committed step and is relaunched at the same degrees: bit-identical losses.
-From that committed step, relaunches at other degrees (dp=1, tp=2 on 2 ranks: another world size; dp=4, tp=1
-on 4 ranks: the same world size, another mesh) resume with losses equal to the reference's within the
-collectives' rounding (DCP reshards each DTensor by its global shape). ``pipeline.status --verify``,
+end. The split run (with the fast tier on) stops after a committed step and is relaunched at the same degrees:
+restored from its fast copies, bit-identical losses. From that committed step, relaunches at other degrees
+(dp=1, tp=2 on 2 ranks: another world size; dp=4, tp=1 on 4 ranks: the same world size, another mesh) resume
+from the durable step with losses equal to the reference's within the collectives' rounding (DCP reshards each
+DTensor by its global shape); at dp=4, tp=1 the fast copies (this rank's shards, not resharded) are refused in
+one line first. ``pipeline.status --verify``,
 ``pipeline.consolidate`` (the streaming path: the consolidated tensors equal the gathered full parameters) and
 ``pipeline.export`` read the 2-D steps.
 """
@@ -18,7 +20,9 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -32,73 +36,108 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group
 
 STEPS, EVERY, SPLIT = 12, 4, 8
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-ROUNDING = {"rtol": 1e-5, "atol": 0.0}
+RTOL = 1e-5
 """Another degree sums the same float32 partial results in another order (all-reduce over "tp", reduce-scatter
 over "dp"): a few ulps per step, which the following steps carry; 1e-5 relative is about 100 float32 ulps."""
 
 
-def _run(out: Path, dp: int, tp: int, steps: int, *extra: str) -> dict[int, str]:
+def _run(out: Path, dp: int, tp: int, steps: int, *extra: str) -> tuple[dict[int, str], str]:
+    """The example's losses and its stderr."""
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(dp * tp), "examples/fsdp2_tp_train.py"]
     cmd += ["--out", str(out), "--dp", str(dp), "--tp", str(tp), "--steps", str(steps), "--every", str(EVERY)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*cmd, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*cmd, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)$", done.stdout, re.M)}
+    losses = {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)$", done.stdout, re.M)}
+    return losses, done.stderr
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
 
+def _resumed(out: Path) -> dict[str, Any]:
+    return cast(dict[str, Any], json.loads((out / "checkpoints" / "resumed.json").read_text()))
+
+
+@dataclass
+class Runs:
+    base: Path
+    ref: dict[int, str]
+    first: dict[int, str]
+    second: dict[int, str]
+    other: dict[tuple[int, int], tuple[dict[int, str], str, dict[str, Any]]]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[int, str], Path]]:
-    """The reference (uninterrupted), the split run (stopped at step SPLIT, relaunched), and a copy of the split
-    run's directory at step SPLIT for each relaunch at other degrees."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """The reference (uninterrupted); the split run (with a fast tier: a copy every 2 steps, one dir per rank),
+    stopped at step SPLIT and relaunched at the same degrees; and relaunches from step SPLIT at other degrees:
+    dp=4, tp=1 in the split run's own dir first, where its fast copies are (then the dir and the fast tier are
+    put back as they were), dp=1, tp=2 in a copy of the dir."""
     base = tmp_path_factory.mktemp("two_d")
-    ref = _run(base / "ref", 2, 2, STEPS, "--full-params", str(base / "ref_full.safetensors"))
-    first = _run(base / "split", 2, 2, SPLIT)
-    assert read_latest(CheckpointLayout(base / "split")).step == SPLIT  # type: ignore[union-attr]
-    for name in ("dp1_tp2", "dp4_tp1"):
-        shutil.copytree(base / "split", base / name)
-    second = _run(base / "split", 2, 2, STEPS, "--full-params", str(base / "split_full.safetensors"))
-    return {"ref": (ref, base / "ref"), "first": (first, base / "split"), "split": (second, base / "split")}
+    split, nodes, fast = (
+        base / "split",
+        base / "nodes",
+        ("--fast-every", "2", "--fast-dir", str(base / "nodes" / "node{rank}")),
+    )
+    ref, _ = _run(base / "ref", 2, 2, STEPS, "--full-params", str(base / "ref_full.safetensors"))
+    first, _ = _run(split, 2, 2, SPLIT, *fast)
+    assert read_latest(CheckpointLayout(split)).step == SPLIT  # type: ignore[union-attr]
+    shutil.copytree(split, base / "dp1_tp2")
+    shutil.copytree(split, base / "split_kept")
+    shutil.copytree(nodes, base / "nodes_kept")
+    other = {}
+    losses, err = _run(split, 4, 1, STEPS, *fast)
+    other[(4, 1)] = (losses, err, _resumed(split))
+    shutil.rmtree(split)
+    shutil.rmtree(nodes)
+    (base / "split_kept").rename(split)
+    (base / "nodes_kept").rename(nodes)
+    losses, err = _run(base / "dp1_tp2", 1, 2, STEPS)
+    other[(1, 2)] = (losses, err, {})
+    second, _ = _run(split, 2, 2, STEPS, *fast, "--full-params", str(base / "split_full.safetensors"))
+    return Runs(base, ref, first, second, other)
 
 
-def test_resumed_at_the_same_degrees_the_losses_are_bit_identical(
-    runs: dict[str, tuple[dict[int, str], Path]],
-) -> None:
-    ref, first, second = runs["ref"][0], runs["first"][0], runs["split"][0]
-    assert sorted(ref) == list(range(1, STEPS + 1))
-    assert first == {s: ref[s] for s in range(1, SPLIT + 1)}
-    assert second == {s: ref[s] for s in range(SPLIT + 1, STEPS + 1)}, "losses differ after the resume"
-    full = runs["split"][1].parent
-    mine, theirs = load_file(full / "split_full.safetensors"), load_file(full / "ref_full.safetensors")
+def test_resumed_at_the_same_degrees_from_the_fast_tier_the_losses_are_bit_identical(runs: Runs) -> None:
+    assert sorted(runs.ref) == list(range(1, STEPS + 1))
+    assert runs.first == {s: runs.ref[s] for s in range(1, SPLIT + 1)}
+    assert runs.second == {s: runs.ref[s] for s in range(SPLIT + 1, STEPS + 1)}, "losses differ after the resume"
+    resumed = _resumed(runs.base / "split")
+    assert resumed["tier"] == "fast" and resumed["step"] == SPLIT, resumed  # the 2-D shards, from each rank's copy
+    mine, theirs = load_file(runs.base / "split_full.safetensors"), load_file(runs.base / "ref_full.safetensors")
     assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in mine)
 
 
 @pytest.mark.parametrize(("dp", "tp"), [(1, 2), (4, 1)])
 def test_resumed_at_other_degrees_the_losses_agree_within_the_collectives_rounding(
-    runs: dict[str, tuple[dict[int, str], Path]], dp: int, tp: int
+    runs: Runs, dp: int, tp: int
 ) -> None:
-    ref, split_dir = runs["ref"][0], runs["split"][1]
-    resumed = _run(split_dir.parent / f"dp{dp}_tp{tp}", dp, tp, STEPS)
+    resumed, stderr, record = runs.other[(dp, tp)]
     assert sorted(resumed) == list(range(SPLIT + 1, STEPS + 1)), f"resumed from {min(resumed) - 1}, not {SPLIT}"
     got = torch.tensor([float(resumed[s]) for s in sorted(resumed)], dtype=torch.float64)
-    want = torch.tensor([float(ref[s]) for s in sorted(resumed)], dtype=torch.float64)
-    torch.testing.assert_close(got, want, **ROUNDING)
+    want = torch.tensor([float(runs.ref[s]) for s in sorted(resumed)], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=0.0)
+    if (dp, tp) == (4, 1):  # the same world size: the fast copies were there, and each was refused in one line
+        assert record["tier"] == "durable" and record["step"] == SPLIT, record  # DCP resharded the durable step
+        refusals = [ln for ln in stderr.splitlines() if "another parallel layout" in ln]
+        assert refusals and "resuming from the durable tier" in refusals[0], stderr[-3000:]
+        assert re.search(r"is the shard \[16, 32\] at \[\d+, 0\] of \[64, 32\] in the copy", refusals[0])
 
 
-def test_the_clis_verify_consolidate_and_export_a_2d_state(runs: dict[str, tuple[dict[int, str], Path]]) -> None:
-    out = runs["split"][1]
+def test_the_clis_verify_consolidate_and_export_a_2d_state(runs: Runs) -> None:
+    out = runs.base / "split"
     layout = CheckpointLayout(out)
     status = _cli("pipeline.status", str(out), "--verify")
     assert f"latest: step {STEPS}" in status.stdout and "verify: 3 of 3 committed step(s) ok" in status.stdout
 
     _cli("pipeline.consolidate", str(out))
     consolidated = load_file(layout.consolidated_step(STEPS) / "model.safetensors")
-    full = load_file(out.parent / "split_full.safetensors")  # the run's own full_tensor() of each parameter
+    full = load_file(runs.base / "split_full.safetensors")  # the run's own full_tensor() of each parameter
     assert consolidated.keys() == full.keys()
     for name, tensor in full.items():
         assert consolidated[name].equal(tensor), f"{name}: consolidated differs from the gathered parameter"
