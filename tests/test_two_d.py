@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.checkpoint.manifest import read_latest
+from pipeline.formats.dcp_stream import MODEL_PREFIX, TensorStreamer
 from pipeline.storage.layout import CheckpointLayout
 from tests.conftest import ROOT
 
@@ -141,7 +142,14 @@ def test_the_clis_verify_consolidate_and_export_a_2d_state(runs: Runs) -> None:
     assert consolidated.keys() == full.keys()
     for name, tensor in full.items():
         assert consolidated[name].equal(tensor), f"{name}: consolidated differs from the gathered parameter"
-    assert any(t.dim() == 2 for t in full.values())  # row-wise layers: chunks with offsets in both dims
+    # the streaming paths the step took: the row-wise layers' chunks are offset in both dims (assembled one tensor
+    # at a time in a buffer sized to the largest tensor), everything else is full-row blocks copied as bytes
+    streamer = TensorStreamer(layout.committed_step(STEPS), MODEL_PREFIX)
+    two_d = {k for k, m in streamer.entries if any(any(c.offsets[1:]) for c in m.chunks)}
+    assert two_d == {f"model.blocks.{i}.{n}.weight" for i in range(2) for n in ("o", "down")}
+    for key, meta in streamer.entries:
+        blocks = streamer.row_blocks(key, meta)
+        assert (blocks is None) == (key in two_d) and (blocks is None or streamer.raw_spans(meta, blocks)), key
 
     _cli("pipeline.export", str(out), "--max-shard-size", "8KB")
     export = layout.export_step(STEPS)
