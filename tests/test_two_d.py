@@ -7,9 +7,8 @@ restored from its fast copies, bit-identical losses. From that committed step, r
 (dp=1, tp=2 on 2 ranks: another world size; dp=4, tp=1 on 4 ranks: the same world size, another mesh) resume
 from the durable step with losses equal to the reference's within the collectives' rounding (DCP reshards each
 DTensor by its global shape); at dp=4, tp=1 the fast copies (this rank's shards, not resharded) are refused in
-one line first. ``pipeline.status --verify``,
-``pipeline.consolidate`` (the streaming path: the consolidated tensors equal the gathered full parameters) and
-``pipeline.export`` read the 2-D steps.
+one line first. ``pipeline.status --verify``, ``pipeline.consolidate`` (the streaming paths: the consolidated
+tensors equal the gathered full parameters) and ``pipeline.export`` read the 2-D steps.
 """
 
 from __future__ import annotations
@@ -80,11 +79,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     dp=4, tp=1 in the split run's own dir first, where its fast copies are (then the dir and the fast tier are
     put back as they were), dp=1, tp=2 in a copy of the dir."""
     base = tmp_path_factory.mktemp("two_d")
-    split, nodes, fast = (
-        base / "split",
-        base / "nodes",
-        ("--fast-every", "2", "--fast-dir", str(base / "nodes" / "node{rank}")),
-    )
+    split, nodes = base / "split", base / "nodes"
+    fast = ("--fast-every", "2", "--fast-dir", str(nodes / "node{rank}"))
     ref, _ = _run(base / "ref", 2, 2, STEPS, "--full-params", str(base / "ref_full.safetensors"))
     first, _ = _run(split, 2, 2, SPLIT, *fast)
     assert read_latest(CheckpointLayout(split)).step == SPLIT  # type: ignore[union-attr]
