@@ -104,6 +104,51 @@ def test_a_blob_round_trips_without_pickle_and_refuses_what_it_cannot_hold() -> 
             unpack(bad, "test")
 
 
+_TWO_D = """
+import sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from examples.fsdp2_tp_train import TinyLM, parallelize
+from pipeline.checkpoint.fast.codec import fill, snapshot, unpack
+from pipeline.errors import CheckpointFormatError
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)  # rank 1 of 4, no peers: no comms
+def state(dp, tp, seed):
+    model = TinyLM()
+    parallelize(model, dp, tp)
+    sd = model.state_dict()
+    with torch.no_grad():  # the fake group moves no data: give every local shard values of its own
+        for i, t in enumerate(sd.values()):
+            t.to_local().copy_(torch.randn(t.to_local().shape, generator=torch.Generator().manual_seed(seed + i)))
+    return {"model": sd}
+saved = state(2, 2, 0)
+blob = bytes(snapshot(saved).view())
+same = state(2, 2, 100)
+fill(same, unpack(blob, "copy"))
+assert all(same["model"][k].to_local().equal(v.to_local()) for k, v in saved["model"].items())
+other = state(4, 1, 100)
+before = {k: v.to_local().clone() for k, v in other["model"].items()}
+try:
+    fill(other, unpack(blob, "copy"))
+except CheckpointFormatError as e:
+    print(e)
+assert all(other["model"][k].to_local().equal(v) for k, v in before.items())
+"""
+
+
+def test_a_2d_shard_restores_only_into_the_same_piece_of_its_tensor() -> None:
+    """FSDP2 x TP (the 2-D example's layout) as rank 1 of 4 under torch's fake process group: a copy made at
+    dp=2, tp=2 restores at the same degrees; at dp=4, tp=1 its first tensor (the embedding: rows 32..48 then,
+    rows 16..32 now, the same local shape) is refused in one line before anything is written."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _TWO_D], cwd=ROOT, env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == (
+        "fast tier: .model.embed.weight is the shard [16, 32] at [32, 0] of [64, 32] in the copy, the shard "
+        "[16, 32] at [16, 0] of [64, 32] here (another parallel layout: resume from the durable tier)"
+    )
+
+
 # -- restarts from damaged tiers, with torchrun --------------------------------------------------------------------
 
 

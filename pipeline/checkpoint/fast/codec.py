@@ -2,9 +2,11 @@
 
 A fast-tier copy holds what this rank has of the state dict (:func:`pipeline.checkpoint.save.state.save_state`'s
 structure: FSDP2's DTensors as their local shards, DDP's replicated tensors whole), so it restores only at the
-same world size and layout, into the same rank. The blob is a safetensors file whose metadata holds the
-skeleton as JSON (containers, scalars, strings, bytes and where each tensor goes): decoding parses JSON and the
-safetensors header, never pickle.
+same world size and layout, into the same rank. A DTensor's shard records which piece of the global tensor it
+is (global shape, chunk offsets and sizes), so a restore into another piece (another mesh or placements at the
+same world size: dp=2, tp=2 then dp=4, tp=1) is refused even where the local shapes agree. The blob is a
+safetensors file whose metadata holds the skeleton as JSON (containers, scalars, strings, bytes and where each
+tensor goes): decoding parses JSON and the safetensors header, never pickle.
 
 :func:`snapshot` is what training waits for: it lays the blob out (header first) and copies every tensor straight
 into its place in one buffer, which the next snapshot reuses, so the background has nothing left to serialise.
@@ -39,6 +41,28 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
+Layout = tuple[tuple[int, ...], tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
+"""A DTensor shard's place: the global shape, and each local chunk's (offsets, sizes) in it."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A DTensor's local shard as :func:`unpack` returns it, with its place in the global tensor."""
+
+    tensor: torch.Tensor
+    where: Layout
+
+
+def _piece_of(t: DTensor) -> Layout:
+    """Where this rank's shard of ``t`` lies in the global tensor, as DCP's save plan records it."""
+    chunks = t.__create_chunk_list__()
+    return tuple(t.shape), tuple((tuple(map(int, c.offsets)), tuple(map(int, c.sizes))) for c in chunks)
+
+
+def _layout(shape: Any, chunks: Any) -> Layout:
+    return tuple(map(int, shape)), tuple((tuple(map(int, o)), tuple(map(int, z))) for o, z in chunks)
+
+
 @dataclass
 class Blob:
     """A packed rank state: ``data`` (a uint8 CPU tensor, pinned when the state is on a GPU) is the blob."""
@@ -66,6 +90,9 @@ def snapshot(state: Any, reuse: Blob | None = None) -> Blob:
                 raise CheckpointFormatError(f"fast tier: tensor {where} is {local.dtype}, which it cannot hold")
             key = f"t{len(tensors)}"
             tensors.append((key, local))
+            if isinstance(v, DTensor):
+                shape, chunks = _piece_of(v)
+                return {"S": [key, list(shape), [[list(o), list(z)] for o, z in chunks]]}
             return {"T": key}
         if isinstance(v, dict):
             return {"D": [[walk(k, where), walk(x, f"{where}.{k}")] for k, x in v.items()]}
@@ -130,6 +157,15 @@ def unpack(blob: Any, what: str) -> Any:
             if value not in tensors:
                 raise CheckpointFormatError(f"{what}: skeleton names tensor {value!r} the copy lacks")
             return tensors[value]
+        if tag == "S":
+            try:
+                key, shape, chunks = value
+                where = _layout(shape, chunks)
+            except (ValueError, TypeError) as e:
+                raise CheckpointFormatError(f"{what}: malformed skeleton node {str(node)[:80]}") from e
+            if not isinstance(key, str):
+                raise CheckpointFormatError(f"{what}: malformed skeleton node {str(node)[:80]}")
+            return Piece(build({"T": key}), where)
         if tag == "D":
             return {build(k): build(x) for k, x in value}
         if tag in ("L", "U"):
@@ -170,16 +206,47 @@ def _tensors(view: memoryview, start: int, header: dict[str, Any]) -> dict[str, 
 def fill(template: Any, saved: Any, where: str = "") -> Any:
     """``saved`` laid into ``template`` (the state dict to load into): a tensor of the template is overwritten in
     place (a DTensor's local shard), so sharding and devices stay; everything else is taken from ``saved``."""
-    if isinstance(template, torch.Tensor) and isinstance(saved, torch.Tensor):
+    if isinstance(template, torch.Tensor) and isinstance(saved, torch.Tensor | Piece):
+        _same_piece(template, saved, where)
         local = template.to_local() if isinstance(template, DTensor) else template
-        if local.shape != saved.shape:
+        values = saved.tensor if isinstance(saved, Piece) else saved
+        if local.shape != values.shape:
             raise CheckpointFormatError(
-                f"fast tier: {where} has shape {tuple(saved.shape)} in the copy, {tuple(local.shape)} here "
+                f"fast tier: {where} has shape {tuple(values.shape)} in the copy, {tuple(local.shape)} here "
                 "(another parallel layout: resume from the durable tier)"
             )
         with torch.no_grad():
-            local.copy_(saved)
+            local.copy_(values)
         return template
     if isinstance(template, dict) and isinstance(saved, dict):
-        return {k: fill(template[k], v, f"{where}.{k}") if k in template else v for k, v in saved.items()}
+        return {k: fill(template[k], v, f"{where}.{k}") if k in template else _plain(v) for k, v in saved.items()}
+    return _plain(saved)
+
+
+def _same_piece(template: torch.Tensor, saved: torch.Tensor | Piece, where: str) -> None:
+    """A DTensor's shard goes only into the same piece of the same global tensor; a whole tensor only into one."""
+    mine = _piece_of(template) if isinstance(template, DTensor) else None
+    theirs = saved.where if isinstance(saved, Piece) else None
+    if mine != theirs:
+        raise CheckpointFormatError(
+            f"fast tier: {where} is {_say(theirs)} in the copy, {_say(mine)} here "
+            "(another parallel layout: resume from the durable tier)"
+        )
+
+
+def _say(p: Layout | None) -> str:
+    if p is None:
+        return "a whole tensor"
+    pieces = ", ".join(f"{list(z)} at {list(o)}" for o, z in p[1])
+    return f"the shard {pieces} of {list(p[0])}"
+
+
+def _plain(saved: Any) -> Any:
+    """``saved`` with each DTensor shard as its plain local tensor (a value no template tensor took)."""
+    if isinstance(saved, Piece):
+        return saved.tensor
+    if isinstance(saved, dict):
+        return {k: _plain(v) for k, v in saved.items()}
+    if isinstance(saved, list | tuple):
+        return type(saved)(_plain(v) for v in saved)
     return saved
