@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from launchers import submitit_launcher
-from launchers.submitit_launcher import _INHERITED_RENDEZVOUS
+from launchers.resources import INHERITED_RENDEZVOUS
 from pipeline.checkpoint.manifest import read_latest
 from pipeline.config.compose import load_config
 from pipeline.config.launcher import LocalLauncherConfig
@@ -119,7 +119,7 @@ def test_claim_cuda_device_refuses_a_local_rank_past_the_visible_gpus(monkeypatc
 
 
 def _rendezvous_env(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
-    for key in _INHERITED_RENDEZVOUS:
+    for key in INHERITED_RENDEZVOUS:
         monkeypatch.delenv(key, raising=False)  # restored after the test, whatever the code under test set
     for key, value in values.items():
         monkeypatch.setenv(key, value)
@@ -172,7 +172,7 @@ def _task_env(
     seen: dict[str, str | None] = {}
 
     def execute_task(*args: object, **kwargs: object) -> dict[str, object]:
-        seen.update({k: os.environ.get(k) for k in _INHERITED_RENDEZVOUS})
+        seen.update({k: os.environ.get(k) for k in INHERITED_RENDEZVOUS})
         assert (kwargs["rank"], kwargs["world_size"], kwargs["job_id"]) == (task, num_tasks, "4242")
         return {}
 

@@ -322,3 +322,18 @@ def test_killed_rank_keeps_committed_step_and_rerun_resumes(tmp_path: Path) -> N
     assert read_json(layout.stage_record("train"))["summary"]["resumed_from"] == 4
     assert read_latest(layout).step == 8  # type: ignore[union-attr]
     assert (layout.export_step(8) / "provenance.json").exists()
+
+
+@SHARED_RUN
+def test_train_ranks_are_forked_by_their_controller_each_with_its_own_logs(ddp_run: tuple[Path, str]) -> None:
+    """The tiny run's train job (2 ranks on gloo) forked its ranks from one import (``launcher.fork_tasks``): its
+    controller named them in the job folder, and each rank's log files are its own."""
+    from launchers.local_forks import forked_tasks  # noqa: PLC0415
+
+    train = _layout(ddp_run[0], "ddp").logs / "train"
+    (job,) = [p for p in train.iterdir() if p.is_dir() and p.name.isdigit()]
+    pids = forked_tasks(job, job.name)
+    assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2, pids
+    for rank in (0, 1):
+        err = (job / f"{job.name}_{rank}_log.err").read_text()
+        assert f"[rank {rank}]" in err and f"[rank {1 - rank}]" not in err, f"rank {rank}'s log:\n{err[-2000:]}"
