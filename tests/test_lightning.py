@@ -31,35 +31,20 @@ from safetensors.torch import load_file
 from pipeline.storage.layout import CheckpointLayout
 from tests.conftest import ROOT
 from tests.test_examples import LatestWatcher
+from tests.trainer_runs import ENV, torchrun
+from tests.trainer_runs import latest_step as _latest_step
+from tests.trainer_runs import losses as _losses
+from tests.trainer_runs import run as _run
+from tests.trainer_runs import steps as _steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.trainers]
 
 EXAMPLE = "examples/lightning_train.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::UserWarning"}
 
 
 def _torchrun(out: Path, *args: str) -> list[str]:
     """The example on 2 ranks: 24 steps (20 an epoch, so saves fall mid-epoch), a save every 4."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", EXAMPLE,
-            "--out", str(out), *args]  # fmt: skip
-
-
-def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True, timeout=300, check=False)
-
-
-def _losses(out: Path) -> dict[int, float]:
-    """Step -> the loss rank 0 logged last for it (a resumed run logs the steps after its resume step again)."""
-    return {e["step"]: e["loss"] for e in map(json.loads, (out / "losses.jsonl").read_text().splitlines())}
-
-
-def _latest_step(out: Path) -> int:
-    latest = out / "checkpoints" / "latest"
-    return json.loads(latest.read_text())["step"] if latest.exists() else 0
-
-
-def _steps(out: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+    return torchrun(EXAMPLE, out, *args)
 
 
 def _verify(out: Path, steps: int) -> None:
