@@ -90,13 +90,17 @@ def _worker(args: argparse.Namespace) -> None:
     state = {"model": model, "optim": opt, "rng": RankRNG(rank)}
     out: dict[str, Any] = {"layers": layers}
     if args.mode == "restore":
+        out["limits"] = _limits(x.device)
         t0 = settled()
         out["step"] = ckpt.load_latest(into=state)
         out["restore_s"] = settled() - t0
         out["tier"] = (ckpt.resumed or {}).get("tier", "durable")
         out["phases_s"] = (ckpt.resumed or {}).get("phases_s")
+        out["state_bytes"] = _state_bytes(model, opt)
+        lim = out["limits"]  # rank 1's blob moved over the link, then verified and copied into its state
+        out["limit_s"] = out["state_bytes"] / 1e9 * (1 / lim["link_gbps"] + 1 / lim["copy_hash_gbps"])
     else:
-        blocked, t0 = [], settled()
+        blocked, t0, cpu0 = [], settled(), _cpu()
         for step in range(1, args.steps + 1):
             loss = model(x).square().mean()
             opt.zero_grad()
@@ -107,10 +111,13 @@ def _worker(args: argparse.Namespace) -> None:
         train_s = settled() - t0
         if ckpt.fast is not None:
             ckpt.fast.wait()
-            out["held_bytes"] = ckpt.fast.stats.held_bytes
-            out["persist_s"] = ckpt.fast.stats.last_persist_s
-            out["fast_saved"] = ckpt.fast.stats.saved
-        out.update(train_s=train_s, blocked_s=blocked)
+            st = ckpt.fast.stats
+            n = max(1, len(blocked))
+            out.update(held_bytes=st.held_bytes, persist_s=st.last_persist_s, fast_saved=st.saved,
+                       written_per_save=st.written_bytes / n, sent_per_save=st.sent_bytes / n,
+                       persist_cpu_per_save=st.persist_cpu_s / n,
+                       phase_cpu_per_save={k: v / n for k, v in st.phase_cpu_s.items()})  # fmt: skip
+        out.update(train_s=train_s, blocked_s=blocked, cpu_s=_cpu() - cpu0)  # to the last fast save's end
         if args.save:
             t1 = time.monotonic()
             ckpt.save(args.steps, state)
@@ -119,6 +126,55 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
+
+
+def _state_bytes(model: Any, opt: Any) -> int:
+    import torch  # noqa: PLC0415
+
+    def size(v: Any) -> int:
+        if isinstance(v, torch.Tensor):
+            return v.numel() * v.element_size()
+        if isinstance(v, dict):
+            return sum(size(x) for x in v.values())
+        if isinstance(v, list | tuple):
+            return sum(size(x) for x in v)
+        return 0
+
+    return size(model.state_dict()) + size(opt.state_dict())
+
+
+def _cpu() -> float:
+    """This process's CPU seconds so far (every thread: the transport's too)."""
+    import resource  # noqa: PLC0415
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _limits(device: Any, mb: int = 256) -> dict[str, float]:
+    """This machine's limits for a restore, measured here: memory copy + xxh3 (GB/s, one thread, as a restore
+    verifies and loads) and the link between rank 0 and rank 1 (GB/s, gloo, as a restore moves blobs)."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+    import xxhash  # noqa: PLC0415
+
+    n = mb << 20
+    a, b = torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    b.copy_(a)
+    t = time.monotonic()
+    b.copy_(a)
+    xxhash.xxh3_128(b.numpy().data).hexdigest()
+    copy_hash = n / (time.monotonic() - t) / 1e9
+    dist.barrier()
+    t = time.monotonic()
+    if dist.get_rank() == 0:
+        dist.send(a, 1)
+    elif dist.get_rank() == 1:
+        dist.recv(b, 0)
+    dist.barrier()
+    link = n / (time.monotonic() - t) / 1e9
+    del device
+    return {"copy_hash_gbps": copy_hash, "link_gbps": link}
 
 
 # -- the orchestrator ---------------------------------------------------------------------------------------------
@@ -153,7 +209,8 @@ def _recovery(args: argparse.Namespace, where: str, run: Path, nodes: Path, stor
     print(f"  {where}: durable save {saved['durable_save_s']:.2f}s; restore fast {fast['restore_s']:.2f}s "
           f"({fast['tier']}), durable {durable['restore_s']:.2f}s ({durable['tier']})", flush=True)  # fmt: skip
     return {"where": where, "durable_save_s": saved["durable_save_s"], "fast": fast, "durable": durable,
-            "ratio": durable["restore_s"] / fast["restore_s"]}  # fmt: skip
+            "ratio": durable["restore_s"] / fast["restore_s"],
+            "to_limit": fast["restore_s"] / fast["limit_s"]}  # fmt: skip
 
 
 def _drop_caches() -> None:
@@ -207,11 +264,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fast_recovery.json").write_text(json.dumps(results, indent=2) + "\n")
-    print("\n| durable tier | durable save | restore: durable | restore: fast | durable / fast |")
-    print("|---|---|---|---|---|")
+    print("\n| durable tier | durable save | restore: durable | restore: fast | durable / fast | fast / limit |")
+    print("|---|---|---|---|---|---|")
     for r in results["recovery"]:
         print(f"| {r['where']} | {r['durable_save_s']:.2f} s | {r['durable']['restore_s']:.2f} s | "
-              f"{r['fast']['restore_s']:.2f} s | {r['ratio']:.1f}x |")  # fmt: skip
+              f"{r['fast']['restore_s']:.2f} s | {r['ratio']:.1f}x | {r['to_limit']:.2f}x "
+              f"({r['fast']['limit_s']:.2f} s) |")  # fmt: skip
 
 
 def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, Any]:
@@ -225,10 +283,18 @@ def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, A
         "blocked_s": fast["blocked_s"],
         "persist_s": fast.get("persist_s"),
         "held_bytes_per_rank": fast.get("held_bytes"),
+        "written_per_save": fast.get("written_per_save"),
+        "sent_per_save": fast.get("sent_per_save"),
+        "persist_cpu_per_save": fast.get("persist_cpu_per_save"),
+        "phase_cpu_per_save": fast.get("phase_cpu_per_save"),
+        "extra_cpu_per_save": (fast["cpu_s"] - plain["cpu_s"]) / max(1, len(fast["blocked_s"])),
     }
     print(f"  overhead: {o['overhead']:+.1%} ({plain['train_s']:.1f}s -> {fast['train_s']:.1f}s for {args.steps} "
           f"steps); blocked {max(fast['blocked_s']):.2f}s per fast save; background {o['persist_s']:.2f}s; "
           f"{(o['held_bytes_per_rank'] or 0) / 1e9:.2f} GB held per rank", flush=True)  # fmt: skip
+    print(f"  per fast save and rank: written {o['written_per_save'] / 1e9:.2f} GB, sent {o['sent_per_save'] / 1e9:.2f}"
+          f" GB; background thread {o['persist_cpu_per_save']:.2f} CPU-s; the process's extra CPU "
+          f"{o['extra_cpu_per_save']:.2f} CPU-s (rank 0)", flush=True)  # fmt: skip
     return o
 
 
@@ -337,6 +403,7 @@ def _cluster_recovery(args: argparse.Namespace) -> dict[str, Any]:
         "fast": fast,
         "durable": durable,
         "ratio": durable["restore_s"] / fast["restore_s"],
+        "to_limit": fast["restore_s"] / fast["limit_s"],
         "overhead_on_cluster": {
             "train_s": saved["train_s"],
             "blocked_s": saved["blocked_s"],

@@ -65,9 +65,11 @@ def _layout(shape: Any, chunks: Any) -> Layout:
 
 @dataclass
 class Blob:
-    """A packed rank state: ``data`` (a uint8 CPU tensor, pinned when the state is on a GPU) is the blob."""
+    """A packed rank state: ``data`` (a uint8 CPU tensor, pinned when the state is on a GPU) is the blob;
+    ``spans``: each tensor's bytes in it (start, end), in order (:mod:`.pieces` cuts the blob along them)."""
 
     data: torch.Tensor
+    spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +134,8 @@ def snapshot(state: Any, reuse: Blob | None = None) -> Blob:
             buf[start + b : start + e].view(t.dtype).view(t.shape).copy_(t, non_blocking=gpu)
     if gpu:
         torch.cuda.synchronize()
-    return Blob(buf)
+    spans = sorted((start + b, start + e) for b, e in (header[k]["data_offsets"] for k, _ in tensors) if e > b)
+    return Blob(buf, tuple(spans))
 
 
 def unpack(blob: Any, what: str) -> Any:

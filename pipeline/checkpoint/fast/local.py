@@ -4,14 +4,18 @@ Under ``<fast dir>/<run key>/`` (a RAM-backed dir by default, one per node):
 
 * ``own/rank_K/step_N.{bin,json}``: rank ``K``'s shard of step ``N``, written by the process that is rank ``K``;
 * ``replica/rank_K/step_N.{bin,json}``: a replica of rank ``K``'s shard, written by ``K``'s peer on this node;
+* ``objects/<hash>.bin``: the tensors those copies share (:mod:`.pieces`), each once per node, named by the
+  hash of its bytes; written by the lowest rank of the node that needs it (for a replica, the lowest receiver),
+  removed by the node's keeper once no copy it keeps names it;
 * ``quarantine/``: copies that failed verification, moved aside with a note, never offered again;
 * ``node.id``: a token created once (``O_EXCL`` on the node's own filesystem), which tells the ranks sharing
   this dir apart from those of other nodes; the lowest rank sharing it is the dir's *keeper* (it scans,
   quarantines and prunes what earlier launches left).
 
-The ``.json`` marker is written last (atomically): the step, whose shard, the world size, the launch's attempt,
-the blob's size and xxh3-128, and the table of every rank's size and hash for the step (gathered before any copy
-is written), so any copy can be checked against what the other holders recorded.
+A copy's ``.bin`` holds its inline pieces; the ``.json`` marker is written last (atomically), after the objects
+it names: the step, whose shard, the world size, the launch's attempt, the blob's size and digest, its pieces
+(length, hash, object or inline), and the table of every rank's size and digest for the step (gathered before any
+copy is written), so any copy can be checked against what the other holders recorded.
 """
 
 from __future__ import annotations
@@ -19,26 +23,28 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import re
 import secrets
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
+from pipeline.checkpoint.fast.pieces import Part, digest, digest_of, inline_size, offsets
 from pipeline.storage.atomic import clear_file, create_exclusive, move_aside, write_bytes_atomic, write_json_atomic
+from pipeline.storage.faults import io_op
 
 KINDS = ("own", "replica")
 _STEP = re.compile(r"^step_(\d+)\.json$")
 _RANK = re.compile(r"^rank_(\d+)$")
 
 
-def digest(blob: bytes | bytearray | memoryview) -> str:
-    return xxhash.xxh3_128(blob).hexdigest()
+__all__ = ["KINDS", "Copy", "NodeTier", "digest", "run_key"]
+_OBJECT = re.compile(r"^([0-9a-f]{32})\.bin$")
 
 
 def run_key(run_dir: Path) -> str:
@@ -60,6 +66,12 @@ class Copy:
     hash: str
     table: tuple[tuple[int, str], ...]
     """Every rank's (size, hash) for the step, as gathered when it was saved."""
+    pieces: tuple[Part, ...] = ()
+    """The blob's pieces (:mod:`.pieces`); none: one inline piece, the whole blob."""
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        return self.pieces or ((self.size, self.hash, False),)
 
     def marker(self) -> dict[str, Any]:
         return {
@@ -71,11 +83,13 @@ class Copy:
             "size": self.size,
             "hash": self.hash,
             "table": [list(t) for t in self.table],
+            "pieces": [list(p) for p in self.parts],
         }
 
     @classmethod
     def of(cls, rec: Any) -> Copy:
         table = tuple((int(s), str(h)) for s, h in rec["table"])
+        pieces = tuple((int(n), str(h), bool(o)) for n, h, o in rec.get("pieces", ()))
         return cls(
             int(rec["step"]),
             int(rec["shard"]),
@@ -85,6 +99,7 @@ class Copy:
             int(rec["size"]),
             str(rec["hash"]),
             table,
+            pieces,
         )
 
     @property
@@ -112,23 +127,70 @@ class NodeTier:
         d = self._dir(c.kind, c.shard)
         return d / f"step_{c.step}.bin", d / f"step_{c.step}.json"
 
-    def write(self, c: Copy, blob: bytes | bytearray | memoryview) -> None:
-        """The blob, then its marker (last): a copy without its marker is never offered."""
+    def write(self, c: Copy, inline: bytes | bytearray | memoryview) -> None:
+        """The copy's inline pieces, then its marker (last, after the objects it names: a copy without its marker
+        is never offered)."""
         data, marker = self.paths(c)
         data.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(data, blob)  # type: ignore[arg-type]  # any buffer: written through a memoryview
+        write_bytes_atomic(data, inline)  # type: ignore[arg-type]  # any buffer: written through a memoryview
         write_json_atomic(marker, c.marker())
 
-    def read(self, c: Copy) -> bytearray:
-        """A copy's bytes, read straight into one buffer (which a send or :func:`.codec.unpack` wraps without
-        copying)."""
-        path = self.paths(c)[0]
-        with open(path, "rb", buffering=0) as f:
-            buf = bytearray(os.fstat(f.fileno()).st_size)
-            view, done = memoryview(buf), 0
-            while done < len(buf) and (n := f.readinto(view[done:])):
-                done += n
-        return buf if done == len(buf) else buf[:done]
+    def object_path(self, h: str) -> Path:
+        return self.root / "objects" / f"{h}.bin"
+
+    def has_object(self, h: str, size: int) -> bool:
+        try:
+            return self.object_path(h).stat().st_size == size
+        except OSError:
+            return False
+
+    def write_object(self, h: str, data: memoryview) -> bool:
+        """An object's bytes under their hash (the caller hashed them); False: this node has it already. A spare
+        file of the same size (an object no copy names any more) is overwritten in place when there is one:
+        writing into pages the node already has costs half of writing into new ones."""
+        if self.has_object(h, len(data)):
+            return False
+        path = self.object_path(h)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for spare in sorted((self.root / "spare").glob(f"{len(data)}-*.bin")):
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+            try:
+                io_op("rename", tmp)
+                os.rename(spare, tmp)  # taken: no other writer can have it now
+            except FileNotFoundError:
+                continue  # another writer of this node took it first
+            _overwrite(tmp, data)
+            io_op("rename", path)
+            os.replace(tmp, path)
+            return True
+        write_bytes_atomic(path, data)  # type: ignore[arg-type]
+        return True
+
+    def read_into(self, c: Copy, buf: memoryview, which: Iterable[int] | None = None) -> None:
+        """A copy's pieces (all, or those indexed by ``which``) into ``buf`` (the blob's size) at their places:
+        inline ones from the copy's file, objects from this node's ``objects/`` (OSError: one is missing)."""
+        parts, starts = c.parts, offsets(c.parts)
+        at, inline_at = 0, []
+        for n, _, obj in parts:
+            inline_at.append(at)
+            at += 0 if obj else n
+        for i in range(len(parts)) if which is None else which:
+            n, h, obj = parts[i]
+            path, skip = (self.object_path(h), 0) if obj else (self.paths(c)[0], inline_at[i])
+            _read_exact(path, buf[starts[i] : starts[i] + n], skip)
+
+    def piece(self, c: Copy, i: int) -> memoryview:
+        """Piece ``i`` of a copy, mapped from its file (no copy: it is sent as it lies)."""
+        n, h, obj = c.parts[i]
+        if obj:
+            path, skip = self.object_path(h), 0
+        else:
+            path, skip = self.paths(c)[0], sum(m for m, _, o in c.parts[:i] if not o)
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < skip + n:
+                raise OSError(f"{path} is shorter than its marker says")
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return memoryview(mapped)[skip : skip + n]
 
     def scan(self) -> tuple[list[Copy], list[tuple[Path, str]]]:
         """Every copy here whose marker is sound and whose data has the size it records, and the files that are
@@ -157,13 +219,18 @@ class NodeTier:
             return f"marker names the {c.label}, not the {kind} copy of rank {shard}'s step {step}", None
         if not 0 <= c.shard < len(c.table) == c.world_size or c.table[c.shard] != (c.size, c.hash):
             return "marker's own entry disagrees with its table", None
-        data = marker.with_suffix(".bin")
+        if sum(n for n, _, _ in c.parts) != c.size or digest_of(c.parts) != c.hash:
+            return "marker's pieces disagree with its size or digest", None
+        data, inline = marker.with_suffix(".bin"), inline_size(c.parts)
         try:
             size = data.stat().st_size
-            if size != c.size:
-                return f"{size} bytes, the marker says {c.size}", None
+            if size != inline:
+                return f"{size} bytes, the marker says {inline}", None
         except OSError as e:
             return f"its data is unreadable ({e.strerror or e})", None
+        for n, h, obj in c.parts:
+            if obj and not self.has_object(h, n):
+                return f"its object {h} ({n} bytes) is missing here", None
         return "", c
 
     def quarantine(self, marker: Path, why: str) -> None:
@@ -175,6 +242,52 @@ class NodeTier:
             with contextlib.suppress(FileNotFoundError):
                 move_aside(src, dest, f"{name}{src.suffix}")
         write_json_atomic(dest / f"{name}.why.json", {"why": why, "was": str(marker)})
+
+    def quarantine_object(self, h: str, why: str) -> None:
+        """Move an object whose bytes are not what its name says aside, with a note (every copy naming it then
+        fails its scan here and is never offered)."""
+        dest = self.root / "quarantine"
+        name = f"object-{h}-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(2)}"
+        with contextlib.suppress(FileNotFoundError):
+            move_aside(self.object_path(h), dest, f"{name}.bin")
+            write_json_atomic(dest / f"{name}.why.json", {"why": why, "was": str(self.object_path(h))})
+
+    def named_objects(self, dirs: list[tuple[str, int]] | None = None) -> dict[str, int]:
+        """The objects (hash: size) the markers here name: of the ``(kind, shard)`` dirs given, else of all."""
+        out: dict[str, int] = {}
+        for kind in KINDS:
+            for marker in (self.root / kind).glob("rank_*/step_*.json"):
+                if dirs is not None and (kind, _shard_of(marker)) not in dirs:
+                    continue
+                try:
+                    parts = Copy.of(json.loads(marker.read_bytes())).parts
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # unreadable: quarantined at the next restore; nothing of it can be offered
+                out.update((h, n) for n, h, obj in parts if obj)
+        return out
+
+    def collect(self, protect: set[str], litter: bool = False) -> None:
+        """The keeper, while no rank of the node writes an object it does not protect: the objects that no
+        marker here names and ``protect`` (what the step being saved names) does not hold become spares (for
+        this step's writes to reuse; the spares the last step left unused are removed). ``litter``: remove
+        the spares and a dead writer's temp files too (only when no rank writes: at restore)."""
+        for p in (self.root / "spare").glob("*.bin"):
+            _unlink(p)
+        named = set(protect) | set(self.named_objects())
+        for p in (self.root / "objects").glob("*"):
+            m = _OBJECT.match(p.name)
+            if m is None:
+                if litter:
+                    _unlink(p)
+            elif m.group(1) not in named:
+                if litter:
+                    _unlink(p)
+                    continue
+                with contextlib.suppress(OSError):
+                    (self.root / "spare").mkdir(exist_ok=True)
+                    size = p.stat().st_size
+                    io_op("rename", p)
+                    os.rename(p, self.root / "spare" / f"{size}-{secrets.token_hex(6)}.bin")
 
     def prune(self, kind: str, shard: int, keep: int) -> None:
         """Keep the newest ``keep`` steps of one writer's dir (only that writer calls this)."""
@@ -195,13 +308,15 @@ class NodeTier:
                 for data in rank_dir.glob("step_*.bin"):  # data whose writer died before its marker
                     if not data.with_suffix(".json").exists():
                         _unlink(data)
+        self.collect(set(), litter=True)
 
     def held_bytes(self, dirs: list[tuple[str, int]] | None = None) -> int:
-        """Bytes of copies here: of the ``(kind, shard)`` dirs given, else of every dir."""
-        total = 0
+        """Bytes of copies here (their own files and the objects they name, each object once): of the
+        ``(kind, shard)`` dirs given, else of every dir."""
+        total = sum(self.named_objects(dirs).values())
         for kind in KINDS:
             for p in (self.root / kind).glob("rank_*/step_*.bin"):
-                if dirs is None or (kind, int(p.parent.name[5:])) in dirs:
+                if dirs is None or (kind, _shard_of(p)) in dirs:
                     with contextlib.suppress(OSError, ValueError):
                         total += p.stat().st_size
         return total
@@ -209,6 +324,35 @@ class NodeTier:
     def free_bytes(self) -> int:
         self.root.mkdir(parents=True, exist_ok=True)
         return shutil.disk_usage(self.root).free
+
+
+def _shard_of(path: Path) -> int:
+    return int(path.parent.name[5:])
+
+
+def _read_exact(path: Path, view: memoryview, skip: int) -> None:
+    """``len(view)`` bytes of ``path`` from ``skip`` into ``view`` (OSError: the file is shorter)."""
+    with open(path, "rb", buffering=0) as f:
+        f.seek(skip)
+        done = 0
+        while done < len(view) and (n := f.readinto(view[done:])):
+            done += n
+    if done != len(view):
+        raise OSError(f"{path}: {done} bytes where its marker says {len(view)}")
+
+
+def _overwrite(path: Path, data: memoryview) -> None:
+    """All of ``data`` into the file ``path`` (of the same size) from its start, in place."""
+    io_op("write", path)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], done)
+        io_op("fsync", path)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: Path) -> None:

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint.fast import RESUMED_FILE
-from pipeline.checkpoint.fast.local import Copy, digest
+from pipeline.checkpoint.fast.local import Copy
+from pipeline.checkpoint.fast.pieces import digest, objects, offsets
 from pipeline.checkpoint.fast.tier import FastTier
 from pipeline.errors import exception_line
 
@@ -104,7 +105,8 @@ def restore(
     excluded: set[Held] = set()
     chosen: Plan | None = None
     step: int | None = None
-    for _ in range(1 + sum(len(r[0]) for r in reports)):  # each round excludes a copy: never more rounds
+    named = {h for r in reports for c in r[0] for h in objects(c.parts)}
+    for _ in range(1 + sum(len(r[0]) for r in reports) + len(named)):  # a round excludes a copy or an object
         box = [plan([r[0] for r in reports], world, floor, excluded) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)
         chosen = box[0]
@@ -121,14 +123,7 @@ def restore(
         if all(f is None for f in failures):
             step = chosen.step
             break
-        for f in failures:
-            if f is None:
-                continue
-            holder, c, why = f
-            excluded.add((holder, c))
-            noted.append(f"{hosts[holder]}: {c.label}: {why}")
-            if holder == rank:
-                tier.node.quarantine(tier.node.paths(c)[1], why)
+        _set_aside(tier, failures, hosts, noted, excluded)
     if tier.keeper:
         tier.node.drop_all_but(step)
     if rank == 0:
@@ -136,21 +131,53 @@ def restore(
     return step
 
 
+def _set_aside(tier: FastTier, failures: list[Any], hosts: list[str], noted: list[str], excluded: set[Held]) -> None:
+    """Every rank alike: the copies that failed are excluded from the next decision (their holders quarantine
+    them), and damaged objects are quarantined by a rank of their node."""
+    for f in failures:
+        if f is None:
+            continue
+        holder, c, why, blame, bad = f
+        if bad is not None:  # (rank, hash): an object on that rank's node whose bytes are not its name's
+            noted.append(f"{hosts[bad[0]]}: object {bad[1]}: its bytes do not match its name")
+            if bad[0] == tier.rank:
+                tier.node.quarantine_object(bad[1], "its bytes do not match its name")
+        if blame:
+            excluded.add((holder, c))
+            noted.append(f"{hosts[holder]}: {c.label}: {why}")
+            if holder == tier.rank:
+                tier.node.quarantine(tier.node.paths(c)[1], why)
+
+
+Failure = tuple[int, Copy, str, bool, tuple[int, str] | None]
+"""What failed: the holder and its copy, why, whether the copy is to blame (else only an object of this rank's
+node, which is quarantined and fetched from the holder next round), and the damaged object (its node's rank,
+its hash)."""
+
+
 def _fetch_and_check(
     tier: FastTier, p: Plan, load: Callable[[memoryview], int], phases: dict[str, float]
-) -> tuple[int, Copy, str] | None:
-    """Move the blobs holder -> rank, check this rank's against the table, load it; what failed (holder, copy,
-    why) or None. ``phases``: rank 0's seconds per phase (move, hash, load), added up over the rounds."""
+) -> Failure | None:
+    """Move the pieces holder -> rank, check this rank's blob piece by piece against its copy's list (whose
+    digest is the table's), load it; what failed or None. ``phases``: rank 0's seconds per phase (move, hash,
+    load), added up over the rounds."""
     t = time.monotonic()
-    blob, error = _move(tier, p)
+    blob, local, error = _move(tier, p)
     phases["move"] = phases.get("move", 0.0) + time.monotonic() - t
     t = time.monotonic()
     holder, c = p.sources[tier.rank]
     want = p.table[tier.rank]
-    if not error and (blob is None or len(blob) != want[0]):
+    if not error and (blob is None or len(blob) != want[0] or (c.size, c.hash) != want):
         error = f"{0 if blob is None else len(blob)} bytes arrived, the step's table says {want[0]}"
-    elif not error and digest(blob) != want[1]:  # type: ignore[arg-type]
-        error = "its bytes do not match the step's table"
+    elif not error and blob is not None:
+        for i, ((n, h, obj), at) in enumerate(zip(c.parts, offsets(c.parts), strict=True)):
+            if digest(blob[at : at + n]) == h:
+                continue
+            phases["hash"] = phases.get("hash", 0.0) + time.monotonic() - t
+            why = "its bytes do not match the step's table"
+            if obj and local[i] and holder != tier.rank:  # this node's object, not the holder's copy
+                return holder, c, why, False, (tier.rank, h)
+            return holder, c, why, True, ((holder, h) if obj else None)
     phases["hash"] = phases.get("hash", 0.0) + time.monotonic() - t
     t = time.monotonic()
     if not error:
@@ -161,44 +188,62 @@ def _fetch_and_check(
         except Exception as e:  # a blob that verified but does not fit: fall back, as for a damaged one
             error = f"it did not load: {exception_line(e)}"
     phases["load"] = phases.get("load", 0.0) + time.monotonic() - t
-    return None if not error else (holder, c, error)
+    return None if not error else (holder, c, error, True, None)
 
 
-def _move(tier: FastTier, p: Plan) -> tuple[memoryview | None, str]:
-    """This rank's blob (read here, or sent by its holder), and why not. The pairs go in one global order, so
-    no two ranks wait on each other."""
+def _move(tier: FastTier, p: Plan) -> tuple[memoryview | None, list[bool], str]:
+    """This rank's blob (its pieces read here where this node holds them, the rest sent by the copy's holder),
+    which pieces were read here, and why not. The pairs go in one global order, so no two ranks wait on each
+    other."""
     blob: memoryview | None = None
+    local: list[bool] = []
     error = "no source"
     for shard, (holder, c) in enumerate(p.sources):
         if holder == shard:
             if tier.rank == shard:
-                try:
-                    blob, error = memoryview(tier.node.read(c)), ""
-                except OSError as e:
-                    error = f"unreadable ({e.strerror or e})"
+                local = [True] * len(c.parts)
+                blob, error = _assemble(tier, c, local)
         elif tier.rank == holder:
-            _send(tier, c, shard)
+            _serve(tier, c, shard)
         elif tier.rank == shard:
-            size = torch.empty(1, dtype=torch.int64)
-            dist.recv(size, holder, group=tier.group)
-            if size.item() < 0:
-                error = "its holder could not read it"
-                continue
-            buf = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(buf, holder, group=tier.group)
-            blob, error = buf.numpy().data.cast("B"), ""  # the received tensor's own buffer, not a copy
-    return blob, error
+            local = [obj and tier.node.has_object(h, n) for n, h, obj in c.parts]
+            blob, error = _assemble(tier, c, local, holder)
+    return blob, local, error
 
 
-def _send(tier: FastTier, c: Copy, to: int) -> None:
+def _assemble(tier: FastTier, c: Copy, local: list[bool], holder: int | None = None) -> tuple[memoryview | None, str]:
+    """The copy's blob in one buffer: the ``local`` pieces read from this node, the others received from
+    ``holder`` (which answers first whether it could read them)."""
+    buf = torch.empty(c.size, dtype=torch.uint8)
+    view = buf.numpy().data.cast("B")  # the tensor's own buffer: what arrives and what is read land in place
+    if holder is not None:
+        dist.send(torch.tensor([not x for x in local], dtype=torch.uint8), holder, group=tier.group)
+        ok = torch.empty(1, dtype=torch.int64)
+        dist.recv(ok, holder, group=tier.group)
+        if ok.item() < 0:
+            return None, "its holder could not read it"
+        for i, ((n, _, _), at) in enumerate(zip(c.parts, offsets(c.parts), strict=True)):
+            if not local[i]:
+                dist.recv(buf[at : at + n], holder, group=tier.group, tag=1 + i)
     try:
-        data = tier.node.read(c)
+        tier.node.read_into(c, view, [i for i, x in enumerate(local) if x])
+    except OSError as e:
+        return None, f"unreadable ({e.strerror or e})"
+    return view, ""
+
+
+def _serve(tier: FastTier, c: Copy, to: int) -> None:
+    """The pieces of a copy held here that rank ``to`` asks for, each sent from the file it lies in."""
+    asked = torch.empty(len(c.parts), dtype=torch.uint8)
+    dist.recv(asked, to, group=tier.group)
+    try:
+        pieces = {i: tier.node.piece(c, i) for i, a in enumerate(asked.tolist()) if a}
     except OSError:
         dist.send(torch.tensor([-1], dtype=torch.int64), to, group=tier.group)
         return
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), to, group=tier.group)
-    dist.send(torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8), to,
-              group=tier.group)  # fmt: skip
+    dist.send(torch.tensor([0], dtype=torch.int64), to, group=tier.group)
+    for i, piece in pieces.items():
+        dist.send(torch.frombuffer(piece, dtype=torch.uint8), to, group=tier.group, tag=1 + i)
 
 
 def _report(

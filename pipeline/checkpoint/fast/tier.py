@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint.fast.codec import Blob, snapshot
-from pipeline.checkpoint.fast.local import Copy, NodeTier, digest, run_key
+from pipeline.checkpoint.fast.local import Copy, NodeTier, run_key
+from pipeline.checkpoint.fast.pieces import Part, cut, digest, digest_of, hashed
+from pipeline.checkpoint.fast.sharing import NodePlan, node_plan, pairs
 from pipeline.errors import PipelineError, exception_line
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,19 @@ class FastStats:
     staging_bytes: int = 0
     """The CPU buffer each save packs into (reused; pinned for GPU state)."""
     last_persist_s: float = 0.0
+    written_bytes: int = 0
+    """Bytes this rank wrote into node dirs (every save, copies and replicas)."""
+    sent_bytes: int = 0
+    """Bytes this rank sent to peers (every save)."""
+    persist_cpu_s: float = 0.0
+    """CPU seconds of the background thread (every save; the transport's own threads not counted)."""
+    phase_cpu_s: dict[str, float] = field(default_factory=dict)
+    """``persist_cpu_s`` by phase: hash, gather, write, replicate, prune."""
+
+    def add(self, phase: str, since: float) -> float:
+        now = time.thread_time()
+        self.phase_cpu_s[phase] = self.phase_cpu_s.get(phase, 0.0) + now - since
+        return now
 
 
 class FastTier:
@@ -93,10 +108,9 @@ class FastTier:
         self.node_ids: list[str] = ids
         self.keeper = ids.index(ids[self.rank]) == self.rank
         per_node = ids.count(ids[self.rank])
-        offset = per_node if self.world > per_node else 1
+        self.offset = offset = per_node if self.world > per_node else 1
         self.replicas = min(cfg.replicas, self.world // offset - 1 if offset > 1 else self.world - 1)
-        self.pairs = [((self.rank + i * offset) % self.world, (self.rank - i * offset) % self.world)
-                      for i in range(1, self.replicas + 1)]  # fmt: skip
+        self.pairs = pairs(self.rank, self.world, offset, self.replicas)
         self.same_node = [dst for dst, _ in self.pairs if ids[dst] == ids[self.rank]]
         if self.rank == 0:
             nodes = len(set(ids))
@@ -156,39 +170,78 @@ class FastTier:
         self.enabled = False
 
     def _persist(self, step: int, snap: Blob) -> None:
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         try:
             blob = snap.view()
-            table: list[Any] = [None] * self.world
-            dist.all_gather_object(table, (len(blob), digest(blob)), group=self.xfer)
-            rows = tuple((int(s), str(h)) for s, h in table)
-            own = Copy(step, self.rank, "own", self.world, self.attempt, *rows[self.rank], rows)
-            self.node.write(own, blob)
+            ranges = cut(len(blob), snap.spans)
+            parts = hashed(blob, ranges)  # the one pass over the bytes before they are written or sent
+            c = self.stats.add("hash", c0)
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, (len(blob), digest_of(parts), parts), group=self.xfer)
+            rows = tuple((int(s), str(h)) for s, h, _ in gathered)
+            every: list[tuple[Part, ...]] = [tuple(p) for _, _, p in gathered]
+            plan = node_plan(self.rank, self.node_ids, every, self.offset, self.replicas)
+            c = self.stats.add("gather", c)
+            if self.keeper:  # what no kept copy and nothing of this step names (no rank of the node writes it)
+                self.node.collect(plan.protect)
+            for (b, e, obj), (_, h, _) in zip(ranges, parts, strict=True):
+                if obj and h in plan.writes and self.node.write_object(h, blob[b:e]):
+                    self.stats.written_bytes += e - b
+            inline = b"".join(blob[b:e] for b, e, obj in ranges if not obj)
+            self.node.write(Copy(step, self.rank, "own", self.world, self.attempt, *rows[self.rank], rows, parts),
+                            inline)  # fmt: skip
+            self.stats.written_bytes += len(inline)
+            c = self.stats.add("write", c)
             for dst, src in self.pairs:
-                got = self._swap(blob, dst, src, rows[src][0])
-                if digest(got) != rows[src][1] or len(got) != rows[src][0]:
-                    raise PipelineError(f"the replica of rank {src}'s step {step} arrived damaged; not kept")
-                self.node.write(Copy(step, src, "replica", self.world, self.attempt, *rows[src], rows), got)
+                self._replicate(step, snap, ranges, (dst, src), rows, every[src], plan)
                 self.node.prune("replica", src, self.cfg.keep)
+            c = self.stats.add("replicate", c)
             self.node.prune("own", self.rank, self.cfg.keep)
             self.stats.saved.append(step)
             mine = [("own", self.rank), *(("replica", src) for _, src in self.pairs)]
             self.stats.held_bytes = self.node.held_bytes(mine)
             self.stats.staging_bytes = snap.nbytes
+            self.stats.add("prune", c)
         except BaseException as e:  # a background save never kills training: the step is just not in the fast tier
             self.stats.failed[step] = exception_line(e)
             log.warning("fast tier: rank %d did not save step %d: %s", self.rank, step, exception_line(e))
         finally:
             self.stats.last_persist_s = time.monotonic() - t0
+            self.stats.persist_cpu_s += time.thread_time() - c0
 
-    def _swap(self, blob: memoryview, dst: int, src: int, size: int) -> memoryview:
-        out = torch.empty(size, dtype=torch.uint8)
-        works = [dist.isend(torch.frombuffer(blob, dtype=torch.uint8), dst, group=self.xfer),
-                 dist.irecv(out, src, group=self.xfer)]  # fmt: skip
-        for work in works:
-            if work is not None:
-                work.wait()
-        return out.numpy().data.cast("B")  # the received tensor's own buffer, not a copy
+    def _replicate(self, step: int, snap: Blob, ranges: list[tuple[int, int, bool]], pair: tuple[int, int],
+                   rows: tuple[tuple[int, str], ...], theirs: tuple[Part, ...], plan: NodePlan) -> None:  # fmt: skip
+        """Send ``dst`` the pieces of this rank's blob it asks for; ask ``src`` for the pieces of its blob this
+        node lacks, check each against the hash ``src`` gathered, and keep them as ``src``'s replica."""
+        dst, src = pair
+        want = [a and (not obj or not self.node.has_object(h, n)) for a, (n, h, obj) in zip(plan.asks[src], theirs,
+                                                                                            strict=True)]  # fmt: skip
+        asked = torch.empty(len(ranges), dtype=torch.uint8)
+        _wait([dist.isend(torch.tensor(want, dtype=torch.uint8), src, group=self.xfer),
+               dist.irecv(asked, dst, group=self.xfer)])  # fmt: skip
+        got = torch.empty(sum(n for (n, _, _), w in zip(theirs, want, strict=True) if w), dtype=torch.uint8)
+        works, places, at = [], {}, 0
+        for i, ((b, e, _), a) in enumerate(zip(ranges, asked.tolist(), strict=True)):
+            if a:
+                works.append(dist.isend(snap.data[b:e], dst, group=self.xfer, tag=1 + i))
+                self.stats.sent_bytes += e - b
+        for i, ((n, _, _), w) in enumerate(zip(theirs, want, strict=True)):
+            if w:
+                works.append(dist.irecv(got[at : at + n], src, group=self.xfer, tag=1 + i))
+                places[i], at = at, at + n
+        _wait(works)
+        view = got.numpy().data.cast("B")  # the received tensor's own buffer, not a copy
+        inline = bytearray()
+        for i, at in places.items():
+            n, h, obj = theirs[i]
+            if digest(view[at : at + n]) != h:
+                raise PipelineError(f"the replica of rank {src}'s step {step} arrived damaged (piece {i}); not kept")
+            if not obj:
+                inline += view[at : at + n]
+            elif self.node.write_object(h, view[at : at + n]):
+                self.stats.written_bytes += n
+        self.node.write(Copy(step, src, "replica", self.world, self.attempt, *rows[src], rows, theirs), inline)
+        self.stats.written_bytes += len(inline)
 
     def _settle(self, timeout_s: float) -> bool:
         """Wait for the background save (bounded); False if it still runs."""
@@ -202,3 +255,9 @@ class FastTier:
     def wait(self) -> None:
         """The pending fast save settled (at most the deadline)."""
         self._settle(self.deadline_s)
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
