@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint import resume, steps
-from pipeline.checkpoint.fast.codec import fill, unpack
+from pipeline.checkpoint.fast.codec import BlobView, fill, unpack
 from pipeline.checkpoint.fast.resuming import FastResume
 from pipeline.checkpoint.fast.tier import FastTier
 from pipeline.checkpoint.manifest import Manifest
@@ -131,7 +131,7 @@ class Loading:
         self._last_save = time.monotonic()
         return step
 
-    def _load_fast(self, into: dict[str, Any], rest: dict[str, Any], blob: memoryview) -> int:
+    def _load_fast(self, into: dict[str, Any], rest: dict[str, Any], blob: BlobView) -> int:
         target = fill(save_state(rest, 0, self.rank), unpack(blob, f"rank {self.rank}'s fast copy"))
         loaded = apply_state(rest, target)
         into.update(rest)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pipeline.stagekit.checkpoint_store as storage
+from pipeline.checkpoint.fast.codec import BlobView
 from pipeline.checkpoint.fast.resuming import FastResume
 from pipeline.checkpoint.fast.tier import FastConfig, FastTier
 from pipeline.stagekit.contract import TaskContext
@@ -22,7 +23,7 @@ def open_tier(ctx: TaskContext, group: Any, deepspeed: bool) -> FastTier | None:
     return FastTier(cfg, ctx.layout.run_dir, ctx.attempt, group, ctx.cfg.checkpoint.async_deadline_s)
 
 
-def resume_with(ctx: TaskContext, tier: FastTier | None, load: Callable[[memoryview], int]) -> FastResume | None:
+def resume_with(ctx: TaskContext, tier: FastTier | None, load: Callable[[BlobView], int]) -> FastResume | None:
     """The fast restore of this task (None without a fast tier)."""
     if tier is None:
         return None

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint import options
 from pipeline.checkpoint import resume as resume_rule
+from pipeline.checkpoint.fast.codec import BlobView
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.save import pieces
 from pipeline.checkpoint.save.async_save import stuck_writers
@@ -134,7 +135,7 @@ class _Run:
             loaded.append((train, manifest))
             return train.step
 
-        def load_fast(blob: memoryview) -> int:
+        def load_fast(blob: BlobView) -> int:
             loaded[:] = [(strategy.load_fast(self.trainer, self.sched, self.stream, rank, blob), None)]
             return loaded[0][0].step
 

@@ -17,6 +17,7 @@ the tensors being restored.
 from __future__ import annotations
 
 import base64
+import bisect
 import json
 import math
 import struct
@@ -138,17 +139,43 @@ def snapshot(state: Any, reuse: Blob | None = None) -> Blob:
     return Blob(buf, tuple(spans))
 
 
+@dataclass(frozen=True)
+class Scattered:
+    """A blob whose pieces lie in separate buffers (a restore's mapped files and received bytes): ``views[i]``
+    holds the blob's bytes from ``starts[i]``, one after another, ``size`` in all."""
+
+    starts: tuple[int, ...]
+    views: tuple[memoryview, ...]
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def at(self, b: int, e: int) -> tuple[memoryview, int]:
+        """The buffer holding bytes ``b``..``e`` whole, and where they start in it (ValueError: none does)."""
+        i = bisect.bisect_right(self.starts, b) - 1
+        if i < 0 or e - self.starts[i] > len(self.views[i]):
+            raise ValueError(f"bytes {b}..{e} do not lie in one piece")
+        return self.views[i], b - self.starts[i]
+
+
+BlobView = memoryview | Scattered
+"""What a restore hands to :func:`unpack`: one buffer, or the pieces of one."""
+
+
 def unpack(blob: Any, what: str) -> Any:
-    """The state a blob (any buffer) holds; its tensors are views of ``blob`` (CPU, no copy). ``what`` names it
-    in errors."""
-    view = memoryview(blob).cast("B")
+    """The state a blob (any buffer, or :class:`Scattered` pieces) holds; its tensors are views of the blob's
+    buffers (CPU, no copy). ``what`` names it in errors."""
+    pieces = blob if isinstance(blob, Scattered) else None
+    view = pieces.views[0] if pieces is not None else memoryview(blob).cast("B")
     try:
         (n,) = _HEAD.unpack_from(view)
         if n > len(view) - _HEAD.size:
             raise ValueError(f"header of {n} bytes in {len(view)}")
         header = json.loads(bytes(view[_HEAD.size : _HEAD.size + n]))
         skeleton = json.loads(header.pop("__metadata__")[SKELETON_KEY])
-        tensors = _tensors(view, _HEAD.size + n, header)
+        whole = pieces or Scattered((0,), (view,), len(view))
+        tensors = _tensors(whole, _HEAD.size + n, header)
     except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
         raise CheckpointFormatError(f"{what}: not a readable fast-tier copy ({e})") from e
 
@@ -183,10 +210,10 @@ def unpack(blob: Any, what: str) -> Any:
     return build(skeleton)
 
 
-def _tensors(view: memoryview, start: int, header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The header's tensors as views of ``view``; every entry checked against the buffer (ValueError)."""
+def _tensors(blob: Scattered, start: int, header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The header's tensors as views of the blob's buffers; every entry checked against them (ValueError)."""
     out: dict[str, torch.Tensor] = {}
-    size = len(view) - start
+    size = blob.size - start
     for key, entry in header.items():
         dtype = DTYPES[entry["dtype"]]
         shape = [int(d) for d in entry["shape"]]
@@ -199,9 +226,10 @@ def _tensors(view: memoryview, start: int, header: dict[str, Any]) -> dict[str, 
         if e == b:
             out[key] = torch.empty(shape, dtype=dtype)
             continue
+        view, at = blob.at(start + b, start + e)
         with warnings.catch_warnings():  # a read-only buffer (bytes) is only ever copied from
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(view, dtype=dtype, count=(e - b) // item, offset=start + b)
+            flat = torch.frombuffer(view, dtype=dtype, count=(e - b) // item, offset=at)
         out[key] = flat.view(shape)
     return out
 
@@ -245,9 +273,12 @@ def _say(p: Layout | None) -> str:
 
 
 def _plain(saved: Any) -> Any:
-    """``saved`` with each DTensor shard as its plain local tensor (a value no template tensor took)."""
+    """``saved`` with each DTensor shard as its plain local tensor (a value no template tensor took), each tensor
+    a copy (the blob's buffers may be files mapped from the node dir, which a later save reuses)."""
     if isinstance(saved, Piece):
-        return saved.tensor
+        return saved.tensor.clone()
+    if isinstance(saved, torch.Tensor):
+        return saved.clone()
     if isinstance(saved, dict):
         return {k: _plain(v) for k, v in saved.items()}
     if isinstance(saved, list | tuple):

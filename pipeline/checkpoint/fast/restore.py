@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint.fast import RESUMED_FILE
+from pipeline.checkpoint.fast.codec import BlobView, Scattered
 from pipeline.checkpoint.fast.local import Copy
 from pipeline.checkpoint.fast.pieces import digest, objects, offsets
 from pipeline.checkpoint.fast.tier import FastTier
@@ -82,7 +84,7 @@ def _sources(held: list[Held], key: tuple[str, tuple[tuple[int, str], ...]], wor
 
 
 def restore(
-    tier: FastTier, floor: int, load: Callable[[memoryview], int], record: Callable[[dict[str, Any]], None]
+    tier: FastTier, floor: int, load: Callable[[BlobView], int], record: Callable[[dict[str, Any]], None]
 ) -> int | None:
     """Every rank: restore the newest verified fast step >= ``floor`` through ``load(blob)`` (returns the step
     the blob records) and return it, or None (nothing usable: resume from the durable tier). Rank 0 calls
@@ -156,7 +158,7 @@ its hash)."""
 
 
 def _fetch_and_check(
-    tier: FastTier, p: Plan, load: Callable[[memoryview], int], phases: dict[str, float]
+    tier: FastTier, p: Plan, load: Callable[[BlobView], int], phases: dict[str, float]
 ) -> Failure | None:
     """Move the pieces holder -> rank, check this rank's blob piece by piece against its copy's list (whose
     digest is the table's), load it; what failed or None. ``phases``: rank 0's seconds per phase (move, hash,
@@ -167,11 +169,11 @@ def _fetch_and_check(
     t = time.monotonic()
     holder, c = p.sources[tier.rank]
     want = p.table[tier.rank]
-    if not error and (blob is None or len(blob) != want[0] or (c.size, c.hash) != want):
-        error = f"{0 if blob is None else len(blob)} bytes arrived, the step's table says {want[0]}"
+    if not error and (blob is None or blob.size != want[0] or (c.size, c.hash) != want):
+        error = f"{0 if blob is None else blob.size} bytes arrived, the step's table says {want[0]}"
     elif not error and blob is not None:
-        for i, ((n, h, obj), at) in enumerate(zip(c.parts, offsets(c.parts), strict=True)):
-            if digest(blob[at : at + n]) == h:
+        for i, ((_, h, obj), view) in enumerate(zip(c.parts, blob.views, strict=True)):
+            if digest(view) == h:
                 continue
             phases["hash"] = phases.get("hash", 0.0) + time.monotonic() - t
             why = "its bytes do not match the step's table"
@@ -191,45 +193,52 @@ def _fetch_and_check(
     return None if not error else (holder, c, error, True, None)
 
 
-def _move(tier: FastTier, p: Plan) -> tuple[memoryview | None, list[bool], str]:
-    """This rank's blob (its pieces read here where this node holds them, the rest sent by the copy's holder),
-    which pieces were read here, and why not. The pairs go in one global order, so no two ranks wait on each
-    other."""
-    blob: memoryview | None = None
+def _move(tier: FastTier, p: Plan) -> tuple[Scattered | None, list[bool], str]:
+    """This rank's blob as pieces: those its node holds mapped from their files (no copy), the others sent by
+    the copy's holder; which pieces are this node's, and why there is no blob. The transfers go first, in one
+    global order (no two ranks wait on each other, and no holder makes a peer wait while it reads its own)."""
+    received: dict[int, memoryview] = {}
     local: list[bool] = []
-    error = "no source"
+    error = ""
     for shard, (holder, c) in enumerate(p.sources):
         if holder == shard:
-            if tier.rank == shard:
-                local = [True] * len(c.parts)
-                blob, error = _assemble(tier, c, local)
-        elif tier.rank == holder:
+            continue
+        if tier.rank == holder:
             _serve(tier, c, shard)
         elif tier.rank == shard:
             local = [obj and tier.node.has_object(h, n) for n, h, obj in c.parts]
-            blob, error = _assemble(tier, c, local, holder)
-    return blob, local, error
-
-
-def _assemble(tier: FastTier, c: Copy, local: list[bool], holder: int | None = None) -> tuple[memoryview | None, str]:
-    """The copy's blob in one buffer: the ``local`` pieces read from this node, the others received from
-    ``holder`` (which answers first whether it could read them)."""
-    buf = torch.empty(c.size, dtype=torch.uint8)
-    view = buf.numpy().data.cast("B")  # the tensor's own buffer: what arrives and what is read land in place
-    if holder is not None:
-        dist.send(torch.tensor([not x for x in local], dtype=torch.uint8), holder, group=tier.group)
-        ok = torch.empty(1, dtype=torch.int64)
-        dist.recv(ok, holder, group=tier.group)
-        if ok.item() < 0:
-            return None, "its holder could not read it"
-        for i, ((n, _, _), at) in enumerate(zip(c.parts, offsets(c.parts), strict=True)):
-            if not local[i]:
-                dist.recv(buf[at : at + n], holder, group=tier.group, tag=1 + i)
+            received, error = _receive(tier, c, local, holder)
+    holder, c = p.sources[tier.rank]
+    if holder == tier.rank:
+        local = [True] * len(c.parts)
+    if error:
+        return None, local, error
     try:
-        tier.node.read_into(c, view, [i for i, x in enumerate(local) if x])
+        views = tuple(tier.node.piece(c, i) if local[i] else received[i] for i in range(len(c.parts)))
     except OSError as e:
-        return None, f"unreadable ({e.strerror or e})"
-    return view, ""
+        return None, local, f"unreadable ({e.strerror or e})"
+    return Scattered(tuple(offsets(c.parts)), views, c.size), local, ""
+
+
+def _receive(tier: FastTier, c: Copy, local: list[bool], holder: int) -> tuple[dict[int, memoryview], str]:
+    """The pieces of ``c`` that are not ``local``, from ``holder`` (which answers first whether it could read
+    them), each into its place in one buffer."""
+    dist.send(torch.tensor([not x for x in local], dtype=torch.uint8), holder, group=tier.group)
+    ok = torch.empty(1, dtype=torch.int64)
+    dist.recv(ok, holder, group=tier.group)
+    if ok.item() < 0:
+        return {}, "its holder could not read it"
+    buf = torch.empty(sum(n for (n, _, _), x in zip(c.parts, local, strict=True) if not x), dtype=torch.uint8)
+    view = buf.numpy().data.cast("B")  # the tensor's own buffer: what arrives lands in place
+    works, out, at = [], {}, 0
+    for i, (n, _, _) in enumerate(c.parts):
+        if not local[i]:
+            works.append(dist.irecv(buf[at : at + n], holder, group=tier.group, tag=1 + i))
+            out[i], at = view[at : at + n], at + n
+    for work in works:
+        if work is not None:
+            work.wait()
+    return out, ""
 
 
 def _serve(tier: FastTier, c: Copy, to: int) -> None:
@@ -243,7 +252,10 @@ def _serve(tier: FastTier, c: Copy, to: int) -> None:
         return
     dist.send(torch.tensor([0], dtype=torch.int64), to, group=tier.group)
     for i, piece in pieces.items():
-        dist.send(torch.frombuffer(piece, dtype=torch.uint8), to, group=tier.group, tag=1 + i)
+        with warnings.catch_warnings():  # a read-only mapping: gloo only reads what it sends
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(piece, dtype=torch.uint8)
+        dist.send(data, to, group=tier.group, tag=1 + i)
 
 
 def _report(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.fast import RESUMED_FILE
+from pipeline.checkpoint.fast.codec import BlobView
 from pipeline.checkpoint.fast.restore import restore
 from pipeline.checkpoint.fast.tier import FastConfig, FastTier
 from pipeline.checkpoint.stores.store import CheckpointStore
@@ -58,7 +59,7 @@ class FastResume:
     """The ``first``/``floor`` pair :meth:`~pipeline.checkpoint.save.session.CheckpointSession.load_latest` takes, and
     the record rank 0 writes once the step is loaded."""
 
-    def __init__(self, tier: FastTier, store: CheckpointStore, checkpoints: Path, load: Callable[[memoryview], int]):
+    def __init__(self, tier: FastTier, store: CheckpointStore, checkpoints: Path, load: Callable[[BlobView], int]):
         self.tier, self.store, self.checkpoints, self.load = tier, store, checkpoints, load
         self.rec: dict[str, Any] | None = None
 
