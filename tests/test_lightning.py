@@ -9,6 +9,9 @@ runs it: ``examples/lightning_train.py`` under ``torchrun`` on 2 CPU ranks (gloo
   during the run, only ever names steps that verify; ``save_top_k=2, monitor="train_loss"`` leaves exactly the two
   best steps and the newest; ``status --verify``, ``consolidate`` (the same weights as the uninterrupted run's)
   and ``export`` read what the trainer wrote;
+* ``ModelParallelStrategy`` with FSDP2's ``fully_shard`` (2 ranks): each rank saves its own shards of the weights
+  and of the optimizer's state; ``fit(ckpt_path=".../checkpoints/step_4")`` resumes that step and logs the same
+  losses, bit for bit; ``status --verify`` and ``consolidate`` (full tensors) read the steps;
 * why a user would switch: Lightning's own ``ModelCheckpoint`` with ``AsyncCheckpointIO`` removes the previous
   checkpoint as soon as it has queued the new one; killed at that moment it leaves no checkpoint, and the relaunch
   trains from step 0. The committed one killed at the same point resumes from a committed step.
@@ -28,10 +31,11 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
+from pipeline.formats.dcp_metadata import TensorStorageMetadata, read_metadata_safe
 from pipeline.storage.layout import CheckpointLayout
 from tests.conftest import ROOT
 from tests.test_examples import LatestWatcher
-from tests.trainer_runs import ENV, torchrun
+from tests.trainer_runs import ENV, resumed_from, torchrun
 from tests.trainer_runs import latest_step as _latest_step
 from tests.trainer_runs import losses as _losses
 from tests.trainer_runs import run as _run
@@ -119,6 +123,38 @@ def test_a_rank_killed_mid_run_resumes_bit_identically_and_every_tool_reads_the_
     tool = [sys.executable, "-m", "pipeline.export", str(killed)]
     export = subprocess.run(tool, capture_output=True, text=True, check=False)
     assert export.returncode == 0 and (killed / "export" / "step_24" / "model.safetensors.index.json").is_file()
+
+
+def test_fsdp2_under_model_parallel_strategy_saves_shards_and_resumes_a_named_step_bit_identically(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "fsdp2"
+    keep_all = ("--strategy", "fsdp2", "--steps", "12", "--keep", "-1", "--keep-by", "train_loss")
+    first = _run(_torchrun(out, *keep_all))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert _steps(out) == [4, 8, 12]
+    stored = read_metadata_safe(out / "checkpoints" / "step_4").state_dict_metadata
+    for key in ("model.net.0.weight", "optim.state.net.0.weight.exp_avg"):
+        meta = stored[key]
+        assert isinstance(meta, TensorStorageMetadata), key
+        assert sorted(tuple(c.offsets) for c in meta.chunks) == [(0, 0), (16, 0)], f"{key}: not one half a rank"
+    logged = (out / "losses.jsonl").read_text().splitlines()
+
+    again = _run(_torchrun(out, *keep_all, "--ckpt", str(out / "checkpoints" / "step_4")))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert resumed_from(again.stderr) == 4
+    rerun = (out / "losses.jsonl").read_text().splitlines()[len(logged) :]
+    assert rerun == logged[4:], "steps 5 to 12 after the resume from step 4 differ from the first run's"
+
+    _verify(out, 3)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.consolidate", str(out)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    full = load_file(out / "consolidated" / "step_12" / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in full.items()} == {
+        "net.0.weight": (32, 8), "net.0.bias": (32,), "net.2.weight": (1, 32), "net.2.bias": (1,)
+    }  # fmt: skip
 
 
 KILL_AT_ROTATION = """

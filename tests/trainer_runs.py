@@ -1,5 +1,6 @@
 """What the trainers' tests (Lightning, Accelerate) share: their example under torchrun on 2 ranks, and what they
-read back from its output dir (the losses rank 0 logged, ``latest``'s step, the committed steps)."""
+read back from its output dir (the losses rank 0 logged, ``latest``'s step, the committed steps, the step a run
+resumed from)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,10 @@ def latest_step(out: Path) -> int:
 
 def steps(out: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+
+
+def resumed_from(stderr: str) -> int:
+    """The step named by the run's one "resuming from committed step N" line."""
+    lines = [line for line in stderr.splitlines() if "resuming from committed step" in line]
+    assert len(lines) == 1, stderr[-3000:]
+    return int(lines[0].split("committed step ")[1].split()[0])
