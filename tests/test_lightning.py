@@ -12,6 +12,8 @@ runs it: ``examples/lightning_train.py`` under ``torchrun`` on 2 CPU ranks (gloo
 * ``ModelParallelStrategy`` with FSDP2's ``fully_shard`` (2 ranks): each rank saves its own shards of the weights
   and of the optimizer's state; ``fit(ckpt_path=".../checkpoints/step_4")`` resumes that step and logs the same
   losses, bit for bit; ``status --verify`` and ``consolidate`` (full tensors) read the steps;
+* ``ckpt_path="best"`` resumes the committed step best by ``monitor``, a step's directory that step, and a step that
+  is not committed is refused in one line (before and after anything is committed): one process, five fits;
 * why a user would switch: Lightning's own ``ModelCheckpoint`` with ``AsyncCheckpointIO`` removes the previous
   checkpoint as soon as it has queued the new one; killed at that moment it leaves no checkpoint, and the relaunch
   trains from step 0. The committed one killed at the same point resumes from a committed step.
@@ -155,6 +157,62 @@ def test_fsdp2_under_model_parallel_strategy_saves_shards_and_resumes_a_named_st
     assert {k: tuple(v.shape) for k, v in full.items()} == {
         "net.0.weight": (32, 8), "net.0.bias": (32,), "net.2.weight": (1, 32), "net.2.bias": (1,)
     }  # fmt: skip
+
+
+FITS = """
+import json, os, runpy, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+main = runpy.run_path("examples/lightning_train.py")["main"]
+for i, ckpt in enumerate(sys.argv[2:]):
+    print(f"=== fit {i}", file=sys.stderr, flush=True)
+    sys.argv = ["lightning_train.py", "--out", str(out), "--steps", "12", "--keep", "-1", "--keep-by", "train_loss",
+                "--ckpt", ckpt]
+    try:
+        main()
+    except Exception as e:
+        print("refused:", json.dumps(str(e)), file=sys.stderr, flush=True)
+    if (out / "losses.jsonl").exists():
+        os.replace(out / "losses.jsonl", out / f"losses_{i}.jsonl")
+"""
+
+
+def test_ckpt_path_best_and_a_step_directory_resume_those_committed_steps_and_another_is_refused(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "one"
+
+    def step(n: int) -> str:
+        return str(out / "checkpoints" / f"step_{n}")
+
+    done = _run([sys.executable, "-c", FITS, str(out), step(4), "last", "best", step(4), step(6)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    fits = done.stderr.split("=== fit ")[1:]
+    assert len(fits) == 5, done.stderr[-3000:]
+
+    def refused(fit: str) -> str:
+        lines = [line for line in fit.splitlines() if line.startswith("refused: ")]
+        assert len(lines) == 1, fit[-3000:]
+        return json.loads(lines[0][len("refused: ") :])
+
+    def logged(i: int) -> dict[int, float]:
+        return {e["step"]: e["loss"] for e in map(json.loads, (out / f"losses_{i}.jsonl").read_text().splitlines())}
+
+    assert refused(fits[0]) == (
+        f"CommittedCheckpoint: cannot load ckpt_path {step(4)!r}: step 4 is not committed in {out / 'checkpoints'} "
+        "(committed: none); pass 'last', 'best' or a committed step"
+    )
+    first = logged(1)
+    assert sorted(first) == list(range(1, 13)) and _steps(out) == [4, 8, 12], "'last' with none committed: fresh"
+    best = min((4, 8, 12), key=lambda s: (first[s], -s))  # train_loss, mode="min"; a tie: the newer step
+    assert best != 12, f"the data has the newest step best ({first}): 'best' and 'last' would look alike"
+    assert resumed_from(fits[2]) == best and logged(2) == {s: first[s] for s in range(best + 1, 13)}
+    assert resumed_from(fits[3]) == 4 and logged(3) == {s: first[s] for s in range(5, 13)}
+    assert refused(fits[4]) == (
+        f"CommittedCheckpoint: cannot load ckpt_path {step(6)!r}: step 6 is not committed in {out / 'checkpoints'} "
+        "(committed: 4, 8, 12); pass 'last', 'best' or a committed step"
+    )
+    assert not (out / "losses_4.jsonl").exists() and _steps(out) == [4, 8, 12], "the refused fit trained nothing"
 
 
 KILL_AT_ROTATION = """

@@ -286,13 +286,16 @@ class CommittedCheckpoint(ModelCheckpoint):
 
         def decide() -> int | str:
             newest = ck._resume_step()  # the committer's first pass: a completely staged step is committed first
-            if isinstance(newest, str) or which == steps.LATEST or not newest:
+            if isinstance(newest, str) or which == steps.LATEST or (not newest and which == steps.BEST):
                 return newest
             try:
                 chosen = steps.pick(store_for(ck.layout, ck.remote), which, self.monitor or "loss", self.mode)
                 steps.verified_dir(store_for(ck.layout, ck.remote), chosen)
             except (PipelineError, OSError) as e:
-                return f"cannot load ckpt_path {which!r}: {' '.join(str(e).split())}"
+                named = str(self.checkpoints / f"step_{which}") if isinstance(which, int) else which
+                why = " ".join(str(e).split())
+                fix = "pass 'last', 'best' or a committed step"
+                return f"CommittedCheckpoint: cannot load ckpt_path {named!r}: {why}; {fix}"
             return chosen
 
         load = ck._loader(into, (), False)
