@@ -22,22 +22,15 @@ runs it: ``examples/lightning_train.py`` under ``torchrun`` on 2 CPU ranks (gloo
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 from safetensors.torch import load_file
 
 from pipeline.formats.dcp_metadata import TensorStorageMetadata, read_metadata_safe
-from pipeline.storage.layout import CheckpointLayout
-from tests.conftest import ROOT
-from tests.test_examples import LatestWatcher
-from tests.trainer_runs import ENV, resumed_from, torchrun
+from tests.trainer_runs import kill_rank_1_then_rerun, resumed_from, torchrun
 from tests.trainer_runs import latest_step as _latest_step
 from tests.trainer_runs import losses as _losses
 from tests.trainer_runs import run as _run
@@ -81,34 +74,13 @@ def test_a_rank_killed_mid_run_resumes_bit_identically_and_every_tool_reads_the_
 ) -> None:
     killed = tmp_path / "killed"
     best_k = ("--keep-by", "train_loss")
-    watcher = LatestWatcher(CheckpointLayout(killed))
-    watcher.start()
-    cmd = _torchrun(killed, *best_k, "--pause", "0.3")
-    first = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while _latest_step(killed) < 8 and first.poll() is None:
-            assert time.monotonic() < deadline, "no step 8 committed in 240 s"
-            time.sleep(0.05)
-        assert first.poll() is None, f"the run ended before the kill:\n{first.communicate()[1][-3000:]}"
-        rank1 = [p for p in psutil.Process(first.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-        os.kill(rank1[0].pid, signal.SIGKILL)
-        assert first.wait(120) != 0
-        assert _latest_step(killed) < 20, "the kill came mid-run"
-        again = _run(_torchrun(killed, *best_k))
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-        watcher.halt.set()
-        watcher.join(10)
-    assert again.returncode == 0, again.stderr[-3000:]
-    resumed = [line for line in again.stderr.splitlines() if "resuming from committed step" in line]
-    assert len(resumed) == 1, again.stderr[-3000:]
-    assert 8 <= int(resumed[0].split("committed step ")[1].split()[0]) < 20, resumed  # mid-epoch: 20 an epoch
+    done = kill_rank_1_then_rerun(_torchrun(killed, *best_k, "--pause", "0.3"), _torchrun(killed, *best_k), killed)
+    assert done.latest_at_kill < 20, "the kill came mid-run"
+    assert done.again.returncode == 0, done.again.stderr[-3000:]
+    assert 8 <= resumed_from(done.again.stderr) < 20  # mid-epoch: 20 an epoch
 
     assert _losses(killed) == _losses(whole), "the resumed run's losses differ from the uninterrupted run's"
-    assert watcher.bad == [] and len(watcher.seen) >= 2, (watcher.bad, watcher.seen)
+    assert done.watcher.bad == [] and len(done.watcher.seen) >= 2, (done.watcher.bad, done.watcher.seen)
     losses = _losses(whole)
     saved = [s for s in losses if s % 4 == 0]
     best = sorted(saved, key=lambda s: (losses[s], -s))[:2]  # the lowest two; a tie: the newer step
@@ -293,6 +265,5 @@ def test_lightnings_async_rotation_killed_leaves_nothing_to_resume_and_the_commi
     assert _latest_step(committed) in (0, 4), "step 4 committed (or completely staged: the rerun commits it)"
     again = _one_process(committed)
     assert again.returncode == 0, again.stderr[-3000:]
-    resumed = [line for line in again.stderr.splitlines() if "resuming from committed step" in line]
-    assert resumed and int(resumed[0].split("committed step ")[1].split()[0]) in (4, 8), again.stderr[-3000:]
+    assert resumed_from(again.stderr) in (4, 8)
     assert _latest_step(committed) == 12 and _steps(committed) == [12]
