@@ -2,7 +2,8 @@
 ``load_state``), as a user runs it: ``examples/accelerate_train.py`` under ``torchrun`` on 2 CPU ranks (gloo, DDP,
 the real ``accelerate``).
 
-* one uninterrupted run (module fixture): ``total_limit=2`` leaves exactly the newest two committed steps;
+* one uninterrupted run (module fixture), started with ``accelerate launch --multi_gpu --num_processes 2`` (it
+  runs CPU ranks too): 2 ranks, and ``total_limit=2`` leaves exactly the newest two committed steps;
 * a rank ``kill -9``-ed mid-run, the same command run again (``load_state(accelerator)``): it resumes from the
   newest committed step, mid-epoch (20 steps an epoch), and every loss equals the uninterrupted run's bit for bit;
   ``latest``, polled during the run, only ever names steps that verify; ``total_limit`` leaves exactly the two
@@ -43,17 +44,27 @@ def _torchrun(out: Path, *args: str) -> list[str]:
     return torchrun(EXAMPLE, out, *args)
 
 
+def _accelerate_launch(out: Path, *args: str) -> list[str]:
+    """The example on 2 CPU processes as Accelerate's users start it (``accelerate launch``, no config file)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", EXAMPLE,
+            "--out", str(out), *args]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One uninterrupted run."""
+    """One uninterrupted run, started with ``accelerate launch`` (the killed run's losses, under torchrun, must
+    equal its own: the two launchers run the same 2 ranks)."""
     out = tmp_path_factory.mktemp("accelerate") / "whole"
-    done = _run(_torchrun(out))
+    done = _run(_accelerate_launch(out))
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
 def test_an_uninterrupted_run_commits_and_total_limit_keeps_the_newest_two(whole: Path) -> None:
     assert _latest_step(whole) == 24 and sorted(_losses(whole)) == list(range(1, 25))
+    manifest = json.loads((whole / "checkpoints" / "step_24" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2, "accelerate launch started 2 processes"
     assert _steps(whole) == [20, 24], "total_limit=2: the newest two committed steps"
     assert not list((whole / "checkpoints").glob("checkpoint_*")), "Accelerate's own save_state never ran"
 
