@@ -1,5 +1,11 @@
 """A Hugging Face Accelerate loop whose checkpoints are committed (docs/trainers.md): a small MLP on fixed random
-data, ``torchrun --nproc-per-node 2 examples/accelerate_train.py --out runs/acc``.
+data, on 2 CPU processes with either launcher:
+
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 examples/accelerate_train.py --out runs/acc
+    torchrun --nproc-per-node 2 examples/accelerate_train.py --out runs/acc
+
+(``--multi_gpu`` starts them through torch's elastic launcher; ``Accelerator(cpu=True)`` keeps them on the CPU.
+``accelerate launch --cpu --num_processes 2`` starts one process, unless ``--mpirun_hostfile`` and ``mpirun``.)
 Rerun the same command after a kill: ``load_state(accelerator)`` resumes from the newest committed step, and the
 epoch's first batches already trained are skipped with ``accelerator.skip_first_batches`` (with
 ``--stateful-loader``, Accelerate's ``use_stateful_dataloader=True``, the loader's saved position is restored

@@ -3,6 +3,10 @@
 ``fit(ckpt_path="last")`` resumes from the newest committed step, mid-epoch too (the loader is torchdata's
 ``StatefulDataLoader``, whose position Lightning saves). Rank 0 appends each step's loss (the mean over the
 ranks) to ``<out>/losses.jsonl``, so a resumed run can be compared with an uninterrupted one.
+
+``--strategy fsdp2``: Lightning's ``ModelParallelStrategy``, the module sharded with FSDP2's ``fully_shard`` in
+``configure_model``; its weights and optimizer state are saved sharded, each rank its own shards.
+``--ckpt best`` or ``--ckpt <out>/checkpoints/step_N``: resume from the best committed step, or that one.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.io import AsyncCheckpointIO
+from pytorch_lightning.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pipeline.integrations.lightning import CommittedCheckpoint
@@ -25,6 +31,15 @@ class Regression(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy``: each linear layer and the whole net sharded over the data-parallel ranks."""
+        if self.device_mesh is not None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -57,6 +72,8 @@ def main() -> None:
     p.add_argument("--keep", type=int, default=2, help="save_top_k")
     p.add_argument("--keep-by", default="step", help="step: keep the newest --keep steps; train_loss: the best")
     p.add_argument("--async-save", action="store_true", help="Lightning's AsyncCheckpointIO plugin")
+    p.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp", help="fsdp2: ModelParallelStrategy")
+    p.add_argument("--ckpt", default="last", help="fit's ckpt_path: last, best or a committed step's directory")
     p.add_argument("--pause", type=float, default=float(os.environ.get("EXAMPLE_STEP_PAUSE_S", "0")))
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -74,13 +91,16 @@ def main() -> None:
         dirpath=a.out, every_n_train_steps=a.every, save_top_k=a.keep, monitor=a.keep_by,
         mode="max" if a.keep_by == "step" else "min", save_last=True,
     )  # fmt: skip
+    strategy: Any = "ddp" if world > 1 else "auto"
+    if a.strategy == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=world, num_nodes=1, strategy="ddp" if world > 1 else "auto", max_steps=a.steps,
+        accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, max_steps=a.steps,
         callbacks=[checkpoint, LogLosses(os.path.join(a.out, "losses.jsonl"), a.pause)],
         plugins=[AsyncCheckpointIO()] if a.async_save else None, logger=False, enable_progress_bar=False,
         enable_model_summary=False, log_every_n_steps=1, deterministic=True, use_distributed_sampler=False,
     )  # fmt: skip
-    trainer.fit(Regression(), data, ckpt_path="last")  # the newest committed step, or from scratch
+    trainer.fit(Regression(), data, ckpt_path=a.ckpt)  # "last": the newest committed step, or from scratch
 
 
 if __name__ == "__main__":

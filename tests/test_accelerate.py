@@ -2,7 +2,8 @@
 ``load_state``), as a user runs it: ``examples/accelerate_train.py`` under ``torchrun`` on 2 CPU ranks (gloo, DDP,
 the real ``accelerate``).
 
-* one uninterrupted run (module fixture): ``total_limit=2`` leaves exactly the newest two committed steps;
+* one uninterrupted run (module fixture), started with ``accelerate launch --multi_gpu --num_processes 2`` (it
+  runs CPU ranks too): 2 ranks, and ``total_limit=2`` leaves exactly the newest two committed steps;
 * a rank ``kill -9``-ed mid-run, the same command run again (``load_state(accelerator)``): it resumes from the
   newest committed step, mid-epoch (20 steps an epoch), and every loss equals the uninterrupted run's bit for bit;
   ``latest``, polled during the run, only ever names steps that verify; ``total_limit`` leaves exactly the two
@@ -18,24 +19,18 @@ the real ``accelerate``).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 from safetensors.torch import load_file
 
 from pipeline.storage.faults import CRASH_EXIT_CODE
-from pipeline.storage.layout import CheckpointLayout
-from tests.conftest import ROOT
-from tests.test_examples import LatestWatcher
-from tests.trainer_runs import ENV, torchrun
+from tests.trainer_runs import kill_rank_1_then_rerun, torchrun
 from tests.trainer_runs import latest_step as _latest_step
 from tests.trainer_runs import losses as _losses
+from tests.trainer_runs import resumed_from as _resumed_from
 from tests.trainer_runs import run as _run
 from tests.trainer_runs import steps as _steps
 
@@ -49,23 +44,27 @@ def _torchrun(out: Path, *args: str) -> list[str]:
     return torchrun(EXAMPLE, out, *args)
 
 
-def _resumed_from(stderr: str) -> int:
-    lines = [line for line in stderr.splitlines() if "resuming from committed step" in line]
-    assert len(lines) == 1, stderr[-3000:]
-    return int(lines[0].split("committed step ")[1].split()[0])
+def _accelerate_launch(out: Path, *args: str) -> list[str]:
+    """The example on 2 CPU processes as Accelerate's users start it (``accelerate launch``, no config file)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", EXAMPLE,
+            "--out", str(out), *args]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One uninterrupted run."""
+    """One uninterrupted run, started with ``accelerate launch`` (the killed run's losses, under torchrun, must
+    equal its own: the two launchers run the same 2 ranks)."""
     out = tmp_path_factory.mktemp("accelerate") / "whole"
-    done = _run(_torchrun(out))
+    done = _run(_accelerate_launch(out))
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
 
 def test_an_uninterrupted_run_commits_and_total_limit_keeps_the_newest_two(whole: Path) -> None:
     assert _latest_step(whole) == 24 and sorted(_losses(whole)) == list(range(1, 25))
+    manifest = json.loads((whole / "checkpoints" / "step_24" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2, "accelerate launch started 2 processes"
     assert _steps(whole) == [20, 24], "total_limit=2: the newest two committed steps"
     assert not list((whole / "checkpoints").glob("checkpoint_*")), "Accelerate's own save_state never ran"
 
@@ -74,31 +73,13 @@ def test_a_rank_killed_mid_run_resumes_bit_identically_and_every_tool_reads_the_
     whole: Path, tmp_path: Path
 ) -> None:
     killed = tmp_path / "killed"
-    watcher = LatestWatcher(CheckpointLayout(killed))
-    watcher.start()
-    first = subprocess.Popen(_torchrun(killed, "--pause", "0.3"), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while _latest_step(killed) < 8 and first.poll() is None:
-            assert time.monotonic() < deadline, "no step 8 committed in 240 s"
-            time.sleep(0.05)
-        assert first.poll() is None, f"the run ended before the kill:\n{first.communicate()[1][-3000:]}"
-        rank1 = [p for p in psutil.Process(first.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-        os.kill(rank1[0].pid, signal.SIGKILL)
-        assert first.wait(120) != 0
-        assert _latest_step(killed) < 20, "the kill came mid-run"
-        again = _run(_torchrun(killed))
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-        watcher.halt.set()
-        watcher.join(10)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert 8 <= _resumed_from(again.stderr) < 20  # mid-epoch: 20 steps an epoch
+    done = kill_rank_1_then_rerun(_torchrun(killed, "--pause", "0.3"), _torchrun(killed), killed)
+    assert done.latest_at_kill < 20, "the kill came mid-run"
+    assert done.again.returncode == 0, done.again.stderr[-3000:]
+    assert 8 <= _resumed_from(done.again.stderr) < 20  # mid-epoch: 20 steps an epoch
 
     assert _losses(killed) == _losses(whole), "the resumed run's losses differ from the uninterrupted run's"
-    assert watcher.bad == [] and len(watcher.seen) >= 2, (watcher.bad, watcher.seen)
+    assert done.watcher.bad == [] and len(done.watcher.seen) >= 2, (done.watcher.bad, done.watcher.seen)
     assert _steps(killed) == [20, 24], "total_limit=2: exactly the newest two committed steps"
 
     status = subprocess.run(

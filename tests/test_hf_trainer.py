@@ -14,25 +14,20 @@ runs it: ``examples/hf_trainer_train.py`` under ``torchrun`` on 2 CPU ranks (rea
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from pipeline.storage.layout import CheckpointLayout
 from tests.conftest import ROOT
-from tests.test_examples import LatestWatcher
+from tests.trainer_runs import ENV, kill_rank_1_then_rerun, resumed_from
+from tests.trainer_runs import latest_step as _latest_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.trainers]
 
 EXAMPLE = "examples/hf_trainer_train.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _torchrun(out: Path, pause_s: float = 0.0) -> list[str]:
@@ -48,45 +43,17 @@ def _losses(out: Path, key: str = "loss") -> dict[int, float]:
     return {e["step"]: e[key] for e in events if key in e}
 
 
-def _latest_step(out: Path) -> int:
-    latest = out / "checkpoints" / "latest"
-    return json.loads(latest.read_text())["step"] if latest.exists() else 0
-
-
 def test_a_rank_killed_mid_run_resumes_bit_identically_and_every_tool_reads_the_steps(tmp_path: Path) -> None:
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     done = subprocess.run(_torchrun(whole), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    watcher = LatestWatcher(CheckpointLayout(killed))
-    watcher.start()
-    first = subprocess.Popen(_torchrun(killed, pause_s=0.5), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while _latest_step(killed) < 8 and first.poll() is None:
-            assert time.monotonic() < deadline, "no step 8 committed in 240 s"
-            time.sleep(0.05)
-        assert first.poll() is None, f"the run ended before the kill:\n{first.communicate()[1][-3000:]}"
-        rank1 = [p for p in psutil.Process(first.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
-        os.kill(rank1[0].pid, signal.SIGKILL)
-        assert first.wait(120) != 0
-        again = subprocess.run(
-            _torchrun(killed), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=False
-        )
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-        watcher.halt.set()
-        watcher.join(10)
-    assert again.returncode == 0, again.stderr[-3000:]
-    resumed = [line for line in again.stderr.splitlines() if "resuming from committed step" in line]
-    assert len(resumed) == 1, again.stderr[-3000:]
-    step = int(resumed[0].split("committed step ")[1].split()[0])
-    assert step >= 8, resumed
+    done = kill_rank_1_then_rerun(_torchrun(killed, pause_s=0.5), _torchrun(killed), killed)
+    assert done.again.returncode == 0, done.again.stderr[-3000:]
+    assert resumed_from(done.again.stderr) >= 8
 
     assert _losses(killed) == _losses(whole), "the resumed run's losses differ from the uninterrupted run's"
-    assert watcher.bad == [] and len(watcher.seen) >= 2, (watcher.bad, watcher.seen)
+    assert done.watcher.bad == [] and len(done.watcher.seen) >= 2, (done.watcher.bad, done.watcher.seen)
     evals = _losses(whole, "eval_loss")
     best = min(sorted(evals, reverse=True), key=lambda s: evals[s])  # the lowest; a tie: the newer step
     steps = sorted(int(p.name[5:]) for p in (killed / "checkpoints").glob("step_*"))

@@ -10,9 +10,10 @@ Why a ``ModelCheckpoint`` subclass: it is where a Lightning user already says wh
 ``every_n_epochs``, ``train_time_interval``) and what to keep (``save_top_k``, ``monitor``, ``mode``), and it is
 the callback ``ckpt_path="last"`` / ``"best"`` are resolved through (``_find_last_checkpoints``,
 ``best_model_path``). Its save hook runs on every rank, so every rank stages its part of the step. A
-``CheckpointIO`` alone could not: Lightning calls it on rank 0 only, with a file path. For the load it does
-install one (in ``setup``), since ``strategy.load_checkpoint`` runs on every rank after the process group exists:
-that is where rank 0 decides the step.
+``CheckpointIO`` alone could not: Lightning calls it on rank 0 only, with a file path, and ``ModelParallelStrategy``
+does not call it at all. For the load, ``setup`` wraps the strategy's ``load_checkpoint`` (every strategy loads
+there, on every rank, once the process group exists): a path naming committed steps goes to the library, where
+rank 0 decides the step; any other path to the strategy's own.
 
 What changes against ``ModelCheckpoint``:
 
@@ -20,6 +21,8 @@ What changes against ``ModelCheckpoint``:
   :class:`~pipeline.checkpoint.Checkpointer`: the ``LightningModule``'s weights under ``model`` (DCP, so
   ``pipeline.consolidate`` and ``pipeline.export`` read them), the optimizers' states, and the rest of the
   checkpoint dict Lightning builds (loops, callbacks, schedulers, a stateful loader's position), each rank its own.
+  Under ``ModelParallelStrategy`` (FSDP2's ``fully_shard`` and tensor parallel in ``configure_model``) the weights
+  and the optimizer's state are saved sharded, each rank its own shards (DCP), and loaded back in place.
   One committer (rank 0's thread) verifies and publishes ``<dirpath>/checkpoints/step_N``, then moves ``latest``.
 * **Resume takes a committed step.** ``ckpt_path="last"`` is the newest committed step, ``"best"`` the best by
   ``monitor``, a ``.../checkpoints/step_N`` path that step: rank 0 commits what was completely staged, verifies the
@@ -30,8 +33,9 @@ What changes against ``ModelCheckpoint``:
 * **Async.** With Lightning's ``AsyncCheckpointIO`` plugin, saves go through the library's ``save_async`` (a copy,
   then written, marked and committed in the background): the commit is never bypassed.
 
-DDP or one device (gloo or NCCL); FSDP, DeepSpeed and model-parallel strategies are refused in one line. A
-resume takes the world size the step was saved at. ``trainer.save_checkpoint(path)`` still writes a plain file of
+DDP, ``ModelParallelStrategy`` (one optimizer) or one device (gloo or NCCL); ``FSDPStrategy`` (FSDP1: Lightning
+runs it on CUDA only, so it is untested here) and DeepSpeed are refused in one line. A resume takes the world size
+the step was saved at. ``trainer.save_checkpoint(path)`` still writes a plain file of
 the user's own (outside the protocol).
 """
 
@@ -40,12 +44,15 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint import steps
 from pipeline.checkpoint.checkpointer import Checkpointer
 from pipeline.checkpoint.manifest import Manifest
+from pipeline.checkpoint.save.state import OPTIM
 from pipeline.checkpoint.stores.stores import store_for
 from pipeline.errors import ConfigError, PipelineError, need
 from pipeline.integrations.lightning_state import decode, encode
@@ -53,16 +60,23 @@ from pipeline.storage.layout import CheckpointLayout
 
 need("pytorch_lightning", "lightning", "pipeline.integrations.lightning")
 import pytorch_lightning as pl  # noqa: E402
-from lightning_fabric.plugins import CheckpointIO  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.plugins.io import AsyncCheckpointIO  # noqa: E402
-from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy  # noqa: E402
+from pytorch_lightning.strategies import (  # noqa: E402
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    Strategy,
+)
 
 log = logging.getLogger(__name__)
 
 MODEL, OPTIMIZERS, LIGHTNING = "model", "optimizers", "lightning"
-"""The step's keys: the module's weights, the optimizers' states (the same on every DDP rank, stored once), and
-the rest of each rank's Lightning checkpoint dict (under ``rank_K``)."""
+"""The step's keys: the module's weights, the optimizers' states (the same on every DDP rank, stored once; under a
+sharded strategy the one optimizer's, sharded, under the library's ``optim``), and the rest of each rank's
+Lightning checkpoint dict (under ``rank_K``)."""
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -87,8 +101,9 @@ class CommittedCheckpoint(ModelCheckpoint):
         """The library's checkpointer, open from ``setup`` to ``teardown``."""
         self.committed_resume: int | None = None
         """The committed step the last load restored (0: none was committed, training started fresh)."""
-        self._io: CommittedIO | None = None
+        self._routed: Strategy | None = None
         self._async = False
+        self._sharded = False
         self._trainer: pl.Trainer | None = None
 
     def _retention(self) -> dict[str, Any]:
@@ -146,25 +161,32 @@ class CommittedCheckpoint(ModelCheckpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, DDPStrategy | SingleDeviceStrategy):
+        if isinstance(strategy, FSDPStrategy):
+            raise ConfigError(
+                "CommittedCheckpoint: FSDPStrategy (FSDP1) is not supported (Lightning runs it on CUDA only, so it is "
+                "untested); use strategy=ModelParallelStrategy() with fully_shard (FSDP2) in configure_model"
+            )
+        supported = DDPStrategy | SingleDeviceStrategy | ModelParallelStrategy
+        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, supported):
             raise ConfigError(
                 f"CommittedCheckpoint: {type(strategy).__name__} writes checkpoints in its own per-rank layout, not "
-                "supported yet; use strategy='ddp' (or one device), or the library's Checkpointer in your own loop"
+                "supported yet; use strategy='ddp', ModelParallelStrategy (FSDP2) or one device, or the library's "
+                "Checkpointer in your own loop"
             )
         self._trainer = trainer
+        self._sharded = isinstance(strategy, ModelParallelStrategy)
         if self.checkpointer is None:
             self.checkpointer = Checkpointer(self._root, **self._options)  # a collective: the group exists now
-        if self._io is None:
+        if self._routed is None:
             self._async = isinstance(strategy.checkpoint_io, AsyncCheckpointIO)
-            self._io = CommittedIO(self, strategy.checkpoint_io)
-            strategy.checkpoint_io = self._io
+            self._route_loads(strategy)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Every staged step committed (bounded by ``deadline_s``), then the checkpointer closed."""
         super().teardown(trainer, pl_module, stage)
-        if self._io is not None:
-            trainer.strategy.checkpoint_io = self._io.inner
-            self._io = None
+        if self._routed is not None:
+            vars(self._routed).pop("load_checkpoint", None)  # the strategy's own method again
+            self._routed = None
         if self.checkpointer is not None:
             ck, self.checkpointer = self.checkpointer, None
             ck.close()
@@ -208,11 +230,15 @@ class CommittedCheckpoint(ModelCheckpoint):
         self._last_global_step_saved = step
         self._last_checkpoint_saved = str(self.checkpoints / f"step_{step}")
         self.last_model_path = self._last_checkpoint_saved
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+        optimizer = self._sharded_optimizer(trainer)
+        with _without_sharded_states(trainer.strategy, self._sharded):
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
         checkpoint.pop("state_dict", None)  # the module's weights go under MODEL, by name
         optimizers = checkpoint.pop("optimizer_states", None)
         state: dict[str, Any] = {MODEL: trainer.lightning_module, LIGHTNING: {f"rank_{ck.rank}": encode(checkpoint)}}
-        if optimizers is not None:
+        if optimizer is not None and not self.save_weights_only:
+            state[OPTIM] = optimizer  # sharded, by parameter name, with the model's shards
+        elif optimizers is not None and not self._sharded:
             state[OPTIMIZERS] = encode({"states": optimizers})
         metrics = {self.monitor: score} if self.monitor and score is not None else None
         if self._async:
@@ -222,7 +248,30 @@ class CommittedCheckpoint(ModelCheckpoint):
         if not result.ok:
             log.warning("step %d was not saved (%s): it is not committed; training goes on", step, result.error)
 
-    # -- loading (every rank, from CommittedIO) ----------------------------------------------------------------
+    def _sharded_optimizer(self, trainer: pl.Trainer) -> Any:
+        """Under a sharded strategy its one optimizer (None without one); elsewhere None (Lightning's own states)."""
+        if not self._sharded or not trainer.optimizers:
+            return None
+        if len(trainer.optimizers) > 1:
+            raise ConfigError(
+                f"CommittedCheckpoint: {len(trainer.optimizers)} optimizers under {type(trainer.strategy).__name__}; "
+                "a sharded step holds one (by parameter name): use one optimizer, or strategy='ddp'"
+            )
+        return trainer.optimizers[0]
+
+    # -- loading (every rank, from the strategy's load_checkpoint) ---------------------------------------------
+
+    def _route_loads(self, strategy: Strategy) -> None:
+        """The strategy's ``load_checkpoint`` (this instance's, until ``teardown``) sends a path naming committed
+        steps to :meth:`load_committed` and any other to the method it wraps."""
+        own = strategy.load_checkpoint
+
+        def load_checkpoint(path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+            which = self.which(path)
+            return own(path, weights_only=weights_only) if which is None else self.load_committed(which)
+
+        strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign,assignment]
+        self._routed = strategy
 
     def load_committed(self, which: int | str) -> dict[str, Any]:
         """The Lightning checkpoint dict of the committed step ``which`` names, decided by rank 0 (a collective)."""
@@ -231,16 +280,22 @@ class CommittedCheckpoint(ModelCheckpoint):
             raise PipelineError("CommittedCheckpoint: a committed step is loaded between setup() and teardown()")
         module = trainer.lightning_module
         into: dict[str, Any] = {MODEL: module, LIGHTNING: {}, OPTIMIZERS: {}}
+        optimizer = self._sharded_optimizer(trainer)  # set up before the load under a sharded strategy
+        if optimizer is not None:
+            into = {MODEL: module, OPTIM: optimizer, LIGHTNING: {}}  # loaded in place, shard by shard
 
         def decide() -> int | str:
             newest = ck._resume_step()  # the committer's first pass: a completely staged step is committed first
-            if isinstance(newest, str) or which == steps.LATEST or not newest:
+            if isinstance(newest, str) or which == steps.LATEST or (not newest and which == steps.BEST):
                 return newest
             try:
                 chosen = steps.pick(store_for(ck.layout, ck.remote), which, self.monitor or "loss", self.mode)
                 steps.verified_dir(store_for(ck.layout, ck.remote), chosen)
             except (PipelineError, OSError) as e:
-                return f"cannot load ckpt_path {which!r}: {' '.join(str(e).split())}"
+                named = str(self.checkpoints / f"step_{which}") if isinstance(which, int) else which
+                why = " ".join(str(e).split())
+                fix = "pass 'last', 'best' or a committed step"
+                return f"CommittedCheckpoint: cannot load ckpt_path {named!r}: {why}; {fix}"
             return chosen
 
         load = ck._loader(into, (), False)
@@ -264,31 +319,22 @@ class CommittedCheckpoint(ModelCheckpoint):
                     "optimizer_states": [], "lr_schedulers": []}  # fmt: skip
         checkpoint: dict[str, Any] = decode(into[LIGHTNING][f"rank_{ck.rank}"])
         checkpoint["state_dict"] = module.state_dict()  # loaded in place by the library
-        if into[OPTIMIZERS]:
+        if into.get(OPTIMIZERS):  # DDP's: Lightning loads them (a sharded strategy's optimizer was loaded in place)
             checkpoint["optimizer_states"] = decode(into[OPTIMIZERS])["states"]
         return checkpoint
 
 
-class CommittedIO(CheckpointIO):
-    """The strategy's ``CheckpointIO`` while a :class:`CommittedCheckpoint` is set up: a load of a path naming
-    committed steps goes through the library (every rank, rank 0 deciding); anything else (a file of the user's
-    own, ``trainer.save_checkpoint(path)``) goes to the ``CheckpointIO`` it replaced."""
-
-    def __init__(self, callback: CommittedCheckpoint, inner: CheckpointIO) -> None:
-        self.callback, self.inner = callback, inner
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        self.inner.save_checkpoint(checkpoint, path, storage_options)
-
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        which = self.callback.which(path)
-        if which is None:
-            return self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        return self.callback.load_committed(which)
-
-    def remove_checkpoint(self, path: Any) -> None:
-        if self.callback.which(path) is None:
-            self.inner.remove_checkpoint(path)
-
-    def teardown(self) -> None:
-        self.inner.teardown()
+@contextmanager
+def _without_sharded_states(strategy: Strategy, sharded: bool) -> Iterator[None]:
+    """Under a sharded strategy, Lightning's checkpoint dict without the weights and optimizer states it would
+    gather or copy to the CPU: the library saves those itself, each rank its shards. Elsewhere, nothing changes."""
+    if not sharded:
+        yield
+        return
+    strategy.lightning_module_state_dict = dict  # type: ignore[method-assign]
+    strategy.optimizer_state = lambda optimizer: {}  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        vars(strategy).pop("lightning_module_state_dict", None)
+        vars(strategy).pop("optimizer_state", None)
