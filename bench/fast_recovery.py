@@ -99,15 +99,19 @@ def _worker(args: argparse.Namespace) -> None:
         out["state_bytes"] = _state_bytes(model, opt)
         lim = out["limits"]  # rank 1's blob moved over the link, then verified and copied into its state
         out["limit_s"] = out["state_bytes"] / 1e9 * (1 / lim["link_gbps"] + 1 / lim["copy_hash_gbps"])
+        out["limit_fresh_s"] = out["state_bytes"] / 1e9 * (1 / lim["link_gbps"] + 1 / lim["fresh_copy_gbps"])
     else:
         blocked, t0, cpu0 = [], settled(), _cpu()
+        step_s: list[float] = []
         for step in range(1, args.steps + 1):
+            ts = settled()
             loss = model(x).square().mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
             if ckpt.should_save_fast(step):
                 blocked.append(ckpt.save_fast(step, state))
+            step_s.append(settled() - ts)
         train_s = settled() - t0
         if ckpt.fast is not None:
             ckpt.fast.wait()
@@ -116,8 +120,8 @@ def _worker(args: argparse.Namespace) -> None:
             out.update(held_bytes=st.held_bytes, persist_s=st.last_persist_s, fast_saved=st.saved,
                        written_per_save=st.written_bytes / n, sent_per_save=st.sent_bytes / n,
                        persist_cpu_per_save=st.persist_cpu_s / n,
-                       phase_cpu_per_save={k: v / n for k, v in st.phase_cpu_s.items()})  # fmt: skip
-        out.update(train_s=train_s, blocked_s=blocked, cpu_s=_cpu() - cpu0)  # to the last fast save's end
+                       phase_cpu_per_save={k: v / n for k, v in getattr(st, "phase_cpu_s", {}).items()})  # fmt: skip
+        out.update(train_s=train_s, blocked_s=blocked, cpu_s=_cpu() - cpu0, step_s=step_s)  # cpu: to the last save
         if args.save:
             t1 = time.monotonic()
             ckpt.save(args.steps, state)
@@ -165,6 +169,9 @@ def _limits(device: Any, mb: int = 256) -> dict[str, float]:
     b.copy_(a)
     xxhash.xxh3_128(b.numpy().data).hexdigest()
     copy_hash = n / (time.monotonic() - t) / 1e9
+    t = time.monotonic()
+    torch.empty(n, dtype=torch.uint8).copy_(a)  # into memory this process has not touched (a restored state's is)
+    fresh = n / (time.monotonic() - t) / 1e9
     dist.barrier()
     t = time.monotonic()
     if dist.get_rank() == 0:
@@ -174,7 +181,7 @@ def _limits(device: Any, mb: int = 256) -> dict[str, float]:
     dist.barrier()
     link = n / (time.monotonic() - t) / 1e9
     del device
-    return {"copy_hash_gbps": copy_hash, "link_gbps": link}
+    return {"copy_hash_gbps": copy_hash, "fresh_copy_gbps": fresh, "link_gbps": link}
 
 
 # -- the orchestrator ---------------------------------------------------------------------------------------------
@@ -210,7 +217,8 @@ def _recovery(args: argparse.Namespace, where: str, run: Path, nodes: Path, stor
           f"({fast['tier']}), durable {durable['restore_s']:.2f}s ({durable['tier']})", flush=True)  # fmt: skip
     return {"where": where, "durable_save_s": saved["durable_save_s"], "fast": fast, "durable": durable,
             "ratio": durable["restore_s"] / fast["restore_s"],
-            "to_limit": fast["restore_s"] / fast["limit_s"]}  # fmt: skip
+            "to_limit": fast["restore_s"] / fast["limit_s"],
+            "to_fresh_limit": fast["restore_s"] / fast["limit_fresh_s"]}  # fmt: skip
 
 
 def _drop_caches() -> None:
@@ -264,12 +272,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fast_recovery.json").write_text(json.dumps(results, indent=2) + "\n")
-    print("\n| durable tier | durable save | restore: durable | restore: fast | durable / fast | fast / limit |")
-    print("|---|---|---|---|---|---|")
+    print("\n| durable tier | durable save | restore: durable | restore: fast | durable / fast | fast / limit "
+          "| fast / limit, fresh memory |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for r in results["recovery"]:
         print(f"| {r['where']} | {r['durable_save_s']:.2f} s | {r['durable']['restore_s']:.2f} s | "
               f"{r['fast']['restore_s']:.2f} s | {r['ratio']:.1f}x | {r['to_limit']:.2f}x "
-              f"({r['fast']['limit_s']:.2f} s) |")  # fmt: skip
+              f"({r['fast']['limit_s']:.2f} s) | {r['to_fresh_limit']:.2f}x "
+              f"({r['fast']['limit_fresh_s']:.2f} s) |")  # fmt: skip
 
 
 def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, Any]:
@@ -288,10 +298,16 @@ def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, A
         "persist_cpu_per_save": fast.get("persist_cpu_per_save"),
         "phase_cpu_per_save": fast.get("phase_cpu_per_save"),
         "extra_cpu_per_save": (fast["cpu_s"] - plain["cpu_s"]) / max(1, len(fast["blocked_s"])),
+        # from the third save on: the node reuses the pages of the steps it dropped (the first saves take new ones)
+        "steady_overhead": sum(fast["step_s"][2 * args.every :]) / sum(plain["step_s"][2 * args.every :]) - 1
+        if args.steps > 2 * args.every
+        else None,
     }
     print(f"  overhead: {o['overhead']:+.1%} ({plain['train_s']:.1f}s -> {fast['train_s']:.1f}s for {args.steps} "
           f"steps); blocked {max(fast['blocked_s']):.2f}s per fast save; background {o['persist_s']:.2f}s; "
           f"{(o['held_bytes_per_rank'] or 0) / 1e9:.2f} GB held per rank", flush=True)  # fmt: skip
+    if o["steady_overhead"] is not None:
+        print(f"  steady state (steps {2 * args.every + 1}..{args.steps}): {o['steady_overhead']:+.1%}", flush=True)
     print(f"  per fast save and rank: written {o['written_per_save'] / 1e9:.2f} GB, sent {o['sent_per_save'] / 1e9:.2f}"
           f" GB; background thread {o['persist_cpu_per_save']:.2f} CPU-s; the process's extra CPU "
           f"{o['extra_cpu_per_save']:.2f} CPU-s (rank 0)", flush=True)  # fmt: skip
@@ -404,6 +420,7 @@ def _cluster_recovery(args: argparse.Namespace) -> dict[str, Any]:
         "durable": durable,
         "ratio": durable["restore_s"] / fast["restore_s"],
         "to_limit": fast["restore_s"] / fast["limit_s"],
+        "to_fresh_limit": fast["restore_s"] / fast["limit_fresh_s"],
         "overhead_on_cluster": {
             "train_s": saved["train_s"],
             "blocked_s": saved["blocked_s"],

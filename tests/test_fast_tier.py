@@ -27,6 +27,7 @@ from safetensors.torch import save as st_save
 
 from pipeline.checkpoint.fast.codec import snapshot, unpack
 from pipeline.checkpoint.fast.local import Copy, run_key
+from pipeline.checkpoint.fast.pieces import inline_size, objects
 from pipeline.checkpoint.fast.restore import plan
 from pipeline.errors import CheckpointFormatError
 from pipeline.rundir.layout import RunLayout
@@ -262,6 +263,47 @@ def test_a_replaced_node_with_a_truncated_replica_falls_back_a_step_and_restores
     assert [s["from"] for s in rec["sources"]] == ["own copy", "replica on rank 0"], rec  # type: ignore[attr-defined]
     assert len(_quarantined(fast[0])) == 1 and "bytes, the marker says" in _quarantined(fast[0])[0]
     assert losses == {s: killed[1][s] for s in range(KILL_AFTER - FAST + 1, 17)}, "losses differ"
+
+
+def _copy_of(fast: Path, kind: str, shard: int) -> Copy:
+    return Copy.of(json.loads((fast / kind / f"rank_{shard}" / f"step_{KILL_AFTER}.json").read_text()))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_node_keeps_one_copy_of_what_a_rank_and_its_replica_share(killed: tuple[Path, dict[int, str]]) -> None:
+    """DDP: node 0 holds rank 0's step and rank 1's replica; the weights and moments are the same bytes, kept
+    once (content-addressed), so the replica's own bytes are its inline pieces and its RNG state."""
+    base, _ = killed
+    node0 = base / "node0" / run_key((base / "run").resolve())
+    own, rep = _copy_of(node0, "own", 0), _copy_of(node0, "replica", 1)
+    size = {h: n for n, h, obj in (*own.parts, *rep.parts) if obj}
+    shared = objects(own.parts) & objects(rep.parts)
+    unique = sum(size[h] for h in objects(rep.parts) - shared)
+    assert shared and unique < 0.25 * sum(size[h] for h in objects(rep.parts)), (own.parts, rep.parts)
+    assert (node0 / "replica" / "rank_1" / f"step_{KILL_AFTER}.bin").stat().st_size == inline_size(rep.parts)
+    assert objects(own.parts) | objects(rep.parts) <= {p.stem for p in (node0 / "objects").glob("*.bin")}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_damaged_shared_object_is_quarantined_and_the_peer_sends_its_bytes(
+    killed: tuple[Path, dict[int, str]], tmp_path: Path
+) -> None:
+    """Node 1's object of a weight that rank 1's copy and rank 0's replica both name is damaged: rank 1's own
+    copy fails its check, the object is quarantined, and rank 1 restores from its replica on node 0, node 0
+    sending only the object node 1 lost (the rest node 1 still holds)."""
+    run, nodes, fast = _scenario(killed, tmp_path)
+    shared = sorted(objects(_copy_of(fast[1], "own", 1).parts) & objects(_copy_of(fast[1], "replica", 0).parts))
+    _flip(fast[1] / "objects" / f"{shared[0]}.bin")
+    rec, losses = _restart(run, nodes, 16)
+    assert rec["tier"] == "fast" and rec["step"] == KILL_AFTER, rec
+    assert [s["from"] for s in rec["sources"]] == ["own copy", "replica on rank 0"], rec  # type: ignore[attr-defined]
+    problems = rec["fast_problems"]
+    assert any(f"object {shared[0]}: its bytes do not match its name" in q for q in problems), problems  # type: ignore[attr-defined]
+    assert not (fast[1] / "objects" / f"{shared[0]}.bin").exists()
+    assert _quarantined(fast[1]) == ["its bytes do not match its name", "its bytes do not match the step's table"]
+    assert losses == {s: killed[1][s] for s in range(KILL_AFTER + 1, 17)}, "losses differ after the fast restore"
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pipeline.checkpoint import Checkpointer
+from pipeline.checkpoint.fast import pieces
 from pipeline.checkpoint.fast.local import NodeTier, run_key
 from pipeline.errors import PipelineError
 from pipeline.storage import faults
@@ -64,22 +65,33 @@ def _resume(root: Path) -> tuple[int, str, dict[str, torch.Tensor]]:
 
 def _states() -> dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]]:
     out = {}
-    for step in (4, 6, 8):
+    for step in (2, 4, 6, 8):
         model, opt = _model()
         _train(model, opt, step)
         out[step] = (model, opt)
     return out
 
 
+def _base(base: Path, states: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> Path:
+    """Durable step 4 committed, fast steps 4 and 6 kept (step 8's save drops 4 first: its objects are spares)."""
+    with _ck(base) as ck:
+        ck.save_fast(2, {"model": states[2][0], "optim": states[2][1]})
+        assert ck.save(4, {"model": states[4][0], "optim": states[4][1]}).ok
+        ck.save_fast(4, {"model": states[4][0], "optim": states[4][1]})
+        ck.save_fast(6, {"model": states[6][0], "optim": states[6][1]})
+    assert ck.fast is not None and ck.fast.stats.saved == [2, 4, 6]
+    assert list((base / "node").glob("*/objects/*.bin"))
+    return base
+
+
 @pytest.mark.usefixtures("no_lease_settle")
-def test_crash_at_every_io_op_of_a_fast_save_and_of_a_restore(one_rank: object, tmp_path: Path) -> None:
+def test_crash_at_every_io_op_of_a_fast_save_and_of_a_restore(
+    one_rank: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pieces, "OBJECT_MIN", 64)  # the small model's weights and moments become objects
     states = _states()
     want = {s: _weights(m) for s, (m, _) in states.items()}
-    base = tmp_path / "base"  # durable step 4 committed, fast step 6 kept
-    with _ck(base) as ck:
-        assert ck.save(4, {"model": states[4][0], "optim": states[4][1]}).ok
-        ck.save_fast(6, {"model": states[6][0], "optim": states[6][1]})
-    assert ck.fast is not None and ck.fast.stats.saved == [6]
+    base = _base(tmp_path / "base", states)
 
     def fast_save(ck: Checkpointer) -> None:
         ck.save_fast(8, {"model": states[8][0], "optim": states[8][1]})
@@ -93,6 +105,9 @@ def test_crash_at_every_io_op_of_a_fast_save_and_of_a_restore(one_rank: object, 
     clean = _copy(base, tmp_path / "clean")
     trace = _traced(clean, fast_save)
     assert isinstance(trace, list)
+    created = {path for kind, path in trace if kind == "create"}
+    reused = [path for kind, path in trace if kind == "write" and "/objects/" in path and path not in created]
+    assert reused, "step 8's save wrote no object into a spare (step 4's stale objects)"
     points = pick_points(trace, sized(30, len(trace)))
     t0 = time.monotonic()
     for n in points:

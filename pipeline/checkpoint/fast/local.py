@@ -157,7 +157,7 @@ class NodeTier:
         for spare in sorted((self.root / "spare").glob(f"{len(data)}-*.bin")):
             tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
             try:
-                io_op("rename", tmp)
+                io_op("rename", spare)
                 os.rename(spare, tmp)  # taken: no other writer can have it now
             except FileNotFoundError:
                 continue  # another writer of this node took it first
@@ -287,9 +287,9 @@ class NodeTier:
                     continue
                 with contextlib.suppress(OSError):
                     (self.root / "spare").mkdir(exist_ok=True)
-                    size = p.stat().st_size
-                    io_op("rename", p)
-                    os.rename(p, self.root / "spare" / f"{size}-{secrets.token_hex(6)}.bin")
+                    spare = self.root / "spare" / f"{p.stat().st_size}-{secrets.token_hex(6)}.bin"
+                    io_op("rename", spare)
+                    os.rename(p, spare)
 
     def prune(self, kind: str, shard: int, keep: int) -> None:
         """Keep the newest ``keep`` steps of one writer's dir (only that writer calls this)."""

@@ -3,11 +3,13 @@
 Every node's keeper scans its dir (markers, and each copy's size against its marker; a copy that fails is
 quarantined there and then) and reports what it holds; rank 0 picks the newest step at or above the durable tier's
 newest that is complete across all ranks from any mix of own copies and replicas, agreeing on one table of hashes
-(copies that disagree with the table most holders recorded are quarantined), and hands every rank the plan. Blobs
-move holder → rank over the checkpoint group; each rank hashes its blob against the table before it uses it (the
-only pass over its bytes before they are copied into the state). A copy that fails is quarantined by its holder and
-the decision is made again without it, so the choice falls back copy by copy, step by step, then to the durable
-tier (``None``), within the one restart."""
+(copies that disagree with the table most holders recorded are quarantined), and hands every rank the plan. A
+rank's pieces that its own node holds (its own copy, or objects its node-mates share) are mapped from their files
+and loaded as they lie; only the others move, holder → rank over the checkpoint group. Each rank hashes every
+piece against its copy's list (whose digest is the table's) before it uses any (the only pass over the bytes
+before they are copied into the state). A copy that fails is quarantined by its holder (a damaged object by a rank
+of its node) and the decision is made again without it, so the choice falls back copy by copy, step by step, then
+to the durable tier (``None``), within the one restart."""
 
 from __future__ import annotations
 

@@ -6,11 +6,15 @@ rank writes its own copy and the replicas it receives; a node's *keeper* (the lo
 removes what earlier launches left, at restore, before any rank saves again.
 
 Training waits only for the copy of its tensors into the blob's buffer on CPU (:func:`.codec.snapshot`; the buffer
-is reused by the next save). A thread then hashes the blob, gathers every rank's (size, hash) (so every copy's
-marker carries the whole step's table), writes the own copy and swaps blobs with the peers over a gloo group of its
-own (rank ``r`` sends to ``r + i·n`` and receives from ``r − i·n``, ``n`` the ranks per node, ``i`` = 1..replicas),
-checking each received blob against the table before it writes it. A peer that dies mid-swap leaves the step
-incomplete, so no restore picks it (:mod:`.restore`)."""
+is reused by the next save). A thread then hashes the blob's pieces (:mod:`.pieces`: each tensor of 4 KiB or more
+is one, the bytes between them others; the one pass over the bytes before they are written or sent), gathers every
+rank's piece list (so every copy's marker carries the whole step's table), writes the objects of its node it is
+the lowest holder of (:mod:`.sharing`; one the node already has, an unchanged tensor, is not written again), its
+own copy, and swaps with the peers over a gloo group of its own (rank ``r`` sends to ``r + i·n`` and receives from
+``r − i·n``, ``n`` the ranks per node, ``i`` = 1..replicas): each holder asks its source only for the pieces its node
+lacks (under DDP: the source's own RNG and position, not the weights and moments its node holds already) and
+checks each against the source's hash before it keeps it. A peer that dies mid-swap leaves the step incomplete,
+so no restore picks it (:mod:`.restore`). The thread is the only one; its CPU by phase is in ``stats``."""
 
 from __future__ import annotations
 
@@ -50,7 +54,9 @@ class FastConfig:
     replicas: int = 1
     """Copies of each rank's shard on other nodes."""
     keep: int = 2
-    """Steps kept per copy (the newest complete one survives while the next is written)."""
+    """Steps kept per copy once a save is done; while the next is written, the newest ``keep - 1`` (at least one)
+    complete steps survive, so a node holds ``keep`` steps at most (``keep = 1``: two) and reuses the pages of the
+    step it dropped."""
 
     def check(self) -> None:
         for name in ("every", "keep"):
@@ -172,6 +178,8 @@ class FastTier:
     def _persist(self, step: int, snap: Blob) -> None:
         t0, c0 = time.monotonic(), time.thread_time()
         try:
+            self._prune(max(1, self.cfg.keep - 1))  # before the gather: the keeper's collect then sees the node's
+            c0 = self.stats.add("prune", c0)  # the newest complete step survives; the others' objects are reused
             blob = snap.view()
             ranges = cut(len(blob), snap.spans)
             parts = hashed(blob, ranges)  # the one pass over the bytes before they are written or sent
@@ -194,9 +202,8 @@ class FastTier:
             c = self.stats.add("write", c)
             for dst, src in self.pairs:
                 self._replicate(step, snap, ranges, (dst, src), rows, every[src], plan)
-                self.node.prune("replica", src, self.cfg.keep)
             c = self.stats.add("replicate", c)
-            self.node.prune("own", self.rank, self.cfg.keep)
+            self._prune(self.cfg.keep)
             self.stats.saved.append(step)
             mine = [("own", self.rank), *(("replica", src) for _, src in self.pairs)]
             self.stats.held_bytes = self.node.held_bytes(mine)
@@ -208,6 +215,12 @@ class FastTier:
         finally:
             self.stats.last_persist_s = time.monotonic() - t0
             self.stats.persist_cpu_s += time.thread_time() - c0
+
+    def _prune(self, keep: int) -> None:
+        """The newest ``keep`` steps of this rank's own copies and of the replicas it holds."""
+        self.node.prune("own", self.rank, keep)
+        for _, src in self.pairs:
+            self.node.prune("replica", src, keep)
 
     def _replicate(self, step: int, snap: Blob, ranges: list[tuple[int, int, bool]], pair: tuple[int, int],
                    rows: tuple[tuple[int, str], ...], theirs: tuple[Part, ...], plan: NodePlan) -> None:  # fmt: skip
