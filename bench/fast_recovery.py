@@ -235,6 +235,7 @@ def main() -> None:
     p.add_argument("--mb", type=float, default=1100.0)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=10)
+    p.add_argument("--nice", type=int, default=0, help="also train with the background save thread at this nice")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "fast_recovery"))
     p.add_argument("--only", default="overhead,local,sharedfs,s3", help="and/or cluster (root: starts scripts/cluster)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: train on the GPU (not with cluster)")
@@ -286,6 +287,11 @@ def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, A
     plain = _launch(args, "train", scratch / "plain", shm / "plain", fast=False)
     fast = _launch(args, "train", scratch / "fast", shm / "fast", fast=True)
     shutil.rmtree(shm, ignore_errors=True)  # RAM: the next section needs it
+    niced = None
+    if args.nice:  # the same, the background thread at a lower priority than training's
+        niced = _launch(args, "train", scratch / "niced", shm / "niced", fast=True,
+                        env={"PIPELINE_FAST_NICE": str(args.nice)})  # fmt: skip
+        shutil.rmtree(shm, ignore_errors=True)
     o = {
         "plain_train_s": plain["train_s"],
         "fast_train_s": fast["train_s"],
@@ -298,16 +304,25 @@ def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, A
         "persist_cpu_per_save": fast.get("persist_cpu_per_save"),
         "phase_cpu_per_save": fast.get("phase_cpu_per_save"),
         "extra_cpu_per_save": (fast["cpu_s"] - plain["cpu_s"]) / max(1, len(fast["blocked_s"])),
-        # from the third save on: the node reuses the pages of the steps it dropped (the first saves take new ones)
-        "steady_overhead": sum(fast["step_s"][2 * args.every :]) / sum(plain["step_s"][2 * args.every :]) - 1
-        if args.steps > 2 * args.every
+        # after the third save: the node reuses the pages of the steps it dropped (the first two saves take new
+        # pages, and the second one's background work runs until the third)
+        "steady_overhead": sum(fast["step_s"][3 * args.every :]) / sum(plain["step_s"][3 * args.every :]) - 1
+        if args.steps > 3 * args.every
         else None,
     }
+    if niced is not None:
+        o["niced"] = {"nice": args.nice, "fast_train_s": niced["train_s"],
+                      "overhead": niced["train_s"] / plain["train_s"] - 1,
+                      "steady_overhead": sum(niced["step_s"][3 * args.every :])
+                      / sum(plain["step_s"][3 * args.every :]) - 1 if args.steps > 3 * args.every else None,
+                      "blocked_s": niced["blocked_s"]}  # fmt: skip
+        print(f"  background at nice {args.nice}: overhead {o['niced']['overhead']:+.1%}, steady state "
+              f"{o['niced']['steady_overhead'] or 0:+.1%}", flush=True)  # fmt: skip
     print(f"  overhead: {o['overhead']:+.1%} ({plain['train_s']:.1f}s -> {fast['train_s']:.1f}s for {args.steps} "
           f"steps); blocked {max(fast['blocked_s']):.2f}s per fast save; background {o['persist_s']:.2f}s; "
           f"{(o['held_bytes_per_rank'] or 0) / 1e9:.2f} GB held per rank", flush=True)  # fmt: skip
     if o["steady_overhead"] is not None:
-        print(f"  steady state (steps {2 * args.every + 1}..{args.steps}): {o['steady_overhead']:+.1%}", flush=True)
+        print(f"  steady state (steps {3 * args.every + 1}..{args.steps}): {o['steady_overhead']:+.1%}", flush=True)
     print(f"  per fast save and rank: written {o['written_per_save'] / 1e9:.2f} GB, sent {o['sent_per_save'] / 1e9:.2f}"
           f" GB; background thread {o['persist_cpu_per_save']:.2f} CPU-s; the process's extra CPU "
           f"{o['extra_cpu_per_save']:.2f} CPU-s (rank 0)", flush=True)  # fmt: skip

@@ -18,7 +18,9 @@ so no restore picks it (:mod:`.restore`). The thread is the only one; its CPU by
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,13 +33,16 @@ import torch.distributed as dist
 
 from pipeline.checkpoint.fast.codec import Blob, snapshot
 from pipeline.checkpoint.fast.local import Copy, NodeTier, run_key
-from pipeline.checkpoint.fast.pieces import Part, cut, digest, digest_of, hashed
+from pipeline.checkpoint.fast.pieces import Part, cut, digest, digest_of, hashed, inline_size
 from pipeline.checkpoint.fast.sharing import NodePlan, node_plan, pairs
 from pipeline.errors import PipelineError, exception_line
 
 log = logging.getLogger(__name__)
 
 FAST_DIR_ENV = "PIPELINE_FAST_DIR"
+NICE_ENV = "PIPELINE_FAST_NICE"
+"""The background save thread's niceness (Linux, that thread only; default 0): on a node whose cores train, a
+positive value lets training's threads go first (``bench/fast_recovery.py --nice`` measures it)."""
 """Where the fast tier goes when no dir is given (a node-local dir per cluster, set in the job's environment)."""
 ROOM_MARGIN = 1.1
 """Room asked for beyond the copies themselves (a blob being written beside the ``keep`` it replaces)."""
@@ -127,6 +132,7 @@ class FastTier:
             )  # fmt: skip
         self.enabled = True
         self._room_checked = False
+        self._short = ""
         self._thread: threading.Thread | None = None
         self._pending: int | None = None
         self._buffer: Blob | None = None
@@ -144,8 +150,8 @@ class FastTier:
         rank calls it at the same step. ``any_rank(flag)``: the checkpoint group's agreement (main thread)."""
         t0 = time.monotonic()
         stuck = not self._settle(self.deadline_s)
-        if any_rank(stuck or not self.enabled):
-            self._disable(f"a fast save still ran after {self.deadline_s:g} s" if stuck else "")
+        if any_rank(stuck or not self.enabled or bool(self._short)):
+            self._disable(f"a fast save still ran after {self.deadline_s:g} s" if stuck else self._short)
             return time.monotonic() - t0
         snap = self._buffer = snapshot(state, reuse=self._buffer)
         if not self._room_checked:
@@ -160,14 +166,34 @@ class FastTier:
         return time.monotonic() - t0
 
     def _room_short(self, snap: Blob) -> str:
-        sharing = self.node_ids.count(self.node_ids[self.rank])
-        need = int(snap.nbytes * (1 + self.replicas) * self.cfg.keep * ROOM_MARGIN) * sharing
-        free = self.node.free_bytes() + self.node.held_bytes()
+        """Before the first save: room for this rank's own copies at least (what its node shares is known only
+        once the pieces are hashed: :meth:`_node_short` checks the rest)."""
+        need = int(snap.nbytes * self.cfg.keep * ROOM_MARGIN)
+        return self._short_of(need, "at least ")
+
+    def _nodes_short(self, every: list[tuple[Part, ...]], room: list[int]) -> str:
+        """The first save, before it writes: whether each node has room for every distinct byte its copies of
+        ``keep`` steps hold (its objects once, each copy's inline pieces); ``room``: what each rank's node has."""
+        for keeper in sorted({self.node_ids.index(i) for i in self.node_ids}):
+            plan = node_plan(keeper, self.node_ids, every, self.offset, self.replicas)
+            sizes = {h: n for parts in every for n, h, obj in parts if obj}
+            node = [r for r, i in enumerate(self.node_ids) if i == self.node_ids[keeper]]
+            copies = [*node, *(src for q in node for _, src in pairs(q, self.world, self.offset, self.replicas))]
+            held = sum(sizes[h] for h in plan.protect) + sum(inline_size(every[r]) for r in copies)
+            short = self._short_of(int(held * self.cfg.keep * ROOM_MARGIN), "", room[keeper], len(node))
+            if short:
+                return short if keeper in node and self.rank in node else f"rank {keeper}'s node: {short}"
+        return ""
+
+    def _short_of(self, need: int, bound: str, free: int | None = None, sharing: int = 0) -> str:
+        free = self.node.free_bytes() + self.node.held_bytes() if free is None else free
         if free >= need:
             return ""
+        sharing = sharing or self.node_ids.count(self.node_ids[self.rank])
         return (
-            f"{self.node.root} has {free / 1e6:.0f} MB free, its {sharing} rank(s) need {need / 1e6:.0f} MB "
-            f"({1 + self.replicas} copies x {self.cfg.keep} steps); give checkpoint.fast.dir more room"
+            f"{self.node.root} has {free / 1e6:.0f} MB free, its {sharing} rank(s) need {bound}{need / 1e6:.0f} MB "
+            f"({self.cfg.keep} steps of what they and {self.replicas} replica(s) hold); give checkpoint.fast.dir "
+            "more room"
         )
 
     def _disable(self, why: str) -> None:
@@ -177,6 +203,7 @@ class FastTier:
 
     def _persist(self, step: int, snap: Blob) -> None:
         t0, c0 = time.monotonic(), time.thread_time()
+        _nice_this_thread()
         try:
             self._prune(max(1, self.cfg.keep - 1))  # before the gather: the keeper's collect then sees the node's
             c0 = self.stats.add("prune", c0)  # the newest complete step survives; the others' objects are reused
@@ -185,10 +212,16 @@ class FastTier:
             parts = hashed(blob, ranges)  # the one pass over the bytes before they are written or sent
             c = self.stats.add("hash", c0)
             gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, (len(blob), digest_of(parts), parts), group=self.xfer)
-            rows = tuple((int(s), str(h)) for s, h, _ in gathered)
-            every: list[tuple[Part, ...]] = [tuple(p) for _, _, p in gathered]
+            first = not self.stats.saved and not self.stats.failed
+            room = self.node.free_bytes() + self.node.held_bytes() if first else 0
+            dist.all_gather_object(gathered, (len(blob), digest_of(parts), parts, room), group=self.xfer)
+            rows = tuple((int(s), str(h)) for s, h, _, _ in gathered)
+            every: list[tuple[Part, ...]] = [tuple(p) for _, _, p, _ in gathered]
             plan = node_plan(self.rank, self.node_ids, every, self.offset, self.replicas)
+            if first:  # every rank alike, before any writes: the next save turns the tier off everywhere
+                self._short = self._nodes_short(every, [g[3] for g in gathered])
+                if self._short:
+                    raise PipelineError(self._short)
             c = self.stats.add("gather", c)
             if self.keeper:  # what no kept copy and nothing of this step names (no rank of the node writes it)
                 self.node.collect(plan.protect)
@@ -268,6 +301,13 @@ class FastTier:
     def wait(self) -> None:
         """The pending fast save settled (at most the deadline)."""
         self._settle(self.deadline_s)
+
+
+def _nice_this_thread() -> None:
+    nice = os.environ.get(NICE_ENV, "").strip()
+    if nice.lstrip("-").isdigit() and int(nice):
+        with contextlib.suppress(OSError, AttributeError):  # not Linux, or not allowed: the default priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(nice))
 
 
 def _wait(works: list[Any]) -> None:
