@@ -210,6 +210,28 @@ def move_aside(path: Path, dest_dir: Path, name: str) -> Path:
     return dest
 
 
+def replace_file(src: Path, dst: Path) -> None:
+    """Rename the finished file ``src`` over ``dst`` (readers see the old file or the new one, never a part)."""
+    io_op("rename", dst)
+    os.replace(src, dst)
+    fsync_dir(dst.parent)
+
+
+def overwrite_file(path: Path, data: memoryview) -> None:
+    """All of ``data`` into the existing file ``path`` (no reader has it: a temp name) from its start, in place:
+    its pages are reused, not allocated again."""
+    io_op("write", path)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], done)
+        io_op("fsync", path)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _rmtree_tolerant(path: Path) -> None:
     """``rmtree`` that lets entries vanish under it (another remover of the same trash got there first)."""
 

@@ -35,8 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.fast.pieces import Part, digest, digest_of, inline_size, offsets
-from pipeline.storage.atomic import clear_file, create_exclusive, move_aside, write_bytes_atomic, write_json_atomic
-from pipeline.storage.faults import io_op
+from pipeline.storage.atomic import (
+    clear_file,
+    create_exclusive,
+    move_aside,
+    overwrite_file,
+    replace_file,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 
 KINDS = ("own", "replica")
 _STEP = re.compile(r"^step_(\d+)\.json$")
@@ -155,15 +162,12 @@ class NodeTier:
         path = self.object_path(h)
         path.parent.mkdir(parents=True, exist_ok=True)
         for spare in sorted((self.root / "spare").glob(f"{len(data)}-*.bin")):
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-            try:
-                io_op("rename", spare)
-                os.rename(spare, tmp)  # taken: no other writer can have it now
+            try:  # taken: no other writer can have it now
+                tmp = move_aside(spare, path.parent, f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
             except FileNotFoundError:
                 continue  # another writer of this node took it first
-            _overwrite(tmp, data)
-            io_op("rename", path)
-            os.replace(tmp, path)
+            overwrite_file(tmp, data)
+            replace_file(tmp, path)
             return True
         write_bytes_atomic(path, data)  # type: ignore[arg-type]
         return True
@@ -286,10 +290,7 @@ class NodeTier:
                     _unlink(p)
                     continue
                 with contextlib.suppress(OSError):
-                    (self.root / "spare").mkdir(exist_ok=True)
-                    spare = self.root / "spare" / f"{p.stat().st_size}-{secrets.token_hex(6)}.bin"
-                    io_op("rename", spare)
-                    os.rename(p, spare)
+                    move_aside(p, self.root / "spare", f"{p.stat().st_size}-{secrets.token_hex(6)}.bin")
 
     def prune(self, kind: str, shard: int, keep: int) -> None:
         """Keep the newest ``keep`` steps of one writer's dir (only that writer calls this)."""
@@ -341,20 +342,6 @@ def _read_exact(path: Path, view: memoryview, skip: int) -> None:
             done += n
     if done != len(view):
         raise OSError(f"{path}: {done} bytes where its marker says {len(view)}")
-
-
-def _overwrite(path: Path, data: memoryview) -> None:
-    """All of ``data`` into the file ``path`` (of the same size) from its start, in place."""
-    io_op("write", path)
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], done)
-        io_op("fsync", path)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: Path) -> None:
