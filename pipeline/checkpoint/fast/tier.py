@@ -40,10 +40,10 @@ from pipeline.errors import PipelineError, exception_line
 log = logging.getLogger(__name__)
 
 FAST_DIR_ENV = "PIPELINE_FAST_DIR"
-NICE_ENV = "PIPELINE_FAST_NICE"
-"""The background save thread's niceness (Linux, that thread only; default 0): on a node whose cores train, a
-positive value lets training's threads go first (``bench/fast_recovery.py --nice`` measures it)."""
 """Where the fast tier goes when no dir is given (a node-local dir per cluster, set in the job's environment)."""
+NICE_ENV = "PIPELINE_FAST_NICE"
+"""The background save thread's niceness (Linux, that thread only; default 0). For measuring: on the 2-core VM,
+niceness 19 made training slower, not faster (``bench/fast_recovery.py --nice``; docs/figures.md)."""
 ROOM_MARGIN = 1.1
 """Room asked for beyond the copies themselves (a blob being written beside the ``keep`` it replaces)."""
 
@@ -206,11 +206,11 @@ class FastTier:
         _nice_this_thread()
         try:
             self._prune(max(1, self.cfg.keep - 1))  # before the gather: the keeper's collect then sees the node's
-            c0 = self.stats.add("prune", c0)  # the newest complete step survives; the others' objects are reused
+            c = self.stats.add("prune", c0)  # the newest complete step survives; the others' objects are reused
             blob = snap.view()
             ranges = cut(len(blob), snap.spans)
             parts = hashed(blob, ranges)  # the one pass over the bytes before they are written or sent
-            c = self.stats.add("hash", c0)
+            c = self.stats.add("hash", c)
             gathered: list[Any] = [None] * self.world
             first = not self.stats.saved and not self.stats.failed
             room = self.node.free_bytes() + self.node.held_bytes() if first else 0
