@@ -13,7 +13,7 @@ import torch
 from pipeline.checkpoint.fast.codec import Scattered, snapshot, unpack
 from pipeline.checkpoint.fast.local import Copy, NodeTier
 from pipeline.checkpoint.fast.pieces import OBJECT_MIN, Part, cut, digest, digest_of, hashed, objects, offsets
-from pipeline.checkpoint.fast.sharing import node_plan
+from pipeline.checkpoint.fast.sharing import node_bytes, node_plan
 
 
 def _parts(state: dict[str, torch.Tensor]) -> tuple[memoryview, list[tuple[int, int, bool]], tuple[Part, ...]]:
@@ -61,6 +61,19 @@ def test_a_node_writes_a_shared_tensor_once_and_a_replica_asks_only_for_what_its
     assert asked == objects(parts[2]) - shared and all(a for (_, _, obj), a in zip(parts[2], ask, strict=True)
                                                          if not obj)  # fmt: skip
     assert plans[0].protect == objects(parts[0]) | objects(parts[1]) | objects(parts[2]) | objects(parts[3])
+
+
+def test_a_node_of_ddp_ranks_needs_room_for_one_copy_of_what_they_share() -> None:
+    """The room the first save asks of a node: the shared weights once, each copy's own bytes (its RNG object and
+    inline pieces): not a full copy per rank and replica, which would turn the tier off on nodes that have room."""
+    ids = ["a", "a", "b", "b"]
+    parts = [_ddp(r) for r in range(4)]
+    size = {h: n for p in parts for n, h, o in p if o}
+    shared = objects(parts[0]) & objects(parts[1])
+    own = [sum(size[h] for h in objects(p) - shared) + sum(n for n, _, o in p if not o) for p in parts]
+    need = node_bytes(0, ids, parts, offset=2, replicas=1)
+    assert need == sum(size[h] for h in shared) + sum(own)  # node a: ranks 0, 1 and the replicas of 2, 3
+    assert need < 0.7 * sum(sum(n for n, _, _ in p) for p in parts)  # 4 full copies (2 own + 2 replicas)
 
 
 def test_a_tensor_held_by_no_rank_of_the_node_is_asked_for_by_one_holder_only() -> None:

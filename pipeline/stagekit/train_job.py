@@ -289,6 +289,8 @@ class _Run:
             self.evaluate(step)
         stop = preemptible() and self.session.any_rank(preemption_requested())
         if is_save_step(cfg, step) or stop:
+            if self.fast is not None:  # the fast step before is whole before the durable save begins: a rank
+                self.fast.wait()  # that dies in the durable save never costs it (bounded by the deadline)
             self.save(step)
         if self.fast is not None and self.fast.due(step):  # node-local and on a peer node, in the background
             state = strategy.dcp_state(self.trainer, self.sched, self.stream, step, self.rank)

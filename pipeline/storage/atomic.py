@@ -65,9 +65,9 @@ def is_temp_name(name: str) -> bool:
     return _TEMP_NAME.search(name) is not None
 
 
-def _write_new(tmp: Path, data: bytes, mode: int) -> None:
-    """Create ``tmp`` (it must not exist), write all of ``data`` and fsync it. A created file that fails is left
-    for the caller to remove."""
+def _write_new(tmp: Path, data: bytes, mode: int, sync: bool = True) -> None:
+    """Create ``tmp`` (it must not exist), write all of ``data`` and fsync it (``sync``). A created file that
+    fails is left for the caller to remove."""
     io_op("create", tmp)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
@@ -75,28 +75,35 @@ def _write_new(tmp: Path, data: bytes, mode: int) -> None:
         while view:
             io_op("write", tmp)
             view = view[os.write(fd, view) :]
-        io_op("fsync", tmp)
-        os.fsync(fd)
+        if sync:
+            io_op("fsync", tmp)
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def write_bytes_atomic(path: Path, data: bytes, mode: int = 0o644, *, parent_may_move: bool = False) -> None:
+def write_bytes_atomic(
+    path: Path, data: bytes, mode: int = 0o644, *, parent_may_move: bool = False, sync: bool = True
+) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one, never a part.
 
     ``parent_may_move``: the write is the last a directory receives before another process may move it (a rank's
     done-marker: the committer then publishes the step). The rename has landed; a directory gone by the closing
-    ``fsync`` of it was moved by that process, which makes the tree it moves durable (``publish_dir``)."""
+    ``fsync`` of it was moved by that process, which makes the tree it moves durable (``publish_dir``).
+    ``sync=False``: no fsync of the file or its dir (a process that dies still leaves the whole file or none;
+    a machine that crashes may leave a torn one: only for files whose every byte is checked before use)."""
     path = Path(path)
     tmp = _temp_name(path)
     try:
-        _write_new(tmp, data, mode)
+        _write_new(tmp, data, mode, sync)
         io_op("rename", path)
         os.replace(tmp, path)
     except BaseException:
         io_op("unlink", tmp)  # after a simulated crash this raises again: a dead process cleans nothing up
         tmp.unlink(missing_ok=True)
         raise
+    if not sync:
+        return
     try:
         fsync_dir(path.parent)
     except FileNotFoundError:
@@ -193,8 +200,9 @@ def publish_dir(staged: Path, final: Path) -> None:
         fsync_dir(staged.parent)
 
 
-def move_aside(path: Path, dest_dir: Path, name: str) -> Path:
-    """Rename ``path`` into ``dest_dir/name`` (quarantine, retired outputs); never deletes."""
+def move_aside(path: Path, dest_dir: Path, name: str, *, sync: bool = True) -> Path:
+    """Rename ``path`` into ``dest_dir/name`` (quarantine, retired outputs); never deletes. ``sync=False``: the
+    dirs are not fsynced (as for :func:`write_bytes_atomic`)."""
     if not dest_dir.is_dir():
         io_op("mkdir", dest_dir)
         dest_dir.mkdir(parents=True, exist_ok=True)
@@ -205,19 +213,21 @@ def move_aside(path: Path, dest_dir: Path, name: str) -> Path:
         n += 1
     io_op("rename", dest)
     os.rename(path, dest)
-    fsync_dir(dest_dir)
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(dest_dir)
+        fsync_dir(path.parent)
     return dest
 
 
-def replace_file(src: Path, dst: Path) -> None:
+def replace_file(src: Path, dst: Path, *, sync: bool = True) -> None:
     """Rename the finished file ``src`` over ``dst`` (readers see the old file or the new one, never a part)."""
     io_op("rename", dst)
     os.replace(src, dst)
-    fsync_dir(dst.parent)
+    if sync:
+        fsync_dir(dst.parent)
 
 
-def overwrite_file(path: Path, data: memoryview) -> None:
+def overwrite_file(path: Path, data: memoryview, *, sync: bool = True) -> None:
     """All of ``data`` into the existing file ``path`` (no reader has it: a temp name) from its start, in place:
     its pages are reused, not allocated again."""
     io_op("write", path)
@@ -226,8 +236,9 @@ def overwrite_file(path: Path, data: memoryview) -> None:
         done = 0
         while done < len(data):
             done += os.pwrite(fd, data[done:], done)
-        io_op("fsync", path)
-        os.fsync(fd)
+        if sync:
+            io_op("fsync", path)
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -156,20 +156,23 @@ class NodeTier:
     def write_object(self, h: str, data: memoryview) -> bool:
         """An object's bytes under their hash (the caller hashed them); False: this node has it already. A spare
         file of the same size (an object no copy names any more) is overwritten in place when there is one:
-        writing into pages the node already has costs half of writing into new ones."""
+        writing into pages the node already has costs half of writing into new ones. Not fsynced, one fsync per
+        tensor being what a disk-backed fast dir cannot afford: an object is checked against its name (its hash)
+        before any restore uses it, so one torn by a machine crash is quarantined, never loaded."""
         if self.has_object(h, len(data)):
             return False
         path = self.object_path(h)
         path.parent.mkdir(parents=True, exist_ok=True)
         for spare in sorted((self.root / "spare").glob(f"{len(data)}-*.bin")):
+            name = f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
             try:  # taken: no other writer can have it now
-                tmp = move_aside(spare, path.parent, f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+                tmp = move_aside(spare, path.parent, name, sync=False)
             except FileNotFoundError:
                 continue  # another writer of this node took it first
-            overwrite_file(tmp, data)
-            replace_file(tmp, path)
+            overwrite_file(tmp, data, sync=False)
+            replace_file(tmp, path, sync=False)
             return True
-        write_bytes_atomic(path, data)  # type: ignore[arg-type]
+        write_bytes_atomic(path, data, sync=False)  # type: ignore[arg-type]
         return True
 
     def read_into(self, c: Copy, buf: memoryview, which: Iterable[int] | None = None) -> None:
@@ -290,7 +293,7 @@ class NodeTier:
                     _unlink(p)
                     continue
                 with contextlib.suppress(OSError):
-                    move_aside(p, self.root / "spare", f"{p.stat().st_size}-{secrets.token_hex(6)}.bin")
+                    move_aside(p, self.root / "spare", f"{p.stat().st_size}-{secrets.token_hex(6)}.bin", sync=False)
 
     def prune(self, kind: str, shard: int, keep: int) -> None:
         """Keep the newest ``keep`` steps of one writer's dir (only that writer calls this)."""

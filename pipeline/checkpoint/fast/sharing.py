@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeline.checkpoint.fast.pieces import Part
+from pipeline.checkpoint.fast.pieces import Part, inline_size
 
 
 @dataclass
@@ -50,3 +50,14 @@ def node_plan(rank: int, ids: Sequence[str], parts: Sequence[Sequence[Part]], of
     for _, src in pairs(rank, world, offset, replicas):
         out.asks[src] = [not obj or claimed.get(h) == (rank, src) for _, h, obj in parts[src]]
     return out
+
+
+def node_bytes(rank: int, ids: Sequence[str], parts: Sequence[Sequence[Part]], offset: int, replicas: int) -> int:
+    """The distinct bytes the node of ``rank`` holds for one step: each object its copies name once, and every
+    copy's inline pieces (its ranks' own and the replicas they hold)."""
+    world = len(ids)
+    sizes = {h: n for p in parts for n, h, obj in p if obj}
+    node = [r for r in range(world) if ids[r] == ids[rank]]
+    copies = [*node, *(src for q in node for _, src in pairs(q, world, offset, replicas))]
+    named = node_plan(rank, ids, parts, offset, replicas).protect
+    return sum(sizes[h] for h in named) + sum(inline_size(parts[r]) for r in copies)

@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from pipeline.checkpoint.fast.codec import Blob, snapshot
 from pipeline.checkpoint.fast.local import Copy, NodeTier, run_key
-from pipeline.checkpoint.fast.pieces import Part, cut, digest, digest_of, hashed, inline_size
-from pipeline.checkpoint.fast.sharing import NodePlan, node_plan, pairs
+from pipeline.checkpoint.fast.pieces import Part, cut, digest, digest_of, hashed
+from pipeline.checkpoint.fast.sharing import NodePlan, node_bytes, node_plan, pairs
 from pipeline.errors import PipelineError, exception_line
 
 log = logging.getLogger(__name__)
@@ -175,14 +175,11 @@ class FastTier:
         """The first save, before it writes: whether each node has room for every distinct byte its copies of
         ``keep`` steps hold (its objects once, each copy's inline pieces); ``room``: what each rank's node has."""
         for keeper in sorted({self.node_ids.index(i) for i in self.node_ids}):
-            plan = node_plan(keeper, self.node_ids, every, self.offset, self.replicas)
-            sizes = {h: n for parts in every for n, h, obj in parts if obj}
+            held = node_bytes(keeper, self.node_ids, every, self.offset, self.replicas)
             node = [r for r, i in enumerate(self.node_ids) if i == self.node_ids[keeper]]
-            copies = [*node, *(src for q in node for _, src in pairs(q, self.world, self.offset, self.replicas))]
-            held = sum(sizes[h] for h in plan.protect) + sum(inline_size(every[r]) for r in copies)
             short = self._short_of(int(held * self.cfg.keep * ROOM_MARGIN), "", room[keeper], len(node))
             if short:
-                return short if keeper in node and self.rank in node else f"rank {keeper}'s node: {short}"
+                return short if self.rank in node else f"rank {keeper}'s node: {short}"
         return ""
 
     def _short_of(self, need: int, bound: str, free: int | None = None, sharing: int = 0) -> str:
