@@ -29,12 +29,11 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.fast.pieces import Part, digest, digest_of, inline_size, offsets
+from pipeline.checkpoint.fast.pieces import Part, digest, digest_of, inline_size
 from pipeline.storage.atomic import (
     clear_file,
     create_exclusive,
@@ -174,19 +173,6 @@ class NodeTier:
             return True
         write_bytes_atomic(path, data, sync=False)  # type: ignore[arg-type]
         return True
-
-    def read_into(self, c: Copy, buf: memoryview, which: Iterable[int] | None = None) -> None:
-        """A copy's pieces (all, or those indexed by ``which``) into ``buf`` (the blob's size) at their places:
-        inline ones from the copy's file, objects from this node's ``objects/`` (OSError: one is missing)."""
-        parts, starts = c.parts, offsets(c.parts)
-        at, inline_at = 0, []
-        for n, _, obj in parts:
-            inline_at.append(at)
-            at += 0 if obj else n
-        for i in range(len(parts)) if which is None else which:
-            n, h, obj = parts[i]
-            path, skip = (self.object_path(h), 0) if obj else (self.paths(c)[0], inline_at[i])
-            _read_exact(path, buf[starts[i] : starts[i] + n], skip)
 
     def piece(self, c: Copy, i: int) -> memoryview:
         """Piece ``i`` of a copy, mapped from its file (no copy: it is hashed, sent and loaded as it lies)."""
@@ -334,17 +320,6 @@ class NodeTier:
 
 def _shard_of(path: Path) -> int:
     return int(path.parent.name[5:])
-
-
-def _read_exact(path: Path, view: memoryview, skip: int) -> None:
-    """``len(view)`` bytes of ``path`` from ``skip`` into ``view`` (OSError: the file is shorter)."""
-    with open(path, "rb", buffering=0) as f:
-        f.seek(skip)
-        done = 0
-        while done < len(view) and (n := f.readinto(view[done:])):
-            done += n
-    if done != len(view):
-        raise OSError(f"{path}: {done} bytes where its marker says {len(view)}")
 
 
 def _unlink(path: Path) -> None:
