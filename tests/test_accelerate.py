@@ -13,7 +13,8 @@ the real ``accelerate``).
   the next epoch, with the same losses as an uninterrupted run;
 * why a user would switch: Accelerate's own ``save_state`` with ``total_limit=1`` ``rmtree``-s ``checkpoint_0``
   before it writes ``checkpoint_1``; killed mid-write, it leaves one torn checkpoint, and the relaunch's
-  ``load_state()`` picks it and fails. The committed one killed at the same point resumes from step 4.
+  ``load_state()`` picks it and fails. The committed one killed at the same point resumes from step 4, even while
+  the rerun's committer is between the two acts of step 4's commit (its rename and its manifest).
 """
 
 from __future__ import annotations
@@ -268,7 +269,9 @@ def test_accelerates_rotation_killed_mid_save_leaves_a_torn_checkpoint_and_the_c
     faults = {"PIPELINE_FAULTS": "shard_save.before_marker@step=8@action=exit"}  # step 8's files written, no marker
     assert _one_process(committed, **faults).returncode == CRASH_EXIT_CODE
     assert _latest_step(committed) in (0, 4), "step 4 committed (or completely staged: the rerun commits it)"
-    again = _one_process(committed)
+    # The rerun's committer commits step 4 while load_state decides: held between its rename and its manifest (a
+    # window a loaded CI machine opens by chance), the decision waits for it, never starts fresh.
+    again = _one_process(committed, PIPELINE_FAULTS="verify.before_manifest@step=4@action=sleep@seconds=2")
     assert again.returncode == 0, again.stderr[-3000:]
     assert _resumed_from(again.stderr) == 4, "step 8 was never complete: the last committed step is 4"
     assert _latest_step(committed) == 12 and _steps(committed) == [12], "total_limit=1"

@@ -13,7 +13,9 @@ from tests.conftest import RunFactory
 from tests.test_seeds import TRAIN_ATTEMPT, _assert_committed, _verify
 
 
-@pytest.mark.parametrize("point", ["shard_save.before_marker", "verify.before_publish", "verify.before_latest"])
+@pytest.mark.parametrize(
+    "point", ["shard_save.before_marker", "verify.before_publish", "verify.before_manifest", "verify.before_latest"]
+)
 def test_crash_during_commit_keeps_last_step_and_rerun_completes(
     make_run: RunFactory,
     monkeypatch: pytest.MonkeyPatch,

@@ -78,13 +78,17 @@ def is_done(cfg: PipelineConfig, layout: RunLayout) -> str | None:
         return None  # a step staged in the bucket: train starts, and waits for the committer to commit it
     if is_real_dir(layout.committed_step(target)) and lstat_kind(layout.committed_step(target) / MANIFEST) == "file":
         return f"step {target} is published (verify_manifest moves latest)"
-    staged = layout.staged_step(target)
-    try:
-        markers = step_markers(staged, target, cfg.strategy.world_size) if is_real_dir(staged) else []
-    except VerificationError:
-        return None  # the committer quarantines it; train saves the step again
-    if markers and complete_markers(markers, producer_attempt(layout, CONTRACT.name)) is not None:
-        return f"step {target} is staged with every rank's marker (verify_manifest commits it)"
+    attempt = producer_attempt(layout, CONTRACT.name)
+    for where, said in (
+        (layout.staged_step(target), "staged with every rank's marker (verify_manifest commits it)"),
+        (layout.committed_step(target), "moved into place, its manifest not written yet (verify_manifest writes it)"),
+    ):
+        try:
+            markers = step_markers(where, target, cfg.strategy.world_size) if is_real_dir(where) else []
+        except VerificationError:
+            continue  # the committer quarantines it; train saves the step again
+        if markers and complete_markers(markers, attempt) is not None:
+            return f"step {target} is {said}"
     return None
 
 

@@ -11,6 +11,9 @@ world around them is simulated (:mod:`tests.sim.kernel`). The invariants are wha
   lets it go; the newest step that verifies always stays;
 * **lease**: the lease's highest epoch never goes back (no ghost overwrites a newer holder's record);
 * **one holder**: a newcomer that was not appointed is refused while a holder renews its lease;
+* **resume**: what a resuming trainer decides from (the newest committed step, or else the staged steps it waits
+  for, :func:`~pipeline.checkpoint.stores.stores.uncommitted`) is never older than the newest step staged whole
+  and not damaged: a step saved before a kill is never trained again, whatever the committer is doing then;
 * **rerun**: after the schedule, a committer started afresh finishes and ``latest`` names the newest step that
   was staged, not damaged and not retired.
 """
@@ -31,7 +34,7 @@ from typing import Any
 from pipeline.checkpoint.manifest import Marker, read_newest
 from pipeline.checkpoint.protocol import committer, ownership, retention
 from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
-from pipeline.checkpoint.stores import bucket_store, posix_store, remote
+from pipeline.checkpoint.stores import bucket_store, posix_store, remote, stores
 from pipeline.checkpoint.stores.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
 from pipeline.checkpoint.stores.remote import Remote
@@ -465,6 +468,7 @@ class World:
             self.violate(f"a reader cannot resume: {why}")
         if kind == "none" and ok and "none" not in os.environ.get("SIM_SKIP", ""):
             self.violate(f"a reader finds no latest, yet committed step(s) {ok} verify")
+        self._check_resume(kind, step, trashed)
         if kind == "ok":
             between = [s for s in self.ever_ok if step < s <= self.last_ok]
             if step < self.last_ok and not all(s in self.damaged or s in self.retired for s in between):
@@ -489,6 +493,22 @@ class World:
                 )
             self.retired.add(s)
         self.ever_ok |= set(ok)
+
+    def _check_resume(self, kind: str, step: int, trashed: set[int]) -> None:
+        if kind == "fail":
+            return  # the reader's own invariant judges it
+        gone = self.damaged | self.retired | trashed  # a step in the trash: the committer's next pass brings it back
+        whole = [s for s in self.staged_done if s not in gone]
+        try:
+            waits = stores.uncommitted(self.raw_store(), self.policy.world_size)
+        except (OSError, PipelineError, StoreError):
+            return
+        floor = max([step if kind == "ok" else 0, *waits])
+        if floor < max(whole, default=0):
+            self.violate(
+                f"a resuming trainer would start from step {floor} ({kind} {step}, waiting for {waits}), yet step "
+                f"{max(whole)} was staged whole and nothing damaged it"
+            )
 
     def _check_lease(self) -> None:
         epoch = self._lease_epoch()

@@ -174,6 +174,9 @@ class BucketCheckpoints(BucketRemoval):
     def unfinished(self) -> list[int]:
         return []  # the manifest object is the one act that publishes a step
 
+    def finishing(self, world_size: int) -> list[int]:
+        return []
+
     # -- staged steps ---------------------------------------------------------------------------------------
 
     def staged(self) -> list[int]:

@@ -218,6 +218,9 @@ class PosixCheckpoints:
     def unfinished(self) -> list[int]:
         return [s for s, _ in repair.unmanifested(self.storage, self.layout)]
 
+    def finishing(self, world_size: int) -> list[int]:
+        return repair.finishing(self.storage, self.layout, world_size)
+
     # -- staged steps ---------------------------------------------------------------------------------------
 
     def staged(self) -> list[int]:
@@ -248,6 +251,7 @@ class PosixCheckpoints:
         try:
             inject("verify.before_publish", step=step)
             self.storage.publish(staged, final)
+            inject("verify.before_manifest", step=step)
             manifest_hash = write_manifest(final, manifest)
         except (OSError, PipelineError) as e:
             # Another committer published this step first? The same attempt, so the same manifest bytes. An I/O

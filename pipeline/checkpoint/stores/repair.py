@@ -261,6 +261,19 @@ def unmanifested(storage: Storage, layout: CheckpointLayout) -> list[tuple[int, 
     ]
 
 
+def finishing(storage: Storage, layout: CheckpointLayout, world_size: int) -> list[int]:
+    """The :func:`unmanifested` steps holding every rank's marker: what :func:`finish_unmanifested` finishes once
+    they verify (a reader that resumes waits for them)."""
+    found = []
+    for step, path in unmanifested(storage, layout):
+        try:
+            if complete_markers(step_markers(path, step, staged_world(path, step, world_size)), None) is not None:
+                found.append(step)
+        except (VerificationError, OSError):
+            continue
+    return found
+
+
 def finish_unmanifested(
     storage: Storage, layout: CheckpointLayout, fence: Callable[[], None], world_size: int, allow_pickle: bool
 ) -> None:

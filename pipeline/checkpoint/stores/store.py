@@ -141,6 +141,12 @@ class CheckpointStore(Protocol):
         on a store that has two): no committed step to a reader; the next pass verifies and finishes them."""
         ...
 
+    def finishing(self, world_size: int) -> list[int]:
+        """The :meth:`unfinished` steps that hold every rank's marker: a commit between its two acts, which a
+        committer finishes once it verifies them. A resuming reader waits for them as for a staged step (it
+        sees neither a staged step nor a committed one there)."""
+        ...
+
     # -- staged steps ---------------------------------------------------------------------------------------
     def staged(self) -> list[int]:
         """Steps with staged files (any attempt), committed or not."""

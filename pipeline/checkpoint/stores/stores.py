@@ -65,7 +65,9 @@ def library_store(layout: CheckpointLayout, url: str | None = None, what: str = 
 def uncommitted(store: CheckpointStore, world_size: int, upto: int | None = None) -> list[int]:
     """Steps newer than the newest committed one staged with every rank's marker (one attempt) but not committed
     yet: what a resuming trainer waits for, so a step staged before a kill is never lost nor trained again; and
-    what a library job's close names when no committer committed them. ``upto``: none above it."""
+    what a library job's close names when no committer committed them; and steps moved into place whose
+    manifest is not written yet (:meth:`~pipeline.checkpoint.stores.store.CheckpointStore.finishing`). ``upto``:
+    none above it."""
     try:
         newest = store.newest()
     except (VerificationError, OSError, ValueError):
@@ -82,7 +84,10 @@ def uncommitted(store: CheckpointStore, world_size: int, upto: int | None = None
                     break
             except VerificationError:
                 continue
-    return pending
+    # Moved into place, its manifest not yet written (a commit between its two acts, or cut there): it is neither
+    # staged nor committed to a reader, yet the committer's next act commits it (found by tests/simulate.py).
+    finishing = [s for s in store.finishing(world_size) if s > done and (upto is None or s <= upto)]
+    return sorted({*pending, *finishing})
 
 
 def live_holder(store: CheckpointStore) -> Holder | None:
