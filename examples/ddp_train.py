@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 import torch
@@ -51,7 +52,8 @@ def main() -> None:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to watch or kill it)")
     p.add_argument("--storage", default=None, help="s3://bucket/prefix: checkpoints in a bucket (AWS env vars)")
     p.add_argument("--fast-every", type=int, default=None, help="also keep a fast copy every N steps (node-local)")
-    p.add_argument("--fast-dir", default=None, help="node-local dir of the fast tier ({rank} is filled in)")
+    p.add_argument("--fast-dir", default=None, help="node-local dir of the fast tier ({rank}, {node} filled in)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="{node} is rank // this (default: all local)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # the library's lines
     dist.init_process_group("gloo")
@@ -64,7 +66,8 @@ def main() -> None:
     data = Batches(rank, world)
     torch.manual_seed(1 + rank)  # dropout differs per rank; its generator is saved per rank
 
-    fast_dir = args.fast_dir.format(rank=rank) if args.fast_dir else None
+    node = rank // (args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    fast_dir = args.fast_dir.format(rank=rank, node=node) if args.fast_dir else None
     ckpt = Checkpointer(args.out, every_steps=args.every, keep_last=3, storage=args.storage,  # ckpt
                         fast_every=args.fast_every, fast_dir=fast_dir)  # fmt: skip  # ckpt
     state = {"model": model, "optim": opt, "sched": sched, "data": data, "rng": RankRNG(rank)}  # ckpt

@@ -66,6 +66,17 @@ def test_the_decision_takes_the_newest_complete_step_from_any_mix_of_copies() ->
     assert plan(reports, 4, floor=0, excluded=set()) is None
 
 
+def test_a_rank_whose_node_holds_its_copy_takes_that_copy_whichever_rank_of_the_node_reported_it() -> None:
+    """Two ranks a node: only a node's keeper (its lowest rank) reports what the node dir holds, so rank 1's own
+    copy is reported by rank 0; it is still rank 1's own node's copy (mapped, nothing moves), never the replica on
+    the other node, which a choice by holder rank alone would take to spread the load."""
+    s12 = _copies(12, 4)
+    reports = [[s12[0], s12[1], _replica(s12[2]), _replica(s12[3])], [], [s12[2], s12[3], _replica(s12[0]),
+               _replica(s12[1])], []]  # fmt: skip
+    p = plan(reports, 4, floor=0, excluded=set(), nodes=["a", "a", "b", "b"])
+    assert p is not None and [(h, c.kind) for h, c in p.sources] == [(0, "own"), (0, "own"), (2, "own"), (2, "own")]
+
+
 def test_a_copy_whose_table_is_outvoted_is_rejected_and_never_mixed_in() -> None:
     good, stale = _copies(12, 2), _copies(12, 2, salt="old")
     reports = [[good[0], _replica(stale[1])], [good[1], _replica(good[0])]]
@@ -317,6 +328,45 @@ def test_both_copies_of_a_shard_lost_falls_back_to_the_durable_tier(
     rec, losses = _restart(run, nodes, 16)
     assert rec["tier"] == "durable" and rec["step"] == EVERY, rec
     assert losses == {s: killed[1][s] for s in range(EVERY + 1, 17)}
+
+
+def _four(out: Path, nodes: Path, steps: int, *extra: str) -> list[str]:
+    """The DDP example on 4 ranks, 2 a "node": ranks 0 and 1 share ``node0``'s dir, ranks 2 and 3 ``node1``'s."""
+    return [TORCHRUN, "--standalone", "--nproc-per-node", "4", "examples/ddp_train.py", "--out", str(out),
+            "--steps", str(steps), "--every", str(EVERY), "--fast-every", str(FAST), "--ranks-per-node", "2",
+            "--fast-dir", str(nodes / "node{node}"), *extra]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_of_a_node_keep_one_copy_and_a_replaced_node_restores_both_from_its_peer(tmp_path: Path) -> None:
+    """Two ranks per node (4 DDP ranks): node 0 holds ranks 0 and 1's copies and the replicas of ranks 2 and 3
+    (one replica per rank, on the other node), and all four name the same objects, written once: the node's
+    ``objects/`` holds one copy of the model and optimizer, the rest is each copy's inline bytes. Node 1 replaced
+    (its dir gone), ranks 2 and 3 restore from their replicas on node 0 and train on with the losses of an
+    uninterrupted run."""
+    run, nodes = tmp_path / "run", tmp_path / "nodes"
+    ref = subprocess.run(_four(tmp_path / "ref", tmp_path / "refnodes", 16), cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=300, check=True)  # fmt: skip
+    subprocess.run(_four(run, nodes, KILL_AFTER), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+                   check=True)  # fmt: skip
+    node0 = nodes / "node0" / run_key(run.resolve())
+    copies = [_copy_of(node0, kind, r) for kind, r in (("own", 0), ("own", 1), ("replica", 2), ("replica", 3))]
+    shared = set.intersection(*(objects(c.parts) for c in copies))  # the weights and moments: DDP replicates them
+    for c in copies:  # each copy's own file holds its inline pieces only; its objects are the node's
+        size = {h: n for n, h, obj in c.parts if obj}
+        assert sum(size[h] for h in shared) > 0.5 * sum(size.values()), (c.label, c.parts)
+        assert (node0 / c.kind / f"rank_{c.shard}" / f"step_{KILL_AFTER}.bin").stat().st_size == inline_size(c.parts)
+        assert objects(c.parts) <= {p.stem for p in (node0 / "objects").glob("*.bin")}, f"{c.label}: objects lost"
+    shutil.rmtree(nodes / "node1")
+    done = subprocess.run(_four(run, nodes, 16), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rec = json.loads((run / "checkpoints" / "resumed.json").read_text())
+    assert rec["tier"] == "fast" and rec["step"] == KILL_AFTER, rec
+    assert [s["from"] for s in rec["sources"]] == ["own copy"] * 2 + ["replica on rank 0"] * 2, rec  # type: ignore[attr-defined]
+    want = _losses(ref.stdout)
+    assert _losses(done.stdout) == {s: want[s] for s in range(KILL_AFTER + 1, 17)}, "losses differ after the restore"
 
 
 # -- the app: checkpoint.fast.* ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import socket
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +49,16 @@ class Plan:
     outvoted: tuple[tuple[Held, str], ...] = ()
 
 
-def plan(reports: list[list[Copy]], world: int, floor: int, excluded: set[tuple[int, Copy]]) -> Plan | None:
+def plan(
+    reports: list[list[Copy]],
+    world: int,
+    floor: int,
+    excluded: set[tuple[int, Copy]],
+    nodes: Sequence[str] | None = None,
+) -> Plan | None:
     """The newest step >= ``floor`` that every rank can restore from verified copies; None: use the durable
-    tier. ``reports[p]``: the copies rank ``p``'s node dir holds (only keepers report)."""
+    tier. ``reports[p]``: the copies rank ``p``'s node dir holds (only keepers report); ``nodes[p]``: rank
+    ``p``'s node (default: one rank a node)."""
     by_step: dict[int, list[Held]] = {}
     for holder, copies in enumerate(reports):
         for c in copies:
@@ -67,20 +74,23 @@ def plan(reports: list[list[Copy]], world: int, floor: int, excluded: set[tuple[
                 why = f"its step {step} table disagrees with the one {top} other holder(s) recorded"
                 outvoted += [((h, c), why) for h, c in held if (c.attempt, c.table) == key]
         for key, n in votes:
-            sources = _sources(held, key, world) if n == top else None
+            sources = _sources(held, key, world, nodes or [str(r) for r in range(world)]) if n == top else None
             if sources is not None:
                 return Plan(step, key[1], sources, tuple(outvoted))
     return None
 
 
-def _sources(held: list[Held], key: tuple[str, tuple[tuple[int, str], ...]], world: int) -> tuple[Held, ...] | None:
-    """One copy per rank with table ``key``: the rank's own node first, then the least used holder."""
+def _sources(
+    held: list[Held], key: tuple[str, tuple[tuple[int, str], ...]], world: int, nodes: Sequence[str]
+) -> tuple[Held, ...] | None:
+    """One copy per rank with table ``key``: one on the rank's own node first (it maps it, nothing moves), then
+    the least used holder."""
     sources: list[Held] = []
     for shard in range(world):
         options = [(h, c) for h, c in held if c.shard == shard and (c.attempt, c.table) == key]
         if not options:
             return None
-        options.sort(key=lambda hc: (hc[0] != shard, sum(1 for s in sources if s[0] == hc[0]), hc[0]))
+        options.sort(key=lambda hc: (nodes[hc[0]] != nodes[shard], sum(1 for s in sources if s[0] == hc[0]), hc[0]))
         sources.append(options[0])
     return tuple(sources)
 
@@ -111,7 +121,7 @@ def restore(
     step: int | None = None
     named = {h for r in reports for c in r[0] for h in objects(c.parts)}
     for _ in range(1 + sum(len(r[0]) for r in reports) + len(named)):  # a round excludes a copy or an object
-        box = [plan([r[0] for r in reports], world, floor, excluded) if rank == 0 else None]
+        box = [plan([r[0] for r in reports], world, floor, excluded, tier.node_ids) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)
         chosen = box[0]
         if chosen is None:
@@ -131,7 +141,8 @@ def restore(
     if tier.keeper:
         tier.node.drop_all_but(step)
     if rank == 0:
-        _report(chosen if step is not None else None, hosts, noted, time.monotonic() - t0, record, floor, phases)
+        _report(chosen if step is not None else None, hosts, noted, time.monotonic() - t0, record, floor, phases,
+                tier.node_ids)  # fmt: skip
     return step
 
 
@@ -202,8 +213,9 @@ def _move(tier: FastTier, p: Plan) -> tuple[Scattered | None, list[bool], str]:
     received: dict[int, memoryview] = {}
     local: list[bool] = []
     error = ""
+    ids = tier.node_ids
     for shard, (holder, c) in enumerate(p.sources):
-        if holder == shard:
+        if ids[holder] == ids[shard]:  # a copy in the rank's own node dir: it maps every piece itself
             continue
         if tier.rank == holder:
             _serve(tier, c, shard)
@@ -211,7 +223,7 @@ def _move(tier: FastTier, p: Plan) -> tuple[Scattered | None, list[bool], str]:
             local = [obj and tier.node.has_object(h, n) for n, h, obj in c.parts]
             received, error = _receive(tier, c, local, holder)
     holder, c = p.sources[tier.rank]
-    if holder == tier.rank:
+    if ids[holder] == ids[tier.rank]:
         local = [True] * len(c.parts)
     if error:
         return None, local, error
@@ -268,6 +280,7 @@ def _report(
     record: Callable[[dict[str, Any]], None],
     floor: int,
     phases: dict[str, float],
+    nodes: Sequence[str],
 ) -> None:
     if p is None:
         rec: dict[str, Any] = {"tier": "durable", "fast_problems": noted, "floor": floor}
@@ -276,8 +289,8 @@ def _report(
         record(rec)
         return
     sources = [
-        {"rank": shard, "from": "own copy" if holder == shard and c.kind == "own" else f"{c.kind} on rank {holder}",
-         "host": hosts[holder]}
+        {"rank": shard, "from": "own copy" if nodes[holder] == nodes[shard] and c.kind == "own"
+         else f"{c.kind} on rank {holder}", "host": hosts[holder]}
         for shard, (holder, c) in enumerate(p.sources)
     ]  # fmt: skip
     rec = {"tier": "fast", "step": p.step, "sources": sources, "fast_problems": noted, "seconds": round(seconds, 3)}
