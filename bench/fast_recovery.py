@@ -20,6 +20,9 @@ example's size), each rank a "node" with a fast dir of its own in ``/dev/shm``:
    killed (``node.sh kill9``: its ``/local`` lost) and brought back empty; its shard comes from node1's replica
    over the nodes' network.
 
+``--strategy fsdp2`` shards the same model over the 2 ranks (``fully_shard`` per layer: every parameter and
+moment sharded, nothing replicated, half the state per rank), the case where nothing can be shared.
+
 ``--device cuda`` trains on the GPU (both ranks on ``cuda:0`` with one GPU, DDP over gloo): the step is the GPU's
 work and the fast tier's background work (hash, write, swap with the peer) has the CPU cores to itself, as on a
 GPU node; the fast save's blocking copy is the device-to-host copy into a pinned buffer. Run it as
@@ -65,7 +68,14 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     torch.manual_seed(0)
     layers = max(1, int(args.mb * 1e6 / 12 / (WIDTH * WIDTH)))  # params + two AdamW moments, fp32
     net = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))).to(device)
-    model = DistributedDataParallel(net)
+    if args.strategy == "fsdp2":  # every parameter and moment sharded over the 2 ranks: nothing replicated
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        for layer in net:
+            fully_shard(layer)
+        model = fully_shard(net)
+    else:
+        model = DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def settled() -> float:
@@ -83,7 +93,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     model, opt, x, settled = _setup(args)
     rank = dist.get_rank()
-    layers = len(model.module)
+    layers = len(getattr(model, "module", model))
     fast_every = args.every if args.fast else None
     fast_dir = args.node_dirs if args.node_local else f"{args.node_dirs}/node{rank}"
     ckpt = Checkpointer(args.run_dir, storage=args.storage, fast_every=fast_every, deadline_s=900, fast_dir=fast_dir)
@@ -117,9 +127,10 @@ def _worker(args: argparse.Namespace) -> None:
             ckpt.fast.wait()
             st = ckpt.fast.stats
             n = max(1, len(blocked))
-            out.update(held_bytes=st.held_bytes, persist_s=st.last_persist_s, fast_saved=st.saved,
-                       written_per_save=st.written_bytes / n, sent_per_save=st.sent_bytes / n,
-                       persist_cpu_per_save=st.persist_cpu_s / n,
+            out.update(held_bytes=st.held_bytes, persist_s=st.last_persist_s, fast_saved=st.saved,  # (getattr:
+                       written_per_save=getattr(st, "written_bytes", 0) / n,
+                       sent_per_save=getattr(st, "sent_bytes", 0) / n,
+                       persist_cpu_per_save=getattr(st, "persist_cpu_s", 0.0) / n,  # older commits lack them)
                        phase_cpu_per_save={k: v / n for k, v in getattr(st, "phase_cpu_s", {}).items()})  # fmt: skip
         out.update(train_s=train_s, blocked_s=blocked, cpu_s=_cpu() - cpu0, step_s=step_s)  # cpu: to the last save
         if args.save:
@@ -137,7 +148,8 @@ def _state_bytes(model: Any, opt: Any) -> int:
 
     def size(v: Any) -> int:
         if isinstance(v, torch.Tensor):
-            return v.numel() * v.element_size()
+            local = v.to_local() if hasattr(v, "to_local") else v  # a DTensor: this rank's shard
+            return local.numel() * local.element_size()
         if isinstance(v, dict):
             return sum(size(x) for x in v.values())
         if isinstance(v, list | tuple):
@@ -191,7 +203,8 @@ def _launch(args: argparse.Namespace, mode: str, run: Path, nodes: Path, *, fast
             save: bool = False, env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", __file__,
            "--worker", mode, "--run-dir", str(run), "--node-dirs", str(nodes), "--mb", str(args.mb), "--steps",
-           str(args.steps), "--every", str(args.every), "--device", args.device]  # fmt: skip
+           str(args.steps), "--every", str(args.every), "--device", args.device,
+           "--strategy", args.strategy]  # fmt: skip
     cmd += ["--fast"] if fast else []
     cmd += ["--save"] if save else []
     cmd += ["--storage", storage] if storage else []
@@ -235,6 +248,7 @@ def main() -> None:
     p.add_argument("--mb", type=float, default=1100.0)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=10)
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp2"), help="fsdp2: sharded, nothing replicated")
     p.add_argument("--nice", type=int, default=0, help="also train with the background save thread at this nice")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "fast_recovery"))
     p.add_argument("--only", default="overhead,local,sharedfs,s3", help="and/or cluster (root: starts scripts/cluster)")
@@ -262,7 +276,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="fastbench-", dir="/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="fastbench-", dir="/dev/shm"))
     results: dict[str, Any] = {"mb": args.mb, "steps": args.steps, "every": args.every, "cpus": os.cpu_count(),
-                               "device": args.device}  # fmt: skip
+                               "device": args.device, "strategy": args.strategy}  # fmt: skip
     try:
         if "overhead" in only:
             results["overhead"] = _overhead(args, scratch, shm)
