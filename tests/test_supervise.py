@@ -182,6 +182,31 @@ def test_a_ghosts_failed_record_is_no_verdict_of_the_requeued_run(tmp_path: Path
     assert "verify_manifest" not in ex.status
 
 
+def test_a_requeued_committer_that_recorded_success_succeeds_whatever_a_ghost_left_in_its_result_file(
+    tmp_path: Path,
+) -> None:
+    """SLURM requeued the committer (its node cut off) and the requeued run finished and recorded ``succeeded``;
+    the cut-off first run (a ghost of the same job id) ended later with an error, and its result file, the job's
+    one, is what the launcher reads: the job succeeded (seen once in CI on 2ab0995, after train had ended: the
+    launch failed with ``latest`` at its last step and consolidate already run on SLURM's ``afterok``)."""
+    from pipeline.stagekit.jobs import Requeue
+
+    ex, launcher, lines = _execution(tmp_path, chains=True)
+    _start_train(ex, launcher)
+    train = next(s for s in ex.plan.stages if s.name == "train")
+    write_record(ex.plan.layout, "train", status="succeeded", attempt=train.launch_id)
+    job = launcher.live("verify_manifest")
+    act = next(a for a in ex.active if a.handle is job)
+    act.requeued = Requeue(job.job_id, 1, "NODE_FAIL", "node2", "node2", "")
+    write_record(ex.plan.layout, "verify_manifest", status="succeeded", job_id=job.job_id, attempt="a", restart=1)
+    job.end("stage verify_manifest failed: failed (no error text)")  # the ghost's result, written last
+    ex.poll()
+    assert launcher.live("verify_manifest") is job, "not started again: it succeeded"
+    assert ex.status.get("verify_manifest") == "succeeded" and not ex.failures, lines
+    assert any("(a ghost)" in line and "recorded its success" in line for line in lines), lines
+    assert not any(line.startswith("FAIL") for line in lines), lines
+
+
 def test_no_restart_while_an_interrupt_is_handled(tmp_path: Path) -> None:
     ex, launcher, lines = _execution(tmp_path, chains=False)
     _start_train(ex, launcher)

@@ -30,7 +30,7 @@ from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout
 from pipeline.stagekit.contract import JobRef, Resources, StageContract
 from pipeline.stagekit.jobs import Requeue
-from pipeline.stagekit.records import has_verdict, now_iso, read_record, resume_command, write_record
+from pipeline.stagekit.records import has_verdict, now_iso, read_record, resume_command, succeeded_by, write_record
 
 Say = Callable[[str], None]
 
@@ -287,6 +287,18 @@ class Execution:
         self.active.remove(act)
         act.watch.progress.close()
         name = act.planned.name
+        again = act.requeued
+        if (
+            error is not None
+            and by_itself
+            and again is not None
+            and again.nodes
+            and succeeded_by(self.plan.layout, name, act.handle.job_id, again.restarts)
+        ):  # the job's one result file is shared by its runs: the ghost's, written last, is not this run's
+            self.say(f"     {name}: job {act.handle.job_id}'s requeued run (restart {again.restarts}) recorded its "
+                     f"success; the error in its result file is the cut-off run's on {again.nodes} (a ghost): "
+                     f"{str(error).splitlines()[0]}")  # fmt: skip
+            error = None
         why = self._restart_reason(act, error) if by_itself else None
         if why is not None:
             if self.restarts < RESTARTS_PER_LAUNCH:

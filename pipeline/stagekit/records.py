@@ -73,6 +73,14 @@ def has_verdict(layout: RunLayout, stage: str, job_id: str, run: int) -> bool:
     return rec.get("job_id") == job_id and rec.get("status") in ("succeeded", "failed") and written_by >= run
 
 
+def succeeded_by(layout: RunLayout, stage: str, job_id: str, run: int) -> bool:
+    """The stage's record says job ``job_id`` succeeded, written by its run ``run`` or a later one: what a result
+    file a ghost overwrote (the cut-off earlier run of the same job, ending with an error once its node is back)
+    does not undo."""
+    rec = read_record(layout, stage) or {}
+    return has_verdict(layout, stage, job_id, run) and rec.get("status") == "succeeded"
+
+
 def slurm_restart() -> int:
     """Which run of its SLURM job this process belongs to: 0 for the first, n after SLURM requeued it n times
     (``SLURM_RESTART_COUNT``); 0 off SLURM."""
