@@ -5,10 +5,9 @@ The committer (verify-manifest) runs beside train and is the only task that comm
 train runs (a kill, the OOM killer, a lost node) would leave every later step staged but uncommitted until the
 next launch, and a requeued train waiting for it; so the launcher starts it again, at most
 :data:`RESTARTS_PER_LAUNCH` times per launch, and says so. It starts again too when it dies without a verdict
-after train has ended (its last pass). A committer that failed with an error of its own once train's record
-has ended (a quarantined step, a step that cannot complete) has given its verdict: that failure stands. On a
-chaining launcher (SLURM) the jobs queued after the ended committer (consolidate, export: ``afterok`` on it)
-are cancelled and queued again after the new one.
+after train has ended (its last pass). One that failed with an error of its own once train's record has ended
+(a quarantined step, a step that cannot complete) has given its verdict: that failure stands. On SLURM the jobs
+queued after the ended committer (``afterok`` on it) are cancelled and queued again after the new one.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from pipeline.errors import PipelineError
 from pipeline.rundir.layout import RunLayout
 from pipeline.stagekit.contract import JobRef, Resources, StageContract
 from pipeline.stagekit.jobs import Requeue
-from pipeline.stagekit.records import has_verdict, now_iso, read_record, resume_command, succeeded_by, write_record
+from pipeline.stagekit.records import ghost_result, has_verdict, now_iso, read_record, resume_command, write_record
 
 Say = Callable[[str], None]
 
@@ -287,18 +286,7 @@ class Execution:
         self.active.remove(act)
         act.watch.progress.close()
         name = act.planned.name
-        again = act.requeued
-        if (
-            error is not None
-            and by_itself
-            and again is not None
-            and again.nodes
-            and succeeded_by(self.plan.layout, name, act.handle.job_id, again.restarts)
-        ):  # the job's one result file is shared by its runs: the ghost's, written last, is not this run's
-            self.say(f"     {name}: job {act.handle.job_id}'s requeued run (restart {again.restarts}) recorded its "
-                     f"success; the error in its result file is the cut-off run's on {again.nodes} (a ghost): "
-                     f"{str(error).splitlines()[0]}")  # fmt: skip
-            error = None
+        error = ghost_result(self.plan.layout, name, act, error, self.say) if by_itself else error
         why = self._restart_reason(act, error) if by_itself else None
         if why is not None:
             if self.restarts < RESTARTS_PER_LAUNCH:

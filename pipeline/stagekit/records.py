@@ -81,6 +81,17 @@ def succeeded_by(layout: RunLayout, stage: str, job_id: str, run: int) -> bool:
     return has_verdict(layout, stage, job_id, run) and rec.get("status") == "succeeded"
 
 
+def ghost_result(layout: RunLayout, stage: str, act: Any, error: Any, say: Any) -> Any:
+    """``error``, or None when it is a ghost's: the requeued run of ``act``'s job recorded its success, and the
+    job's one result file, shared by its runs, holds the error the cut-off run wrote after it (said in one line)."""
+    job_id, again = act.handle.job_id, act.requeued
+    if error is None or again is None or not again.nodes or not succeeded_by(layout, stage, job_id, again.restarts):
+        return error
+    say(f"     {stage}: job {job_id}'s requeued run (restart {again.restarts}) recorded its success; the error in "
+        f"its result file is the cut-off run's on {again.nodes} (a ghost): {str(error).splitlines()[0]}")  # fmt: skip
+    return None
+
+
 def slurm_restart() -> int:
     """Which run of its SLURM job this process belongs to: 0 for the first, n after SLURM requeued it n times
     (``SLURM_RESTART_COUNT``); 0 off SLURM."""
