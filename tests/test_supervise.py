@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -156,10 +157,8 @@ def test_a_committer_verdict_after_train_ended_stands(tmp_path: Path) -> None:
     assert ex.status["verify_manifest"] == "failed" and "FAIL verify_manifest: VerificationError" in lines[-1]
 
 
-def test_a_ghosts_failed_record_is_no_verdict_of_the_requeued_run(tmp_path: Path) -> None:
-    """SLURM requeued the committer (its node cut off); the cut-off first run (a ghost, the same job id) writes
-    ``failed`` once its node is back, and its end makes SLURM end the requeued run too. That record is the
-    earlier run's, not the job's verdict: the committer is started again, also once train has ended."""
+def _requeued_committer_after_train(tmp_path: Path) -> tuple[Any, Any, list[str], Any]:
+    """On SLURM: train has ended, and SLURM requeued the committer's job (restart 1) after its node2 was cut off."""
     from pipeline.stagekit.jobs import Requeue
 
     ex, launcher, lines = _execution(tmp_path, chains=True)
@@ -169,6 +168,14 @@ def test_a_ghosts_failed_record_is_no_verdict_of_the_requeued_run(tmp_path: Path
     job = launcher.live("verify_manifest")
     act = next(a for a in ex.active if a.handle is job)
     act.requeued = Requeue(job.job_id, 1, "NODE_FAIL", "node2", "node2", "")
+    return ex, launcher, lines, job
+
+
+def test_a_ghosts_failed_record_is_no_verdict_of_the_requeued_run(tmp_path: Path) -> None:
+    """SLURM requeued the committer (its node cut off); the cut-off first run (a ghost, the same job id) writes
+    ``failed`` once its node is back, and its end makes SLURM end the requeued run too. That record is the
+    earlier run's, not the job's verdict: the committer is started again, also once train has ended."""
+    ex, launcher, lines, job = _requeued_committer_after_train(tmp_path)
     layout = ex.plan.layout
     write_record(layout, "verify_manifest", status="running", job_id=job.job_id, attempt="a", restart=1)
     write_record(layout, "verify_manifest", status="failed", job_id=job.job_id, attempt="a", restart=0)  # the ghost
@@ -189,15 +196,7 @@ def test_a_requeued_committer_that_recorded_success_succeeds_whatever_a_ghost_le
     the cut-off first run (a ghost of the same job id) ended later with an error, and its result file, the job's
     one, is what the launcher reads: the job succeeded (seen once in CI on 2ab0995, after train had ended: the
     launch failed with ``latest`` at its last step and consolidate already run on SLURM's ``afterok``)."""
-    from pipeline.stagekit.jobs import Requeue
-
-    ex, launcher, lines = _execution(tmp_path, chains=True)
-    _start_train(ex, launcher)
-    train = next(s for s in ex.plan.stages if s.name == "train")
-    write_record(ex.plan.layout, "train", status="succeeded", attempt=train.launch_id)
-    job = launcher.live("verify_manifest")
-    act = next(a for a in ex.active if a.handle is job)
-    act.requeued = Requeue(job.job_id, 1, "NODE_FAIL", "node2", "node2", "")
+    ex, launcher, lines, job = _requeued_committer_after_train(tmp_path)
     write_record(ex.plan.layout, "verify_manifest", status="succeeded", job_id=job.job_id, attempt="a", restart=1)
     job.end("stage verify_manifest failed: failed (no error text)")  # the ghost's result, written last
     ex.poll()
