@@ -106,6 +106,7 @@ def _worker(args: argparse.Namespace) -> None:
         out["restore_s"] = settled() - t0
         out["tier"] = (ckpt.resumed or {}).get("tier", "durable")
         out["phases_s"] = (ckpt.resumed or {}).get("phases_s")
+        out["rank_phases_s"] = (ckpt.resumed or {}).get("rank_phases_s")
         out["state_bytes"] = _state_bytes(model, opt)
         lim = out["limits"]  # rank 1's blob moved over the link, then verified and copied into its state
         out["limit_s"] = out["state_bytes"] / 1e9 * (1 / lim["link_gbps"] + 1 / lim["copy_hash_gbps"])

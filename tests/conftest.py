@@ -162,6 +162,20 @@ def no_lease_settle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ownership, "SETTLE_S", 0.0)
 
 
+@pytest.fixture
+def no_reread_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pauses a reader takes for another mount's write to show through a shared mount, set to 0: before
+    re-reading a record that did not parse (``settle.REREAD_DELAYS_S``, 0.26 s a record) and before a damaged or
+    missing manifest of the step ``latest`` names stands (``posix_store.VISIBILITY_S``, 5 s). On a local disk
+    nothing is torn or late, so the re-reads still happen (the same path) but never wait. For tests that hand the
+    readers thousands of malformed records (the hostile-input families): there they were most of the time."""
+    from pipeline.checkpoint.stores import posix_store  # noqa: PLC0415
+    from pipeline.storage import settle  # noqa: PLC0415
+
+    monkeypatch.setattr(settle, "REREAD_DELAYS_S", (0.0,) * len(settle.REREAD_DELAYS_S))
+    monkeypatch.setattr(posix_store, "VISIBILITY_S", 0.0)
+
+
 _RELIABILITY_ROWS: list[tuple[str, str, bool, list[str]]] = []
 
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -25,11 +26,13 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from pipeline.checkpoint.fast.codec import snapshot, unpack
+from pipeline.checkpoint.fast.codec import fill, snapshot, unpack
+from pipeline.checkpoint.fast.landing import Landing, destinations, prime
 from pipeline.checkpoint.fast.local import Copy, run_key
 from pipeline.checkpoint.fast.pieces import inline_size, objects
 from pipeline.checkpoint.fast.restore import plan
-from pipeline.errors import CheckpointFormatError
+from pipeline.checkpoint.save.state import apply_state, save_state
+from pipeline.errors import CheckpointFormatError, VerificationError
 from pipeline.rundir.layout import RunLayout
 from tests.conftest import ROOT, run_cli, train_losses
 
@@ -121,7 +124,8 @@ import sys, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from examples.fsdp2_tp_train import TinyLM, parallelize
 from pipeline.checkpoint.fast.codec import fill, snapshot, unpack
-from pipeline.errors import CheckpointFormatError
+from pipeline.checkpoint.save.state import apply_state, save_state
+from pipeline.errors import CheckpointFormatError, VerificationError
 dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)  # rank 1 of 4, no peers: no comms
 def state(dp, tp, seed):
     model = TinyLM()
@@ -144,6 +148,80 @@ except CheckpointFormatError as e:
     print(e)
 assert all(other["model"][k].to_local().equal(v) for k, v in before.items())
 """
+
+
+def test_received_bytes_land_in_the_tensors_fill_would_copy_them_into_and_nowhere_else() -> None:
+    saved = {
+        "model": {"w": torch.randn(64, 64), "v": torch.randn(32, 64), "t": torch.randn(64, 64), "s": torch.ones(3)},
+        "optim": {"state": {0: {"exp_avg": torch.randn(64, 64)}}, "param_groups": [{"lr": 0.1}]},
+        "rng": [torch.arange(2048, dtype=torch.int64)],
+    }
+    blob = snapshot(saved)
+    template = {
+        "model": {"w": torch.zeros(64, 64), "v": torch.zeros(32, 64, dtype=torch.float64),  # another dtype
+                  "t": torch.zeros(64, 64).t(), "s": torch.zeros(3)},  # not contiguous; a small one
+        "optim": {"state": {0: {"exp_avg": torch.zeros(64, 64)}}},
+        "rng": [torch.zeros(2048, dtype=torch.int64)],  # in a list: fill never lays lists into the template
+    }  # fmt: skip
+    places = destinations(template, blob.view())
+    w, m = template["model"]["w"], template["optim"]["state"][0]["exp_avg"]
+    assert sorted(t.data_ptr() for t in places.values()) == sorted(
+        [w.data_ptr(), m.data_ptr(), template["model"]["s"].data_ptr()]
+    )
+    for at, into in places.items():  # what a restore receives at that offset, straight into the tensor
+        into.copy_(blob.data[at : at + into.numel()])
+    assert torch.equal(w, saved["model"]["w"]) and torch.equal(m, saved["optim"]["state"][0]["exp_avg"])
+    loaded = fill(template, unpack(blob.view(), "test"))
+    assert loaded["model"]["w"] is w and torch.equal(loaded["model"]["v"], saved["model"]["v"].double())
+    assert torch.equal(loaded["model"]["t"], saved["model"]["t"]) and torch.equal(loaded["rng"][0], saved["rng"][0])
+    assert destinations(template, memoryview(b"\x10" + bytes(40))) == {}  # a header that does not parse: none
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.ones(2, 32)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_new_optimizer_is_primed_from_the_blob_without_a_step_and_loads_it_exactly() -> None:
+    model, opt = _trained(0)
+    for _ in range(3):
+        _step(model, opt)
+    blob = snapshot(save_state({"model": model, "optim": opt}, 3, 0))
+    new_model, new_opt = _trained(1)  # a new process: its own initial weights, an optimizer without state
+    primed = prime(new_opt, blob.view())
+    assert primed == list(new_model.parameters()) and all(p.grad is None for p in primed)  # no step was taken
+    assert new_opt.state[primed[0]]["exp_avg"].shape == primed[0].shape
+    new_opt.state.clear()
+    steps: list[int] = []
+    hook = new_opt.register_step_pre_hook(lambda *_: steps.append(1))  # DCP's template takes a step without it
+    state = {"model": new_model, "optim": new_opt}
+    landing = Landing(lambda: save_state(state, 0, 0), lambda t: apply_state(state, t), "test", new_opt)
+    assert landing.load(blob.view()) == 3 and not steps
+    hook.remove()
+    _step(model, opt)
+    _step(new_model, new_opt)  # the next step is the one the saved run took
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), new_model.parameters(), strict=True))
+    landing.discard()
+    assert not new_opt.state  # nothing restored: the primed state is taken back
+    other, other_opt = _trained(2)
+    other_opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})  # another layout: not primed
+    assert prime(other_opt, blob.view()) == [] and not other_opt.state
+
+
+def test_a_fresh_start_after_received_bytes_went_into_the_state_is_refused(one_rank: Any) -> None:
+    landing = Landing(lambda: {}, lambda state: 0, "rank 0's fast copy")
+    landing.check_fresh(0, one_rank)  # nothing landed: a fresh start is a fresh start
+    landing.landed = 4096
+    landing.check_fresh(12, one_rank)  # the step restored (fast or durable) overwrote it
+    with pytest.raises(VerificationError, match="received into the model's state"):
+        landing.check_fresh(0, one_rank)
 
 
 def test_a_2d_shard_restores_only_into_the_same_piece_of_its_tensor() -> None:
@@ -248,7 +326,7 @@ def test_a_flipped_byte_and_a_stale_replica_are_quarantined_and_the_peer_copy_re
     rec, losses = _restart(run, nodes, 16)
     assert rec["tier"] == "fast" and rec["step"] == KILL_AFTER, rec
     assert [s["from"] for s in rec["sources"]] == ["own copy", "replica on rank 0"], rec  # type: ignore[attr-defined]
-    assert set(rec["phases_s"]) == {"scan", "move", "hash", "load"}, rec  # type: ignore[arg-type]
+    assert set(rec["phases_s"]) == {"scan", "template", "move", "hash", "load"}, rec  # type: ignore[arg-type]
     assert _quarantined(fast[1]) == [
         "its bytes do not match the step's table",
         f"its step {KILL_AFTER} table disagrees with the one 3 other holder(s) recorded",  # the flipped copy too
@@ -276,8 +354,8 @@ def test_a_replaced_node_with_a_truncated_replica_falls_back_a_step_and_restores
     assert losses == {s: killed[1][s] for s in range(KILL_AFTER - FAST + 1, 17)}, "losses differ"
 
 
-def _copy_of(fast: Path, kind: str, shard: int) -> Copy:
-    return Copy.of(json.loads((fast / kind / f"rank_{shard}" / f"step_{KILL_AFTER}.json").read_text()))
+def _copy_of(fast: Path, kind: str, shard: int, step: int = KILL_AFTER) -> Copy:
+    return Copy.of(json.loads((fast / kind / f"rank_{shard}" / f"step_{step}.json").read_text()))
 
 
 @pytest.mark.slow
@@ -328,6 +406,27 @@ def test_both_copies_of_a_shard_lost_falls_back_to_the_durable_tier(
     rec, losses = _restart(run, nodes, 16)
     assert rec["tier"] == "durable" and rec["step"] == EVERY, rec
     assert losses == {s: killed[1][s] for s in range(EVERY + 1, 17)}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bytes_received_into_the_state_that_fail_their_hash_are_overwritten_by_the_durable_step(
+    killed: tuple[Path, dict[int, str]], tmp_path: Path
+) -> None:
+    """Node 1 replaced: rank 1's bytes arrive from node 0 straight into its model and optimizer (the durable tier
+    has step 8 to overwrite them). Node 0's biggest object of step 12 and of step 10 is damaged: each lands in
+    rank 1's state, fails its hash, and the restore falls back step by step to the durable step, whose load
+    leaves nothing of them: the losses are an uninterrupted run's."""
+    run, nodes, fast = _scenario(killed, tmp_path)
+    shutil.rmtree(fast[1])
+    for step in (KILL_AFTER, KILL_AFTER - FAST):
+        parts = _copy_of(fast[0], "replica", 1, step).parts
+        _flip(fast[0] / "objects" / f"{max((n, h) for n, h, obj in parts if obj)[1]}.bin")
+    rec, losses = _restart(run, nodes, 16)
+    assert rec["tier"] == "durable" and rec["step"] == EVERY, rec
+    landed = rec["landed_bytes"]
+    assert landed[0] == 0 and landed[1] > 0.9 * 2 * sum(n for n, _, o in parts if o), rec  # type: ignore[index]
+    assert losses == {s: killed[1][s] for s in range(EVERY + 1, 17)}, "the durable step did not overwrite them"
 
 
 def _four(out: Path, nodes: Path, steps: int, *extra: str) -> list[str]:

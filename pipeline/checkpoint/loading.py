@@ -9,15 +9,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipeline.checkpoint import resume, steps
-from pipeline.checkpoint.fast.codec import BlobView, fill, unpack
+from pipeline.checkpoint.fast.landing import Landing
 from pipeline.checkpoint.fast.resuming import FastResume
 from pipeline.checkpoint.fast.tier import FastTier
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.save import deepspeed_engine
 from pipeline.checkpoint.save.background import BackgroundCommitter
 from pipeline.checkpoint.save.session import CheckpointSession
-from pipeline.checkpoint.save.state import apply_state, load_state, save_state
+from pipeline.checkpoint.save.state import OPTIM, apply_state, load_state, save_state
 from pipeline.checkpoint.stores.remote import Remote
 from pipeline.checkpoint.stores.stores import store_for
 from pipeline.errors import ConfigError, PipelineError
@@ -121,9 +123,11 @@ class Loading:
 
         fast, store = None, store_for(self.layout, self.remote)
         if self.fast is not None and engine_key is None:
-            fast = FastResume(self.fast, store, self.layout.checkpoints, lambda blob: self._load_fast(into, rest, blob))
+            fast = FastResume(self.fast, store, self.layout.checkpoints, self._landing(into, rest))
         first, floor = (fast.first, fast.floor) if fast is not None else (None, None)
         step = self.session.load_latest(self._resume_step, load, first=first, floor=floor)
+        if fast is not None:
+            fast.settled(step)
         if fast is not None and self.rank == 0:
             self.resumed = fast.record(step)
         if self.rank == 0 and (self.resumed or {}).get("tier") != "fast":  # the fast tier logs its own line
@@ -131,11 +135,15 @@ class Loading:
         self._last_save = time.monotonic()
         return step
 
-    def _load_fast(self, into: dict[str, Any], rest: dict[str, Any], blob: BlobView) -> int:
-        target = fill(save_state(rest, 0, self.rank), unpack(blob, f"rank {self.rank}'s fast copy"))
-        loaded = apply_state(rest, target)
-        into.update(rest)
-        return loaded
+    def _landing(self, into: dict[str, Any], rest: dict[str, Any]) -> Landing:
+        def apply(target: dict[str, Any]) -> int:
+            loaded = apply_state(rest, target)
+            into.update(rest)
+            return loaded
+
+        opt = rest.get(OPTIM)
+        opt = opt if isinstance(opt, torch.optim.Optimizer) else None
+        return Landing(lambda: save_state(rest, 0, self.rank), apply, f"rank {self.rank}'s fast copy", opt)
 
     def _resume_step(self) -> int | str:
         if self._committer is not None and not self._committer.recovered.wait(self.deadline_s):

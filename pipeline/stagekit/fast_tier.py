@@ -3,11 +3,10 @@ how a launch resumed. The protocol is the library's (:mod:`pipeline.checkpoint.f
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pipeline.stagekit.checkpoint_store as storage
-from pipeline.checkpoint.fast.codec import BlobView
+from pipeline.checkpoint.fast.landing import Landing
 from pipeline.checkpoint.fast.resuming import FastResume
 from pipeline.checkpoint.fast.tier import FastConfig, FastTier
 from pipeline.stagekit.contract import TaskContext
@@ -23,8 +22,8 @@ def open_tier(ctx: TaskContext, group: Any, deepspeed: bool) -> FastTier | None:
     return FastTier(cfg, ctx.layout.run_dir, ctx.attempt, group, ctx.cfg.checkpoint.async_deadline_s)
 
 
-def resume_with(ctx: TaskContext, tier: FastTier | None, load: Callable[[BlobView], int]) -> FastResume | None:
+def resume_with(ctx: TaskContext, tier: FastTier | None, landing: Landing) -> FastResume | None:
     """The fast restore of this task (None without a fast tier)."""
     if tier is None:
         return None
-    return FastResume(tier, storage.store(ctx.cfg, ctx.layout), ctx.layout.checkpoints, load)
+    return FastResume(tier, storage.store(ctx.cfg, ctx.layout), ctx.layout.checkpoints, landing)

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import pipeline.stagekit.checkpoint_store as storage
 from pipeline.checkpoint import options
 from pipeline.checkpoint import resume as resume_rule
-from pipeline.checkpoint.fast.codec import BlobView
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.save import pieces
 from pipeline.checkpoint.save.async_save import stuck_writers
@@ -135,13 +134,16 @@ class _Run:
             loaded.append((train, manifest))
             return train.step
 
-        def load_fast(blob: BlobView) -> int:
-            loaded[:] = [(strategy.load_fast(self.trainer, self.sched, self.stream, rank, blob), None)]
-            return loaded[0][0].step
+        def loaded_fast(train: TrainState) -> int:
+            loaded[:] = [(train, None)]
+            return train.step
 
-        fast = fast_tier.resume_with(self.ctx, self.fast, load_fast)
+        landing = strategy.fast_landing(self.trainer, self.sched, self.stream, rank, loaded_fast)
+        fast = fast_tier.resume_with(self.ctx, self.fast, landing)
         first, floor = (fast.first, fast.floor) if fast is not None else (None, None)
         resume = self.session.load_latest(lambda: resume_step(cfg, self.layout), load, first=first, floor=floor)
+        if fast is not None:
+            fast.settled(resume)
         if fast is not None and rank == 0:
             fast.record(resume)
         if not resume:

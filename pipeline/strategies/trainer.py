@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.checkpoint.fast.codec import BlobView, fill, unpack
+from pipeline.checkpoint.fast.landing import Landing
 from pipeline.checkpoint.manifest import Manifest
 from pipeline.checkpoint.save.portable import TrainState, apply_native, open_portable
 from pipeline.checkpoint.save.state import MODEL, OPTIM, RNG, SCHED, TRAIN, rng_key
@@ -215,10 +215,17 @@ def load_step(
         portable.close()
 
 
-def load_fast(trainer: Trainer, sched: Any, stream: SampleStream, rank: int, blob: BlobView) -> TrainState:
-    """A fast-tier copy of this rank's state (same world size and layout) into ``trainer``; the rest returned."""
-    state = fill(dcp_state(trainer, sched, stream, 0, rank), unpack(blob, f"rank {rank}'s fast copy"))
-    return _apply_dcp_state(trainer, state)
+def fast_landing(
+    trainer: Trainer, sched: Any, stream: SampleStream, rank: int, loaded: Callable[[TrainState], int]
+) -> Landing:
+    """Where a fast-tier copy of this rank's state (same world size and layout) goes: ``trainer``'s model and
+    optimizer; ``loaded`` gets the rest of the training state and returns its step."""
+    return Landing(
+        lambda: dcp_state(trainer, sched, stream, 0, rank),
+        lambda state: loaded(_apply_dcp_state(trainer, state)),
+        f"rank {rank}'s fast copy",
+        trainer.opt,
+    )
 
 
 def _apply_dcp_state(trainer: Trainer, state: dict[str, Any]) -> TrainState:

@@ -109,7 +109,7 @@ from tests.reliability import harness
 from tests.reliability.conftest import record, sized
 
 # one committer at a time, a lease acquired per case: the settle pause for racing committers would be a sleep
-pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("no_lease_settle")]
+pytestmark = [pytest.mark.reliability, pytest.mark.usefixtures("no_lease_settle", "no_reread_pause")]
 
 STEP, PREV, WORLD = 8, 4, 2
 DATA_FILES = (METADATA_FILE, "__0_0.distcp", "__1_0.distcp")
@@ -387,7 +387,8 @@ class FileMutation:
     def apply(self, directory: Path) -> None:
         path = directory / self.name
         if self.kind == "extra":
-            path.write_bytes(self.data)
+            if lstat_kind(path) in (None, "file"):  # not over a directory an earlier mutation made
+                path.write_bytes(self.data)
             return
         if lstat_kind(path) != "file":  # an earlier mutation of this case already replaced it
             return

@@ -246,8 +246,9 @@ def fill(template: Any, saved: Any, where: str = "") -> Any:
                 f"fast tier: {where} has shape {tuple(values.shape)} in the copy, {tuple(local.shape)} here "
                 "(another parallel layout: resume from the durable tier)"
             )
-        with torch.no_grad():
-            local.copy_(values)
+        if values.data_ptr() != local.data_ptr():  # else its bytes were received into it (landing.py)
+            with torch.no_grad():
+                local.copy_(values)
         return template
     if isinstance(template, dict) and isinstance(saved, dict):
         return {k: fill(template[k], v, f"{where}.{k}") if k in template else _plain(v) for k, v in saved.items()}

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint.fast import RESUMED_FILE
-from pipeline.checkpoint.fast.codec import BlobView, Scattered
+from pipeline.checkpoint.fast.codec import Scattered
+from pipeline.checkpoint.fast.landing import Landing
 from pipeline.checkpoint.fast.local import Copy
 from pipeline.checkpoint.fast.pieces import digest, objects, offsets
 from pipeline.checkpoint.fast.tier import FastTier
@@ -95,12 +96,12 @@ def _sources(
     return tuple(sources)
 
 
-def restore(
-    tier: FastTier, floor: int, load: Callable[[BlobView], int], record: Callable[[dict[str, Any]], None]
-) -> int | None:
-    """Every rank: restore the newest verified fast step >= ``floor`` through ``load(blob)`` (returns the step
-    the blob records) and return it, or None (nothing usable: resume from the durable tier). Rank 0 calls
-    ``record`` with what was decided and where each rank's bytes came from."""
+def restore(tier: FastTier, floor: int, landing: Landing, record: Callable[[dict[str, Any]], None]) -> int | None:
+    """Every rank: restore the newest verified fast step >= ``floor`` into ``landing`` (its ``load(blob)`` returns
+    the step the blob records) and return it, or None (nothing usable: resume from the durable tier). Bytes that
+    arrive over the link land in the state's tensors where the durable tier has a step (``floor`` >= 1) to
+    overwrite them should they fail. Rank 0 calls ``record`` with what was decided and where each rank's bytes
+    came from."""
     t0 = time.monotonic()
     phases: dict[str, float] = {}
     rank, world, group = tier.rank, tier.world, tier.group
@@ -117,6 +118,7 @@ def restore(
     hosts = [r[1] for r in reports]
     noted = [q for r in reports for q in r[2]]
     excluded: set[Held] = set()
+    landed, ranks = [0] * world, [phases] * world
     chosen: Plan | None = None
     step: int | None = None
     named = {h for r in reports for c in r[0] for h in objects(c.parts)}
@@ -131,18 +133,22 @@ def restore(
             noted.append(f"{hosts[holder]}: {c.label}: {why}")
             if holder == rank:
                 tier.node.quarantine(tier.node.paths(c)[1], why)
-        failure = _fetch_and_check(tier, chosen, load, phases)
-        failures: list[Any] = [None] * world
-        dist.all_gather_object(failures, failure, group=group)
+        failure = _fetch_and_check(tier, chosen, landing, floor >= 1, phases)
+        phases["template"] = landing.seconds
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (failure, landing.landed, phases), group=group)
+        failures, landed, ranks = [g[0] for g in gathered], [g[1] for g in gathered], [g[2] for g in gathered]
         if all(f is None for f in failures):
             step = chosen.step
             break
         _set_aside(tier, failures, hosts, noted, excluded)
+    if step is None:
+        landing.discard()
     if tier.keeper:
         tier.node.drop_all_but(step)
     if rank == 0:
-        _report(chosen if step is not None else None, hosts, noted, time.monotonic() - t0, record, floor, phases,
-                tier.node_ids)  # fmt: skip
+        _report(chosen if step is not None else None, hosts, noted, time.monotonic() - t0, record, floor,
+                tier.node_ids, landed, ranks)  # fmt: skip
     return step
 
 
@@ -171,13 +177,29 @@ its hash)."""
 
 
 def _fetch_and_check(
-    tier: FastTier, p: Plan, load: Callable[[BlobView], int], phases: dict[str, float]
+    tier: FastTier, p: Plan, landing: Landing, in_place: bool, phases: dict[str, float]
 ) -> Failure | None:
-    """Move the pieces holder -> rank, check this rank's blob piece by piece against its copy's list (whose
-    digest is the table's), load it; what failed or None. ``phases``: rank 0's seconds per phase (move, hash,
-    load), added up over the rounds."""
+    """Move the pieces holder -> rank (``in_place``: into the state's tensors where they fit), check this rank's
+    blob piece by piece against its copy's list (whose digest is the table's), load it; what failed or None.
+    ``phases``: rank 0's seconds per phase (template, move, hash, load), added up over the rounds."""
+    sends: list[tuple[Any, torch.Tensor]] = []
+    try:
+        return _check_and_load(tier, p, landing, in_place, phases, sends)
+    finally:  # what this rank serves goes on while it checks and loads its own; done before the next collective
+        for work, _ in sends:
+            work.wait()
+
+
+def _check_and_load(
+    tier: FastTier,
+    p: Plan,
+    landing: Landing,
+    in_place: bool,
+    phases: dict[str, float],
+    sends: list[tuple[Any, torch.Tensor]],
+) -> Failure | None:
     t = time.monotonic()
-    blob, local, error = _move(tier, p)
+    blob, local, error = _move(tier, p, landing if in_place else None, sends)
     phases["move"] = phases.get("move", 0.0) + time.monotonic() - t
     t = time.monotonic()
     holder, c = p.sources[tier.rank]
@@ -197,7 +219,7 @@ def _fetch_and_check(
     t = time.monotonic()
     if not error:
         try:
-            recorded = load(blob)  # type: ignore[arg-type]
+            recorded = landing.load(blob)  # type: ignore[arg-type]
             if recorded != p.step:
                 error = f"it records step {recorded}, not {p.step}"
         except Exception as e:  # a blob that verified but does not fit: fall back, as for a damaged one
@@ -206,11 +228,16 @@ def _fetch_and_check(
     return None if not error else (holder, c, error, True, None)
 
 
-def _move(tier: FastTier, p: Plan) -> tuple[Scattered | None, list[bool], str]:
+def _move(
+    tier: FastTier, p: Plan, landing: Landing | None, sends: list[tuple[Any, torch.Tensor]]
+) -> tuple[Scattered | None, list[bool], str]:
     """This rank's blob as pieces: those its node holds mapped from their files (no copy), the others sent by
-    the copy's holder; which pieces are this node's, and why there is no blob. The transfers go first, in one
-    global order (no two ranks wait on each other, and no holder makes a peer wait while it reads its own)."""
+    the copy's holder (into ``landing``'s tensors where they fit); which pieces are this node's, and why there is
+    no blob. The transfers go first, in one global order (no two ranks wait on each other, and no holder makes a
+    peer wait while it reads its own). What this rank serves is sent in the background (``sends``: each send
+    and the bytes it reads), mapped from the same files as its own pieces."""
     received: dict[int, memoryview] = {}
+    maps: dict[str, memoryview] = {}  # an object's hash -> its mapping, made once a restore round
     local: list[bool] = []
     error = ""
     ids = tier.node_ids
@@ -218,49 +245,85 @@ def _move(tier: FastTier, p: Plan) -> tuple[Scattered | None, list[bool], str]:
         if ids[holder] == ids[shard]:  # a copy in the rank's own node dir: it maps every piece itself
             continue
         if tier.rank == holder:
-            _serve(tier, c, shard)
+            _serve(tier, c, shard, sends, maps)
         elif tier.rank == shard:
             local = [obj and tier.node.has_object(h, n) for n, h, obj in c.parts]
-            received, error = _receive(tier, c, local, holder)
+            received, error = _receive(tier, c, local, holder, landing)
     holder, c = p.sources[tier.rank]
     if ids[holder] == ids[tier.rank]:
         local = [True] * len(c.parts)
     if error:
         return None, local, error
     try:
-        views = tuple(tier.node.piece(c, i) if local[i] else received[i] for i in range(len(c.parts)))
+        views = tuple(_mapped(tier, c, i, maps) if local[i] else received[i] for i in range(len(c.parts)))
     except OSError as e:
         return None, local, f"unreadable ({e.strerror or e})"
     return Scattered(tuple(offsets(c.parts)), views, c.size), local, ""
 
 
-def _receive(tier: FastTier, c: Copy, local: list[bool], holder: int) -> tuple[dict[int, memoryview], str]:
+def _receive(
+    tier: FastTier, c: Copy, local: list[bool], holder: int, landing: Landing | None
+) -> tuple[dict[int, memoryview], str]:
     """The pieces of ``c`` that are not ``local``, from ``holder`` (which answers first whether it could read
-    them), each into its place in one buffer."""
+    them). The first piece (the header: always inline, so always sent) comes first; once it matches its hash,
+    each piece that ``landing`` has a tensor for lands in that tensor's bytes, the rest in one buffer."""
     dist.send(torch.tensor([not x for x in local], dtype=torch.uint8), holder, group=tier.group)
     ok = torch.empty(1, dtype=torch.int64)
     dist.recv(ok, holder, group=tier.group)
     if ok.item() < 0:
         return {}, "its holder could not read it"
-    buf = torch.empty(sum(n for (n, _, _), x in zip(c.parts, local, strict=True) if not x), dtype=torch.uint8)
+    head = torch.empty(c.parts[0][0], dtype=torch.uint8)
+    dist.recv(head, holder, group=tier.group, tag=1)
+    out = {0: head.numpy().data.cast("B")}
+    places: dict[int, torch.Tensor] = {}
+    if landing is not None and digest(out[0]) == c.parts[0][1]:
+        try:
+            places = landing.places(out[0])
+        except Exception as e:  # the template could not be built: nothing lands in place, and the load says why
+            log.debug("rank %d: nothing received in place: %s", tier.rank, exception_line(e))
+    starts = offsets(c.parts)
+    into = {i: places[starts[i]] for i, (n, _, _) in enumerate(c.parts) if i and not local[i]
+            and starts[i] in places and places[starts[i]].numel() == n}  # fmt: skip
+    rest = sum(n for i, (n, _, _) in enumerate(c.parts) if i and not local[i] and i not in into)
+    buf = torch.empty(rest, dtype=torch.uint8)
     view = buf.numpy().data.cast("B")  # the tensor's own buffer: what arrives lands in place
-    works, out, at = [], {}, 0
+    works, at = [], 0
     for i, (n, _, _) in enumerate(c.parts):
-        if not local[i]:
+        if i == 0 or local[i]:
+            continue
+        if i in into:
+            works.append(dist.irecv(into[i], holder, group=tier.group, tag=1 + i))
+            out[i] = into[i].numpy().data.cast("B")
+        else:
             works.append(dist.irecv(buf[at : at + n], holder, group=tier.group, tag=1 + i))
             out[i], at = view[at : at + n], at + n
+    if landing is not None and into:
+        landing.landed += sum(t.numel() for t in into.values())
     for work in works:
         if work is not None:
             work.wait()
     return out, ""
 
 
-def _serve(tier: FastTier, c: Copy, to: int) -> None:
-    """The pieces of a copy held here that rank ``to`` asks for, each sent from the file it lies in."""
+def _mapped(tier: FastTier, c: Copy, i: int, maps: dict[str, memoryview]) -> memoryview:
+    """Piece ``i`` of ``c`` mapped from its file; an object mapped once per restore (a node's copies share them)."""
+    n, h, obj = c.parts[i]
+    if not obj:
+        return tier.node.piece(c, i)
+    if h not in maps:
+        maps[h] = tier.node.piece(c, i)
+    return maps[h]
+
+
+def _serve(
+    tier: FastTier, c: Copy, to: int, sends: list[tuple[Any, torch.Tensor]], maps: dict[str, memoryview]
+) -> None:
+    """The pieces of a copy held here that rank ``to`` asks for, each sent from the file it lies in, in the
+    background (``sends``)."""
     asked = torch.empty(len(c.parts), dtype=torch.uint8)
     dist.recv(asked, to, group=tier.group)
     try:
-        pieces = {i: tier.node.piece(c, i) for i, a in enumerate(asked.tolist()) if a}
+        pieces = {i: _mapped(tier, c, i, maps) for i, a in enumerate(asked.tolist()) if a}
     except OSError:
         dist.send(torch.tensor([-1], dtype=torch.int64), to, group=tier.group)
         return
@@ -269,7 +332,9 @@ def _serve(tier: FastTier, c: Copy, to: int) -> None:
         with warnings.catch_warnings():  # a read-only mapping: gloo only reads what it sends
             warnings.simplefilter("ignore", UserWarning)
             data = torch.frombuffer(piece, dtype=torch.uint8)
-        dist.send(data, to, group=tier.group, tag=1 + i)
+        work = dist.isend(data, to, group=tier.group, tag=1 + i)
+        if work is not None:
+            sends.append((work, data))
 
 
 def _report(
@@ -279,11 +344,14 @@ def _report(
     seconds: float,
     record: Callable[[dict[str, Any]], None],
     floor: int,
-    phases: dict[str, float],
     nodes: Sequence[str],
+    landed: list[int],
+    ranks: list[dict[str, float]],
 ) -> None:
+    """``landed[K]``: the bytes rank ``K`` received straight into its state (every round); ``ranks[K]``: its
+    seconds per phase."""
     if p is None:
-        rec: dict[str, Any] = {"tier": "durable", "fast_problems": noted, "floor": floor}
+        rec: dict[str, Any] = {"tier": "durable", "fast_problems": noted, "floor": floor, "landed_bytes": landed}
         if noted:
             log.warning("fast tier: nothing usable (%s); resuming from the durable tier", "; ".join(noted))
         record(rec)
@@ -293,8 +361,10 @@ def _report(
          else f"{c.kind} on rank {holder}", "host": hosts[holder]}
         for shard, (holder, c) in enumerate(p.sources)
     ]  # fmt: skip
-    rec = {"tier": "fast", "step": p.step, "sources": sources, "fast_problems": noted, "seconds": round(seconds, 3)}
-    record({**rec, "phases_s": {k: round(v, 3) for k, v in phases.items()}})  # rank 0's: scan, move, hash, load
+    rec = {"tier": "fast", "step": p.step, "sources": sources, "fast_problems": noted, "seconds": round(seconds, 3),
+           "landed_bytes": landed}  # fmt: skip
+    per_rank = [{k: round(v, 3) for k, v in r.items()} for r in ranks]
+    record({**rec, "phases_s": per_rank[0], "rank_phases_s": per_rank})  # scan, template, move, hash, load
     where = ", ".join(f"rank {s['rank']}: {s['from']} ({s['host']})" for s in sources)
     log.info("resumed from step %d from the fast tier in %.2fs (%s)", p.step, seconds, where)
     for line in noted:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeline.checkpoint.fast import RESUMED_FILE
-from pipeline.checkpoint.fast.codec import BlobView
+from pipeline.checkpoint.fast.landing import Landing
 from pipeline.checkpoint.fast.restore import restore
 from pipeline.checkpoint.fast.tier import FastConfig, FastTier
 from pipeline.checkpoint.stores.store import CheckpointStore
@@ -56,21 +55,26 @@ def record_resume(
 
 
 class FastResume:
-    """The ``first``/``floor`` pair :meth:`~pipeline.checkpoint.save.session.CheckpointSession.load_latest` takes, and
-    the record rank 0 writes once the step is loaded."""
+    """The ``first``/``floor`` pair :meth:`~pipeline.checkpoint.save.session.CheckpointSession.load_latest` takes,
+    the check once the step is decided (:meth:`settled`), and the record rank 0 writes once it is loaded."""
 
-    def __init__(self, tier: FastTier, store: CheckpointStore, checkpoints: Path, load: Callable[[BlobView], int]):
-        self.tier, self.store, self.checkpoints, self.load = tier, store, checkpoints, load
+    def __init__(self, tier: FastTier, store: CheckpointStore, checkpoints: Path, landing: Landing):
+        self.tier, self.store, self.checkpoints, self.landing = tier, store, checkpoints, landing
         self.rec: dict[str, Any] | None = None
 
     def floor(self) -> int:
         return durable_floor(self.store, self.tier.world)
 
     def first(self, floor: int) -> int | None:
-        return restore(self.tier, floor, self.load, self._note)
+        return restore(self.tier, floor, self.landing, self._note)
 
     def _note(self, rec: dict[str, Any]) -> None:
         self.rec = rec
+
+    def settled(self, step: int) -> None:
+        """Every rank, with the step the resume loaded: a fresh start after received bytes went into the state is
+        refused (:meth:`Landing.check_fresh`)."""
+        self.landing.check_fresh(step, self.tier.group)
 
     def record(self, step: int) -> dict[str, Any]:
         """Rank 0: ``checkpoints/resumed.json``."""
