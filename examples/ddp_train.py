@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -96,4 +97,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): what was committed stays
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted: the committed steps are kept; run the same command to resume", file=sys.stderr)
+        sys.exit(130)

@@ -5,9 +5,10 @@ quarantined there and then) and reports what it holds; rank 0 picks the newest s
 newest that is complete across all ranks from any mix of own copies and replicas, agreeing on one table of hashes
 (copies that disagree with the table most holders recorded are quarantined), and hands every rank the plan. A
 rank's pieces that its own node holds (its own copy, or objects its node-mates share) are mapped from their files
-and loaded as they lie; only the others move, holder → rank over the checkpoint group. Each rank hashes every
+and loaded as they lie; only the others move, holder → rank over the checkpoint group, straight into the
+state's tensors where the durable tier has a step to overwrite them (:mod:`.landing`). Each rank hashes every
 piece against its copy's list (whose digest is the table's) before it uses any (the only pass over the bytes
-before they are copied into the state). A copy that fails is quarantined by its holder (a damaged object by a rank
+before they are copied into the state, or where they landed). A copy that fails is quarantined by its holder (a damaged object by a rank
 of its node) and the decision is made again without it, so the choice falls back copy by copy, step by step, then
 to the durable tier (``None``), within the one restart."""
 
@@ -306,7 +307,7 @@ def _receive(
 
 
 def _mapped(tier: FastTier, c: Copy, i: int, maps: dict[str, memoryview]) -> memoryview:
-    """Piece ``i`` of ``c`` mapped from its file; an object mapped once per restore (a node's copies share them)."""
+    """Piece ``i`` of ``c`` mapped from its file; an object mapped once a round (a node's copies share them)."""
     n, h, obj = c.parts[i]
     if not obj:
         return tier.node.piece(c, i)
