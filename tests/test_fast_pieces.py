@@ -13,7 +13,7 @@ import torch
 from pipeline.checkpoint.fast.codec import Scattered, snapshot, unpack
 from pipeline.checkpoint.fast.local import Copy, NodeTier
 from pipeline.checkpoint.fast.pieces import OBJECT_MIN, Part, cut, digest, digest_of, hashed, objects, offsets
-from pipeline.checkpoint.fast.sharing import node_bytes, node_plan
+from pipeline.checkpoint.fast.sharing import feeds, needs, node_bytes, node_plan
 
 
 def _parts(state: dict[str, torch.Tensor]) -> tuple[memoryview, list[tuple[int, int, bool]], tuple[Part, ...]]:
@@ -122,3 +122,24 @@ def test_an_unchanged_tensor_is_not_written_again_and_a_stale_object_is_recycled
     b, e, _ = next(r for r, p in zip(ranges, parts, strict=True) if p[1] == h)
     assert node.write_object(h, view[b:e]) and node.object_path(h).stat().st_ino == inode
     assert node.object_path(h).read_bytes() == bytes(view[b:e])
+
+
+def test_a_save_exchanges_piece_lists_only_with_the_ranks_that_need_them() -> None:
+    """Who needs whose piece list (its node's ranks and the ranks they hold replicas of) and who sends to whom
+    agree for every rank, and what a rank receives does not grow with the world: 4 ranks a node, 1 replica,
+    8 ranks ... 4,096 ranks: 7 lists, against 4,095 for an all-gather."""
+    for world, per_node, replicas in ((2, 1, 1), (4, 2, 1), (8, 2, 2), (12, 4, 2), (4096, 4, 1)):
+        ids = [f"n{r // per_node}" for r in range(world)]
+        offset = per_node if world > per_node else 1
+        ranks = range(world) if world <= 12 else (0, 1, 2047, 4095)
+        for r in ranks:
+            assert all(r in needs(s, ids, offset, replicas) for s in feeds(r, ids, offset, replicas))
+            assert all(r in feeds(s, ids, offset, replicas) for s in needs(r, ids, offset, replicas))
+        if world == 4096:
+            assert len(needs(0, ids, offset, replicas)) == 2 * per_node
+    ids = [f"n{r // 2}" for r in range(8)]
+    parts = [(*_ddp(r)[:-1], (64, f"unique-{r}", True)) for r in range(8)]  # shared objects, one of its own
+    for r in range(8):  # the plan made from only the lists a rank needs is the one made from every list
+        mine = {s: parts[s] for s in needs(r, ids, 2, 2)}
+        assert node_plan(r, ids, mine, 2, 2) == node_plan(r, ids, parts, 2, 2)
+        assert node_bytes(r, ids, mine, 2, 2) == node_bytes(r, ids, parts, 2, 2)

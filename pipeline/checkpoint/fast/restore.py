@@ -8,9 +8,9 @@ rank's pieces that its own node holds (its own copy, or objects its node-mates s
 and loaded as they lie; only the others move, holder → rank over the checkpoint group, straight into the
 state's tensors where the durable tier has a step to overwrite them (:mod:`.landing`). Each rank hashes every
 piece against its copy's list (whose digest is the table's) before it uses any (the only pass over the bytes
-before they are copied into the state, or where they landed). A copy that fails is quarantined by its holder (a damaged object by a rank
-of its node) and the decision is made again without it, so the choice falls back copy by copy, step by step, then
-to the durable tier (``None``), within the one restart."""
+before they are copied into the state, or where they landed). A copy that fails is quarantined by its holder (a
+damaged object by a rank of its node) and the decision is made again without it, so the choice falls back copy by
+copy, step by step, then to the durable tier (``None``), within the one restart."""
 
 from __future__ import annotations
 

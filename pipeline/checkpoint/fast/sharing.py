@@ -9,7 +9,7 @@ its ``objects/`` before it asks)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pipeline.checkpoint.fast.pieces import Part, inline_size
@@ -25,13 +25,35 @@ class NodePlan:
     """Every object this step's copies on the node name (the keeper never removes them while it is saved)."""
 
 
+Parts = Sequence[Sequence[Part]] | Mapping[int, Sequence[Part]]
+"""Piece lists by rank: every rank's, or those of the ranks a rank needs (:func:`needs`)."""
+
+
+def needs(rank: int, ids: Sequence[str], offset: int, replicas: int) -> set[int]:
+    """The ranks whose piece lists ``rank`` needs to plan its node's part of a save (:func:`node_plan`,
+    :func:`node_bytes`): its node's ranks and the ranks they hold replicas of. A save exchanges only these, so
+    what a rank receives grows with its node's size, not with the world's."""
+    world = len(ids)
+    node = [r for r in range(world) if ids[r] == ids[rank]]
+    return {*node, *(src for q in node for _, src in pairs(q, world, offset, replicas))}
+
+
+def feeds(rank: int, ids: Sequence[str], offset: int, replicas: int) -> set[int]:
+    """The ranks that need ``rank``'s piece list (``rank`` in their :func:`needs`): its node's ranks and the
+    ranks of the nodes that hold its replicas."""
+    world = len(ids)
+    dests = {ids[dst] for dst, _ in pairs(rank, world, offset, replicas)} | {ids[rank]}
+    return {r for r in range(world) if ids[r] in dests}
+
+
 def pairs(rank: int, world: int, offset: int, replicas: int) -> list[tuple[int, int]]:
     """Rank ``rank``'s (send to, receive from) ranks, one pair per replica: ``r + i·offset`` and ``r − i·offset``."""
     return [((rank + i * offset) % world, (rank - i * offset) % world) for i in range(1, replicas + 1)]
 
 
-def node_plan(rank: int, ids: Sequence[str], parts: Sequence[Sequence[Part]], offset: int, replicas: int) -> NodePlan:
-    """``ids``: each rank's node id; ``parts``: each rank's piece list for the step."""
+def node_plan(rank: int, ids: Sequence[str], parts: Parts, offset: int, replicas: int) -> NodePlan:
+    """``ids``: each rank's node id; ``parts``: the step's piece lists of (at least) the ranks in
+    :func:`needs` of ``rank``."""
     world = len(ids)
     node = [r for r in range(world) if ids[r] == ids[rank]]
     holder: dict[str, int] = {}
@@ -52,12 +74,12 @@ def node_plan(rank: int, ids: Sequence[str], parts: Sequence[Sequence[Part]], of
     return out
 
 
-def node_bytes(rank: int, ids: Sequence[str], parts: Sequence[Sequence[Part]], offset: int, replicas: int) -> int:
+def node_bytes(rank: int, ids: Sequence[str], parts: Parts, offset: int, replicas: int) -> int:
     """The distinct bytes the node of ``rank`` holds for one step: each object its copies name once, and every
     copy's inline pieces (its ranks' own and the replicas they hold)."""
     world = len(ids)
-    sizes = {h: n for p in parts for n, h, obj in p if obj}
     node = [r for r in range(world) if ids[r] == ids[rank]]
     copies = [*node, *(src for q in node for _, src in pairs(q, world, offset, replicas))]
+    sizes = {h: n for r in copies for n, h, obj in parts[r] if obj}
     named = node_plan(rank, ids, parts, offset, replicas).protect
     return sum(sizes[h] for h in named) + sum(inline_size(parts[r]) for r in copies)

@@ -8,7 +8,8 @@ removes what earlier launches left, at restore, before any rank saves again.
 Training waits only for the copy of its tensors into the blob's buffer on CPU (:func:`.codec.snapshot`; the buffer
 is reused by the next save). A thread then hashes the blob's pieces (:mod:`.pieces`: each tensor of 4 KiB or more
 is one, the bytes between them others; the one pass over the bytes before they are written or sent), gathers every
-rank's piece list (so every copy's marker carries the whole step's table), writes the objects of its node it is
+rank's size and digest (so every copy's marker carries the whole step's table) and exchanges whole piece lists only
+with the ranks that need them (its node's, and those whose replicas it holds), writes the objects of its node it is
 the lowest holder of (:mod:`.sharing`; one the node already has, an unchanged tensor, is not written again), its
 own copy, and swaps with the peers over a gloo group of its own (rank ``r`` sends to ``r + i·n`` and receives from
 ``r − i·n``, ``n`` the ranks per node, ``i`` = 1..replicas): each holder asks its source only for the pieces its node
@@ -19,6 +20,7 @@ so no restore picks it (:mod:`.restore`). The thread is the only one; its CPU by
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.checkpoint.fast import sharing
 from pipeline.checkpoint.fast.codec import Blob, snapshot
 from pipeline.checkpoint.fast.local import Copy, NodeTier, run_key
 from pipeline.checkpoint.fast.pieces import Part, cut, digest, digest_of, hashed
@@ -171,16 +174,39 @@ class FastTier:
         need = int(snap.nbytes * self.cfg.keep * ROOM_MARGIN)
         return self._short_of(need, "at least ")
 
-    def _nodes_short(self, every: list[tuple[Part, ...]], room: list[int]) -> str:
+    def _nodes_short(self, every: dict[int, tuple[Part, ...]]) -> str:
         """The first save, before it writes: whether each node has room for every distinct byte its copies of
-        ``keep`` steps hold (its objects once, each copy's inline pieces); ``room``: what each rank's node has."""
-        for keeper in sorted({self.node_ids.index(i) for i in self.node_ids}):
-            held = node_bytes(keeper, self.node_ids, every, self.offset, self.replicas)
-            node = [r for r, i in enumerate(self.node_ids) if i == self.node_ids[keeper]]
-            short = self._short_of(int(held * self.cfg.keep * ROOM_MARGIN), "", room[keeper], len(node))
-            if short:
-                return short if self.rank in node else f"rank {keeper}'s node: {short}"
+        ``keep`` steps hold (its objects once, each copy's inline pieces). Each node's keeper judges its own node;
+        every rank hears every verdict (the first short node's, by keeper) and decides alike."""
+        short = ""
+        if self.keeper:
+            held = node_bytes(self.rank, self.node_ids, every, self.offset, self.replicas)
+            short = self._short_of(int(held * self.cfg.keep * ROOM_MARGIN), "")
+        verdicts: list[Any] = [None] * self.world
+        dist.all_gather_object(verdicts, short, group=self.xfer)
+        for keeper, why in enumerate(verdicts):
+            if why:
+                return why if self.node_ids[keeper] == self.node_ids[self.rank] else f"rank {keeper}'s node: {why}"
         return ""
+
+    def _exchange(self, parts: tuple[Part, ...]) -> dict[int, tuple[Part, ...]]:
+        """The piece lists of the ranks this rank needs (:func:`~.sharing.needs`: its node's ranks and the ranks
+        they hold replicas of), each from its rank, and this rank's sent to the ranks that need it: what a rank
+        receives grows with its node, not with the world (an all-gather of every list would hand each rank the
+        whole world's, ~50 bytes a tensor a rank)."""
+        needs = sorted(sharing.needs(self.rank, self.node_ids, self.offset, self.replicas) - {self.rank})
+        feeds = sorted(sharing.feeds(self.rank, self.node_ids, self.offset, self.replicas) - {self.rank})
+        mine = torch.frombuffer(bytearray(json.dumps(parts).encode()), dtype=torch.uint8)
+        sizes = {src: torch.empty(1, dtype=torch.int64) for src in needs}
+        size = torch.tensor([mine.numel()], dtype=torch.int64)
+        sends = [dist.isend(size, dst, group=self.xfer, tag=_LIST_TAG) for dst in feeds]
+        _wait([dist.irecv(t, src, group=self.xfer, tag=_LIST_TAG) for src, t in sizes.items()])
+        lists = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes.items()}
+        sends += [dist.isend(mine, dst, group=self.xfer, tag=_LIST_TAG + 1) for dst in feeds]
+        _wait([dist.irecv(t, src, group=self.xfer, tag=_LIST_TAG + 1) for src, t in lists.items()] + sends)
+        out = {src: _parts_of(bytes(t.numpy()), src) for src, t in lists.items()}
+        out[self.rank] = parts
+        return out
 
     def _short_of(self, need: int, bound: str, free: int | None = None, sharing: int = 0) -> str:
         free = self.node.free_bytes() + self.node.held_bytes() if free is None else free
@@ -210,13 +236,12 @@ class FastTier:
             c = self.stats.add("hash", c)
             gathered: list[Any] = [None] * self.world
             first = not self.stats.saved and not self.stats.failed
-            room = self.node.free_bytes() + self.node.held_bytes() if first else 0
-            dist.all_gather_object(gathered, (len(blob), digest_of(parts), parts, room), group=self.xfer)
-            rows = tuple((int(s), str(h)) for s, h, _, _ in gathered)
-            every: list[tuple[Part, ...]] = [tuple(p) for _, _, p, _ in gathered]
+            dist.all_gather_object(gathered, (len(blob), digest_of(parts)), group=self.xfer)  # the step's table
+            rows = tuple((int(s), str(h)) for s, h in gathered)
+            every = self._exchange(parts)
             plan = node_plan(self.rank, self.node_ids, every, self.offset, self.replicas)
             if first:  # every rank alike, before any writes: the next save turns the tier off everywhere
-                self._short = self._nodes_short(every, [g[3] for g in gathered])
+                self._short = self._nodes_short(every)
                 if self._short:
                     raise PipelineError(self._short)
             c = self.stats.add("gather", c)
@@ -311,3 +336,17 @@ def _wait(works: list[Any]) -> None:
     for work in works:
         if work is not None:
             work.wait()
+
+
+_LIST_TAG = 1 << 30
+"""The tags of a save's piece-list exchange (above any piece's ``1 + i``, so a peer already replicating never
+matches it)."""
+
+
+def _parts_of(raw: bytes, rank: int) -> tuple[Part, ...]:
+    """A peer's piece list as it sent it (JSON: [length, hash, is_object] each)."""
+    try:
+        items = json.loads(raw)
+        return tuple((int(n), str(h), bool(o)) for n, h, o in items)
+    except (ValueError, TypeError) as e:
+        raise PipelineError(f"fast tier: rank {rank}'s piece list did not parse ({e})") from e
