@@ -58,6 +58,40 @@ print(json.dumps(both))
 """On node1: flip a byte of its own copy of the newest step it holds whole (its own shard and node2's replica);
 prints those steps."""
 
+FREEZE = """
+import json, os, signal, sys, time
+from pathlib import Path
+from pipeline.checkpoint.fast.local import run_key
+tier = Path("/local/fast") / run_key(Path(sys.argv[1]))
+steps = lambda d: {int(p.stem[5:]) for p in (tier / d).glob("step_*.json")}
+
+def rank0():  # node1's training rank (one pid space: node2's processes are listed too)
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\\0")
+            args = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"ddp_train.py" in args and b"torchrun" not in args and b"RANK=0" in env and sys.argv[1].encode() in args:
+            return int(pid)
+
+pid, deadline = None, time.monotonic() + 180
+while True:
+    pid = pid or rank0()
+    both = sorted(steps("own/rank_0") & steps("replica/rank_1"))
+    if pid and len(both) >= 2 and both[-1] >= 12:
+        os.kill(pid, signal.SIGSTOP)
+        break
+    if time.monotonic() > deadline:
+        sys.exit(f"node1 never held 2 whole fast steps up to 12: {both}")
+    time.sleep(0.005)
+print(json.dumps(both))
+"""
+"""On node1, the moment it holds two whole fast steps (the newest at least 12): rank 0 (node1's) stopped, so its
+fast tier prunes nothing before node2 is killed (a save prunes to one step before it writes the next), and
+resumed after: its next collective fails on the lost peer. Without it the kill could land in step 14's save,
+after that prune, leaving node1 one whole step."""
+
 
 def test_the_example_on_two_nodes_killed_and_relaunched_resumes_bit_identically(
     cluster: Cluster, shared_dir: Path, tmp_path: Path
@@ -72,11 +106,10 @@ def test_the_example_on_two_nodes_killed_and_relaunched_resumes_bit_identically(
     poller = LatestPoller(cluster, out, shared_dir, tmp_path / "poll.log")
     agents = _two_nodes(cluster, out, first, "--sleep", "0.3")
     try:
-        deadline = time.monotonic() + 180
-        while max(_losses("".join(p.read_text() for p in first.iterdir())), default=0) < 14:  # fast step 12 done
-            assert time.monotonic() < deadline and agents[0].poll() is None, "the example ended before the kill"
-            time.sleep(0.2)
+        held = json.loads(cluster.python("node1", "-c", FREEZE, str(out), timeout=240).stdout)
         cluster.node("kill9", "node2")
+        cluster.run("node1", "pkill", "-CONT", "-f", f"ddp_train.py --out {out}", check=False)
+        assert len(held) >= 2, held
         assert agents[0].wait(timeout=180) != 0, "node1's torchrun should report its lost peer"
     finally:
         for agent in agents:
