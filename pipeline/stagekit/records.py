@@ -64,21 +64,26 @@ def write_record(layout: RunLayout, stage: str, **fields: Any) -> dict[str, Any]
     return rec
 
 
-def has_verdict(layout: RunLayout, stage: str, job_id: str, run: int) -> bool:
-    """The stage's record says how job ``job_id`` ended (``succeeded``/``failed``), written by its run ``run`` or
-    a later one: not by a ghost of an earlier run (a process on a node cut off, back after SLURM requeued it)."""
+def _verdict(layout: RunLayout, stage: str, job_id: str, run: int) -> str | None:
+    """How job ``job_id`` ended (``succeeded``/``failed``) by the stage's record, where its run ``run`` or a later
+    one wrote it: not a ghost of an earlier run (a process on a node cut off, back after SLURM requeued it)."""
     rec = read_record(layout, stage) or {}
     written_by = rec.get("restart")
     written_by = written_by if isinstance(written_by, int) else 0
-    return rec.get("job_id") == job_id and rec.get("status") in ("succeeded", "failed") and written_by >= run
+    status = rec.get("status")
+    return status if rec.get("job_id") == job_id and status in ("succeeded", "failed") and written_by >= run else None
+
+
+def has_verdict(layout: RunLayout, stage: str, job_id: str, run: int) -> bool:
+    """The stage's record says how job ``job_id`` ended, written by its run ``run`` or a later one."""
+    return _verdict(layout, stage, job_id, run) is not None
 
 
 def succeeded_by(layout: RunLayout, stage: str, job_id: str, run: int) -> bool:
     """The stage's record says job ``job_id`` succeeded, written by its run ``run`` or a later one: what a result
     file a ghost overwrote (the cut-off earlier run of the same job, ending with an error once its node is back)
     does not undo."""
-    rec = read_record(layout, stage) or {}
-    return has_verdict(layout, stage, job_id, run) and rec.get("status") == "succeeded"
+    return _verdict(layout, stage, job_id, run) == "succeeded"
 
 
 def ghost_result(layout: RunLayout, stage: str, act: Any, error: Any, say: Any) -> Any:
