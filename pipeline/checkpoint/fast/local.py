@@ -50,8 +50,6 @@ _RANK = re.compile(r"^rank_(\d+)$")
 
 
 __all__ = ["KINDS", "Copy", "NodeTier", "digest", "run_key"]
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-"""Map a piece's pages at once (Linux): a third of the cost of faulting them in one by one."""
 _OBJECT = re.compile(r"^([0-9a-f]{32})\.bin$")
 
 
@@ -175,7 +173,8 @@ class NodeTier:
         return True
 
     def piece(self, c: Copy, i: int) -> memoryview:
-        """Piece ``i`` of a copy, mapped from its file (no copy: it is hashed, sent and loaded as it lies)."""
+        """Piece ``i`` of a copy, mapped from its file (no copy: it is hashed, sent and loaded as it lies). Its pages
+        are mapped in as they are read, or ahead of that by a :class:`~.prefault.Prefault` (the restore's)."""
         n, h, obj = c.parts[i]
         if obj:
             path, skip = self.object_path(h), 0
@@ -184,7 +183,7 @@ class NodeTier:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size < skip + n:
                 raise OSError(f"{path} is shorter than its marker says")
-            mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+            mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         return memoryview(mapped)[skip : skip + n]  # read-only: only ever hashed, sent and copied from
 
     def scan(self) -> tuple[list[Copy], list[tuple[Path, str]]]:

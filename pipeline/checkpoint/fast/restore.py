@@ -31,6 +31,7 @@ from pipeline.checkpoint.fast.codec import Scattered
 from pipeline.checkpoint.fast.landing import Landing
 from pipeline.checkpoint.fast.local import Copy
 from pipeline.checkpoint.fast.pieces import digest, objects, offsets
+from pipeline.checkpoint.fast.prefault import Prefault
 from pipeline.checkpoint.fast.tier import FastTier
 from pipeline.errors import exception_line
 
@@ -184,11 +185,14 @@ def _fetch_and_check(
     blob piece by piece against its copy's list (whose digest is the table's), load it; what failed or None.
     ``phases``: rank 0's seconds per phase (template, move, hash, load), added up over the rounds."""
     sends: list[tuple[Any, torch.Tensor]] = []
+    ahead: list[Prefault] = []
     try:
-        return _check_and_load(tier, p, landing, in_place, phases, sends)
+        return _check_and_load(tier, p, landing, in_place, phases, sends, ahead)
     finally:  # what this rank serves goes on while it checks and loads its own; done before the next collective
         for work, _ in sends:
             work.wait()
+        for pf in ahead:
+            pf.stop()
 
 
 def _check_and_load(
@@ -198,9 +202,10 @@ def _check_and_load(
     in_place: bool,
     phases: dict[str, float],
     sends: list[tuple[Any, torch.Tensor]],
+    ahead: list[Prefault],
 ) -> Failure | None:
     t = time.monotonic()
-    blob, local, error = _move(tier, p, landing if in_place else None, sends)
+    blob, local, error = _move(tier, p, landing, in_place, sends, ahead)
     phases["move"] = phases.get("move", 0.0) + time.monotonic() - t
     t = time.monotonic()
     holder, c = p.sources[tier.rank]
@@ -230,13 +235,19 @@ def _check_and_load(
 
 
 def _move(
-    tier: FastTier, p: Plan, landing: Landing | None, sends: list[tuple[Any, torch.Tensor]]
+    tier: FastTier,
+    p: Plan,
+    landing: Landing,
+    in_place: bool,
+    sends: list[tuple[Any, torch.Tensor]],
+    ahead: list[Prefault],
 ) -> tuple[Scattered | None, list[bool], str]:
     """This rank's blob as pieces: those its node holds mapped from their files (no copy), the others sent by
-    the copy's holder (into ``landing``'s tensors where they fit); which pieces are this node's, and why there is
-    no blob. The transfers go first, in one global order (no two ranks wait on each other, and no holder makes a
-    peer wait while it reads its own). What this rank serves is sent in the background (``sends``: each send
-    and the bytes it reads), mapped from the same files as its own pieces."""
+    the copy's holder (``in_place``: into ``landing``'s tensors where they fit); which pieces are this node's,
+    and why there is no blob. The transfers go first, in one global order (no two ranks wait on each other, and
+    no holder makes a peer wait while it reads its own). What this rank serves is sent in the background
+    (``sends``: each send and the bytes it reads), mapped from the same files as its own pieces. The pages about
+    to be read or written are faulted in ahead of their use (``ahead``: stopped once the pieces are loaded)."""
     received: dict[int, memoryview] = {}
     maps: dict[str, memoryview] = {}  # an object's hash -> its mapping, made once a restore round
     local: list[bool] = []
@@ -246,10 +257,10 @@ def _move(
         if ids[holder] == ids[shard]:  # a copy in the rank's own node dir: it maps every piece itself
             continue
         if tier.rank == holder:
-            _serve(tier, c, shard, sends, maps)
+            _serve(tier, c, shard, sends, maps, ahead)
         elif tier.rank == shard:
             local = [obj and tier.node.has_object(h, n) for n, h, obj in c.parts]
-            received, error = _receive(tier, c, local, holder, landing)
+            received, error = _receive(tier, c, local, holder, landing if in_place else None)
     holder, c = p.sources[tier.rank]
     if ids[holder] == ids[tier.rank]:
         local = [True] * len(c.parts)
@@ -259,7 +270,21 @@ def _move(
         views = tuple(_mapped(tier, c, i, maps) if local[i] else received[i] for i in range(len(c.parts)))
     except OSError as e:
         return None, local, f"unreadable ({e.strerror or e})"
+    mine = [v for v, here in zip(views, local, strict=True) if here]
+    if mine:  # read next: hashed, then copied into the state, whose fresh memory is faulted in meanwhile
+        ahead.append(Prefault(mine, write=False))
+        if digest(views[0]) == c.parts[0][1]:
+            ahead.append(Prefault([t for _, t in sorted(_places(landing, views[0]).items())]))
     return Scattered(tuple(offsets(c.parts)), views, c.size), local, ""
+
+
+def _places(landing: Landing, head: memoryview) -> dict[int, torch.Tensor]:
+    """``landing.places(head)``; {} where the template cannot be built (the load then says why)."""
+    try:
+        return landing.places(head)
+    except Exception as e:
+        log.debug("no template for the blob: %s", exception_line(e))
+        return {}
 
 
 def _receive(
@@ -276,33 +301,28 @@ def _receive(
     head = torch.empty(c.parts[0][0], dtype=torch.uint8)
     dist.recv(head, holder, group=tier.group, tag=1)
     out = {0: head.numpy().data.cast("B")}
-    places: dict[int, torch.Tensor] = {}
-    if landing is not None and digest(out[0]) == c.parts[0][1]:
-        try:
-            places = landing.places(out[0])
-        except Exception as e:  # the template could not be built: nothing lands in place, and the load says why
-            log.debug("rank %d: nothing received in place: %s", tier.rank, exception_line(e))
+    places = _places(landing, out[0]) if landing is not None and digest(out[0]) == c.parts[0][1] else {}
     starts = offsets(c.parts)
     into = {i: places[starts[i]] for i, (n, _, _) in enumerate(c.parts) if i and not local[i]
             and starts[i] in places and places[starts[i]].numel() == n}  # fmt: skip
     rest = sum(n for i, (n, _, _) in enumerate(c.parts) if i and not local[i] and i not in into)
-    buf = torch.empty(rest, dtype=torch.uint8)
-    view = buf.numpy().data.cast("B")  # the tensor's own buffer: what arrives lands in place
-    works, at = [], 0
+    buf = torch.empty(rest, dtype=torch.uint8)  # its views are what arrives there: no copy
+    dest, at = {}, 0
     for i, (n, _, _) in enumerate(c.parts):
-        if i == 0 or local[i]:
-            continue
-        if i in into:
-            works.append(dist.irecv(into[i], holder, group=tier.group, tag=1 + i))
-            out[i] = into[i].numpy().data.cast("B")
-        else:
-            works.append(dist.irecv(buf[at : at + n], holder, group=tier.group, tag=1 + i))
-            out[i], at = view[at : at + n], at + n
-    if landing is not None and into:
-        landing.landed += sum(t.numel() for t in into.values())
-    for work in works:
-        if work is not None:
-            work.wait()
+        if i and not local[i]:
+            dest[i] = into[i] if i in into else buf[at : at + n]
+            at += 0 if i in into else n
+    ahead = Prefault(list(dest.values()))  # in the order the pieces arrive
+    try:
+        works = [dist.irecv(t, holder, group=tier.group, tag=1 + i) for i, t in dest.items()]
+        out.update({i: t.numpy().data.cast("B") for i, t in dest.items()})
+        if landing is not None and into:
+            landing.landed += sum(t.numel() for t in into.values())
+        for work in works:
+            if work is not None:
+                work.wait()
+    finally:
+        ahead.stop()
     return out, ""
 
 
@@ -317,10 +337,15 @@ def _mapped(tier: FastTier, c: Copy, i: int, maps: dict[str, memoryview]) -> mem
 
 
 def _serve(
-    tier: FastTier, c: Copy, to: int, sends: list[tuple[Any, torch.Tensor]], maps: dict[str, memoryview]
+    tier: FastTier,
+    c: Copy,
+    to: int,
+    sends: list[tuple[Any, torch.Tensor]],
+    maps: dict[str, memoryview],
+    ahead: list[Prefault],
 ) -> None:
     """The pieces of a copy held here that rank ``to`` asks for, each sent from the file it lies in, in the
-    background (``sends``)."""
+    background (``sends``), its pages mapped in ahead of the sends (``ahead``)."""
     asked = torch.empty(len(c.parts), dtype=torch.uint8)
     dist.recv(asked, to, group=tier.group)
     try:
@@ -329,6 +354,7 @@ def _serve(
         dist.send(torch.tensor([-1], dtype=torch.int64), to, group=tier.group)
         return
     dist.send(torch.tensor([0], dtype=torch.int64), to, group=tier.group)
+    ahead.append(Prefault(list(pieces.values()), write=False))
     for i, piece in pieces.items():
         with warnings.catch_warnings():  # a read-only mapping: gloo only reads what it sends
             warnings.simplefilter("ignore", UserWarning)
