@@ -220,8 +220,14 @@ def test_a_fresh_start_after_received_bytes_went_into_the_state_is_refused(one_r
     landing.check_fresh(0, one_rank)  # nothing landed: a fresh start is a fresh start
     landing.landed = 4096
     landing.check_fresh(12, one_rank)  # the step restored (fast or durable) overwrote it
-    with pytest.raises(VerificationError, match="received into the model's state"):
+    with pytest.raises(VerificationError, match="went into the model's state"):
         landing.check_fresh(0, one_rank)
+    into = {"w": torch.zeros(4)}
+    loaded = Landing(lambda: into, lambda state: 11, "rank 0's fast copy")  # a copy that records another step
+    blob = snapshot({"w": torch.ones(4)})
+    assert loaded.load(blob.view()) == 11 and loaded.landed == 0 and torch.equal(into["w"], torch.ones(4))
+    with pytest.raises(VerificationError, match="went into the model's state"):
+        loaded.check_fresh(0, one_rank)  # refused for its step, then a fresh start: its bytes are in the state
 
 
 def test_a_2d_shard_restores_only_into_the_same_piece_of_its_tensor() -> None:

@@ -58,6 +58,8 @@ class Landing:
         self.landed = 0
         """The bytes received into the template's tensors, over every round (they hold what arrived, verified or
         not)."""
+        self.loaded = False
+        """A blob was loaded into the template (the state holds its bytes, whether or not it is then used)."""
         self.seconds = 0.0
         """Spent building the template."""
 
@@ -78,7 +80,9 @@ class Landing:
 
     def load(self, blob: BlobView) -> int:
         head = blob.views[0] if isinstance(blob, Scattered) else memoryview(blob).cast("B")
-        return self._apply(fill(self.template(head), unpack(blob, self.what)))
+        template = self.template(head)
+        self.loaded = True  # from here on the state may hold the blob's bytes
+        return self._apply(fill(template, unpack(blob, self.what)))
 
     def discard(self) -> None:
         """Nothing was restored: the optimizer state :func:`prime` made is taken back (the durable tier's load
@@ -89,17 +93,18 @@ class Landing:
         self._primed, self._template, self._built = [], None, False
 
     def check_fresh(self, step: int, group: Any) -> None:
-        """Every rank, once the resume step is decided: a fresh start (0) after any rank's received bytes went into
-        its state is refused (those bytes failed their check, and nothing overwrote them)."""
+        """Every rank, once the resume step is decided: a fresh start (0) after any rank's state took a fast copy's
+        bytes is refused: bytes received into it that failed their check, or a copy loaded into it and then not
+        used (it recorded another step, or another rank's failed), and nothing overwrote them."""
         if step:
             return
-        touched = torch.tensor([int(self.landed > 0)])
+        touched = torch.tensor([int(self.landed > 0 or self.loaded)])
         dist.all_reduce(touched, group=group)
         if touched.item():
             raise VerificationError(
-                "the fast tier's copy failed its check after its bytes were received into the model's state, and "
-                "the durable tier has no step that verifies: the state is not the initial one. Relaunch: the "
-                "damaged copy is quarantined, and the run starts fresh from its initialisation"
+                "a fast-tier copy's bytes went into the model's state and the copy was then not used, and the "
+                "durable tier has no step that verifies: the state is not the initial one. Relaunch: the refused "
+                "copy is quarantined, and the run starts fresh from its initialisation"
             )
 
 
