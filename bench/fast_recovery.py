@@ -1,6 +1,7 @@
 """The fast tier against the durable tier, in one script (2 ranks, ``torchrun``, gloo, this machine's 2 cores).
 
-    .venv/bin/python bench/fast_recovery.py [--mb 1100] [--steps 20] [--every 10] [--out DIR] [--device cuda]
+    .venv/bin/python bench/fast_recovery.py [--mb 1100] [--steps 20] [--every 10] [--rounds 1] [--out DIR]
+                                            [--device cuda]
 
 A DDP model of ``--mb`` MB of training state per rank (parameters + AdamW moments; 1,100 MB = the ≥ 1 GB
 example's size), each rank a "node" with a fast dir of its own in ``/dev/shm``:
@@ -13,7 +14,8 @@ example's size), each rank a "node" with a fast dir of its own in ``/dev/shm``:
    rank 0's replica, over gloo) and, separately, from the durable tier alone; durable tier = the run dir on
    local disk, on a SeaweedFS FUSE mount (a shared filesystem) and in a SeaweedFS S3 bucket (loopback). Each
    restore is timed from the relaunched ``Checkpointer``'s ``load_latest`` call to its return; the ratio is
-   durable / fast.
+   durable / fast. ``--rounds N`` restores each saved run N times from each tier, in turn (this VM's speed moves
+   from one minute to the next: one pair of restores can be 2.6x or 4.2x), and reports the ratio of the means.
 3. **Across nodes** (``--only cluster``, root, no cluster of the tests running): the same on node1 and node2 of
    the namespace cluster (``scripts/cluster/start.sh``: own network, hostname, tmpfs ``/local``, FUSE mount of
    one SeaweedFS filer at ``/shared``): durable tier in ``/shared``, fast tier in each node's ``/local``, node2
@@ -222,17 +224,41 @@ def _recovery(args: argparse.Namespace, where: str, run: Path, nodes: Path, stor
     saved = _launch(args, "train", run, nodes, fast=True, storage=storage, save=True, env=env)
     key = next((nodes / "node1").iterdir())
     shutil.rmtree(key)  # rank 1's node replaced: an empty local tier
-    _drop_caches()  # a relaunch after a node failure finds nothing of the durable step in its page cache
-    fast = _launch(args, "restore", run, nodes, fast=True, storage=storage, env=env)
-    _drop_caches()
-    durable = _launch(args, "restore", run, nodes, fast=False, storage=storage, env=env)
+    out = _rounds(args, where, saved, lambda fast: _launch(args, "restore", run, nodes, fast=fast, storage=storage,
+                                                           env=env))  # fmt: skip
     shutil.rmtree(nodes, ignore_errors=True)  # RAM: the next section needs it
-    print(f"  {where}: durable save {saved['durable_save_s']:.2f}s; restore fast {fast['restore_s']:.2f}s "
-          f"({fast['tier']}), durable {durable['restore_s']:.2f}s ({durable['tier']})", flush=True)  # fmt: skip
-    return {"where": where, "durable_save_s": saved["durable_save_s"], "fast": fast, "durable": durable,
-            "ratio": durable["restore_s"] / fast["restore_s"],
-            "to_limit": fast["restore_s"] / fast["limit_s"],
-            "to_fresh_limit": fast["restore_s"] / fast["limit_fresh_s"]}  # fmt: skip
+    return out
+
+
+def _rounds(args: argparse.Namespace, where: str, saved: dict[str, Any], restore: Any) -> dict[str, Any]:
+    """``--rounds`` restores from the fast tier and from the durable tier alone, in turn, of the one saved run
+    (a fast restore writes nothing into the replaced node's dir, so each round restores the same), each after the
+    page cache is dropped (a relaunch after a node failure finds nothing of the durable step in it). The ratios
+    are of the means; ``fast`` and ``durable`` are the first round's results."""
+    rounds = []
+    for _ in range(args.rounds):
+        _drop_caches()
+        fast = restore(True)
+        _drop_caches()
+        durable = restore(False)
+        rounds.append({"fast": fast, "durable": durable})
+        print(f"  {where}: restore fast {fast['restore_s']:.2f}s ({fast['tier']}), durable "
+              f"{durable['restore_s']:.2f}s ({durable['tier']}): {durable['restore_s'] / fast['restore_s']:.1f}x",
+              flush=True)  # fmt: skip
+
+    def mean(key: str, of: str = "restore_s") -> float:
+        return sum(r[key][of] for r in rounds) / len(rounds)
+
+    print(f"  {where}: durable save {saved['durable_save_s']:.2f}s; mean of {len(rounds)}: fast "
+          f"{mean('fast'):.2f}s, durable {mean('durable'):.2f}s", flush=True)  # fmt: skip
+    return {"where": where, "durable_save_s": saved["durable_save_s"], "saved": saved,
+            "fast": rounds[0]["fast"], "durable": rounds[0]["durable"],
+            "rounds": [{"fast_s": r["fast"]["restore_s"], "durable_s": r["durable"]["restore_s"],
+                        "to_limit": r["fast"]["restore_s"] / r["fast"]["limit_s"]} for r in rounds],
+            "fast_s": mean("fast"), "durable_s": mean("durable"),
+            "ratio": mean("durable") / mean("fast"),
+            "to_limit": mean("fast") / mean("fast", "limit_s"),
+            "to_fresh_limit": mean("fast") / mean("fast", "limit_fresh_s")}  # fmt: skip
 
 
 def _drop_caches() -> None:
@@ -249,6 +275,7 @@ def main() -> None:
     p.add_argument("--mb", type=float, default=1100.0)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1, help="restores from each tier of each saved run, in turn")
     p.add_argument("--strategy", default="ddp", choices=("ddp", "fsdp2"), help="fsdp2: sharded, nothing replicated")
     p.add_argument("--nice", type=int, default=0, help="also train with the background save thread at this nice")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "fast_recovery"))
@@ -267,6 +294,8 @@ def main() -> None:
         _worker(args)
         return
     only = set(args.only.split(","))
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: give 1 or more (restores from each tier per saved run)")
     if args.device == "cuda" and "cluster" in only:
         raise SystemExit("--device cuda: the namespace cluster's nodes have no GPU; leave out --only cluster")
     if args.device == "cuda":
@@ -292,10 +321,8 @@ def main() -> None:
           "| fast / limit, fresh memory |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for r in results["recovery"]:
-        print(f"| {r['where']} | {r['durable_save_s']:.2f} s | {r['durable']['restore_s']:.2f} s | "
-              f"{r['fast']['restore_s']:.2f} s | {r['ratio']:.1f}x | {r['to_limit']:.2f}x "
-              f"({r['fast']['limit_s']:.2f} s) | {r['to_fresh_limit']:.2f}x "
-              f"({r['fast']['limit_fresh_s']:.2f} s) |")  # fmt: skip
+        print(f"| {r['where']} | {r['durable_save_s']:.2f} s | {r['durable_s']:.2f} s | {r['fast_s']:.2f} s | "
+              f"{r['ratio']:.1f}x | {r['to_limit']:.2f}x | {r['to_fresh_limit']:.2f}x |")  # fmt: skip
 
 
 def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, Any]:
@@ -431,32 +458,19 @@ def _cluster_recovery(args: argparse.Namespace) -> dict[str, Any]:
         _node("kill9", "node2")
         subprocess.run(["bash", str(CLUSTER / "node.sh"), "up", "node2"], cwd=ROOT, env=env, capture_output=True,
                        check=True)  # fmt: skip
-        _drop_caches()
-        fast = _on_two_nodes(args, "restore", run, logs, fast=True)
-        _drop_caches()
-        durable = _on_two_nodes(args, "restore", run, logs, fast=False)
+        out = _rounds(args, "SeaweedFS FUSE across 2 namespace nodes", saved,
+                      lambda fast: _on_two_nodes(args, "restore", run, logs, fast=fast))  # fmt: skip
     finally:
         subprocess.run(["bash", str(CLUSTER / "node.sh"), "exec", "login", "rm", "-rf", str(Path(run).parent)],
                        cwd=ROOT, capture_output=True, check=False)  # fmt: skip
         subprocess.run(["bash", str(CLUSTER / "stop.sh")], cwd=ROOT, env=env, capture_output=True, check=False)
         shutil.rmtree(logs, ignore_errors=True)
-    where = "SeaweedFS FUSE across 2 namespace nodes"
-    print(f"  {where}: durable save {saved['durable_save_s']:.2f}s; restore fast {fast['restore_s']:.2f}s "
-          f"({fast['tier']}), durable {durable['restore_s']:.2f}s ({durable['tier']})", flush=True)  # fmt: skip
-    return {
-        "where": where,
-        "durable_save_s": saved["durable_save_s"],
-        "fast": fast,
-        "durable": durable,
-        "ratio": durable["restore_s"] / fast["restore_s"],
-        "to_limit": fast["restore_s"] / fast["limit_s"],
-        "to_fresh_limit": fast["restore_s"] / fast["limit_fresh_s"],
-        "overhead_on_cluster": {
-            "train_s": saved["train_s"],
-            "blocked_s": saved["blocked_s"],
-            "persist_s": saved.get("persist_s"),
-        },
+    out["overhead_on_cluster"] = {
+        "train_s": saved["train_s"],
+        "blocked_s": saved["blocked_s"],
+        "persist_s": saved.get("persist_s"),
     }
+    return out
 
 
 if __name__ == "__main__":
