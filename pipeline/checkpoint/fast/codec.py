@@ -227,11 +227,16 @@ def _tensors(blob: Scattered, start: int, header: dict[str, Any]) -> dict[str, t
             out[key] = torch.empty(shape, dtype=dtype)
             continue
         view, at = blob.at(start + b, start + e)
-        with warnings.catch_warnings():  # a read-only buffer (bytes) is only ever copied from
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(view, dtype=dtype, count=(e - b) // item, offset=at)
-        out[key] = flat.view(shape)
+        out[key] = over(view, dtype, (e - b) // item, at).view(shape)
     return out
+
+
+def over(buffer: Any, dtype: torch.dtype = torch.uint8, count: int = -1, offset: int = 0) -> torch.Tensor:
+    """A tensor over ``buffer``'s bytes, no copy. A read-only buffer (bytes, a mapped file) too: torch warns that
+    such a tensor must not be written, and the fast tier only ever hashes, sends or copies from it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
 
 
 def fill(template: Any, saved: Any, where: str = "") -> Any:

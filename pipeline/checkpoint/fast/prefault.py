@@ -19,11 +19,12 @@ import ctypes.util
 import mmap
 import sys
 import threading
-import warnings
 from collections.abc import Sequence
 from functools import cache
 
 import torch
+
+from pipeline.checkpoint.fast.codec import over
 
 __all__ = ["Prefault"]
 
@@ -31,6 +32,8 @@ _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
 _PAGE = mmap.PAGESIZE
 _CHUNK = 32 << 20
 """One call's range: the thread stops between calls when asked, and keeps to the order the bytes arrive in."""
+WAIT_S = 60.0
+"""The longest :meth:`Prefault.wait` waits (a call maps at most ``_CHUNK`` bytes in: well under a second)."""
 
 
 @cache
@@ -53,9 +56,7 @@ def _pages(t: torch.Tensor | memoryview) -> tuple[int, int] | None:
     if isinstance(t, memoryview):
         if not t.nbytes:
             return None
-        with warnings.catch_warnings():  # a read-only mapping: only its address is wanted
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(t, dtype=torch.uint8)
+        t = over(t)  # only its address is wanted
     if t.device.type != "cpu" or not t.is_contiguous():
         return None
     start = t.data_ptr()
@@ -73,7 +74,8 @@ class Prefault:
     def __init__(self, regions: Sequence[torch.Tensor | memoryview], *, write: bool = True) -> None:
         self._ranges = [r for r in map(_pages, regions) if r is not None]
         self._how = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-        self._keep = list(regions)  # alive until stopped: the ranges are theirs
+        self.regions: list[torch.Tensor | memoryview] = list(regions)
+        """Kept alive until done (the ranges are theirs)."""
         self._stop = threading.Event()
         self.faulted = 0
         self._thread: threading.Thread | None = None
@@ -94,7 +96,9 @@ class Prefault:
         self._stop.set()
         self.wait()
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float = WAIT_S) -> None:
+        """Until the thread is done, at most ``timeout_s``: one still in a call after that is left to end on its
+        own (it holds only addresses, and mapping pages in is harmless wherever they now belong)."""
         if self._thread is not None:
-            self._thread.join()
-        self._keep = []
+            self._thread.join(timeout_s)
+        self.regions = []

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint.fast import RESUMED_FILE
-from pipeline.checkpoint.fast.codec import Scattered
+from pipeline.checkpoint.fast.codec import Scattered, over
 from pipeline.checkpoint.fast.landing import Landing
 from pipeline.checkpoint.fast.local import Copy
 from pipeline.checkpoint.fast.pieces import digest, objects, offsets
@@ -270,9 +269,10 @@ def _move(
         views = tuple(_mapped(tier, c, i, maps) if local[i] else received[i] for i in range(len(c.parts)))
     except OSError as e:
         return None, local, f"unreadable ({e.strerror or e})"
-    mine = [v for v, here in zip(views, local, strict=True) if here]
-    if mine:  # read next: hashed, then copied into the state, whose fresh memory is faulted in meanwhile
-        ahead.append(Prefault(mine, write=False))
+    if any(local):  # read next: hashed, then copied into the state, whose fresh memory is faulted in meanwhile
+        queued = {id(v) for pf in ahead for v in pf.regions}  # what it serves from the same files (DDP: all)
+        ahead.append(Prefault([v for v, here in zip(views, local, strict=True) if here and id(v) not in queued],
+                              write=False))  # fmt: skip
         if digest(views[0]) == c.parts[0][1]:
             ahead.append(Prefault([t for _, t in sorted(_places(landing, views[0]).items())]))
     return Scattered(tuple(offsets(c.parts)), views, c.size), local, ""
@@ -356,9 +356,7 @@ def _serve(
     dist.send(torch.tensor([0], dtype=torch.int64), to, group=tier.group)
     ahead.append(Prefault(list(pieces.values()), write=False))
     for i, piece in pieces.items():
-        with warnings.catch_warnings():  # a read-only mapping: gloo only reads what it sends
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(piece, dtype=torch.uint8)
+        data = over(piece)  # a read-only mapping: gloo only reads what it sends
         work = dist.isend(data, to, group=tier.group, tag=1 + i)
         if work is not None:
             sends.append((work, data))

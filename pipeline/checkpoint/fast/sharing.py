@@ -34,7 +34,7 @@ def needs(rank: int, ids: Sequence[str], offset: int, replicas: int) -> set[int]
     :func:`node_bytes`): its node's ranks and the ranks they hold replicas of. A save exchanges only these, so
     what a rank receives grows with its node's size, not with the world's."""
     world = len(ids)
-    node = [r for r in range(world) if ids[r] == ids[rank]]
+    node = _node(rank, ids)
     return {*node, *(src for q in node for _, src in pairs(q, world, offset, replicas))}
 
 
@@ -46,6 +46,11 @@ def feeds(rank: int, ids: Sequence[str], offset: int, replicas: int) -> set[int]
     return {r for r in range(world) if ids[r] in dests}
 
 
+def _node(rank: int, ids: Sequence[str]) -> list[int]:
+    """The ranks on ``rank``'s node, lowest first."""
+    return [r for r, i in enumerate(ids) if i == ids[rank]]
+
+
 def pairs(rank: int, world: int, offset: int, replicas: int) -> list[tuple[int, int]]:
     """Rank ``rank``'s (send to, receive from) ranks, one pair per replica: ``r + i·offset`` and ``r − i·offset``."""
     return [((rank + i * offset) % world, (rank - i * offset) % world) for i in range(1, replicas + 1)]
@@ -55,7 +60,7 @@ def node_plan(rank: int, ids: Sequence[str], parts: Parts, offset: int, replicas
     """``ids``: each rank's node id; ``parts``: the step's piece lists of (at least) the ranks in
     :func:`needs` of ``rank``."""
     world = len(ids)
-    node = [r for r in range(world) if ids[r] == ids[rank]]
+    node = _node(rank, ids)
     holder: dict[str, int] = {}
     for r in node:
         for _, h, obj in parts[r]:
@@ -78,7 +83,7 @@ def node_bytes(rank: int, ids: Sequence[str], parts: Parts, offset: int, replica
     """The distinct bytes the node of ``rank`` holds for one step: each object its copies name once, and every
     copy's inline pieces (its ranks' own and the replicas they hold)."""
     world = len(ids)
-    node = [r for r in range(world) if ids[r] == ids[rank]]
+    node = _node(rank, ids)
     copies = [*node, *(src for q in node for _, src in pairs(q, world, offset, replicas))]
     sizes = {h: n for r in copies for n, h, obj in parts[r] if obj}
     named = node_plan(rank, ids, parts, offset, replicas).protect

@@ -208,11 +208,11 @@ class FastTier:
         out[self.rank] = parts
         return out
 
-    def _short_of(self, need: int, bound: str, free: int | None = None, sharing: int = 0) -> str:
-        free = self.node.free_bytes() + self.node.held_bytes() if free is None else free
+    def _short_of(self, need: int, bound: str) -> str:
+        free = self.node.free_bytes() + self.node.held_bytes()
         if free >= need:
             return ""
-        sharing = sharing or self.node_ids.count(self.node_ids[self.rank])
+        sharing = self.node_ids.count(self.node_ids[self.rank])
         return (
             f"{self.node.root} has {free / 1e6:.0f} MB free, its {sharing} rank(s) need {bound}{need / 1e6:.0f} MB "
             f"({self.cfg.keep} steps of what they and {self.replicas} replica(s) hold); give checkpoint.fast.dir "
