@@ -352,7 +352,7 @@ class Checkpointer(Loading):
         try:
             self.wait()
             if self.fast is not None:
-                self.fast.wait()
+                self.fast.close()
             dist.barrier(group=self.group)  # every rank's last marker is written before the last pass
             if self.rank == 0 and self._external:
                 await_external_commit(

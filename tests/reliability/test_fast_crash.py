@@ -73,7 +73,8 @@ def _states() -> dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]]:
 
 
 def _base(base: Path, states: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> Path:
-    """Durable step 4 committed, fast steps 4 and 6 kept (step 8's save drops 4 first: its objects are spares)."""
+    """Durable step 4 committed, fast steps 4 and 6 kept (step 8's save drops 4 first: its objects are spares). The
+    Checkpointer's close removed its snapshot files."""
     with _ck(base) as ck:
         ck.save_fast(2, {"model": states[2][0], "optim": states[2][1]})
         assert ck.save(4, {"model": states[4][0], "optim": states[4][1]}).ok
@@ -81,6 +82,7 @@ def _base(base: Path, states: dict[int, tuple[torch.nn.Module, torch.optim.Optim
         ck.save_fast(6, {"model": states[6][0], "optim": states[6][1]})
     assert ck.fast is not None and ck.fast.stats.saved == [2, 4, 6]
     assert list((base / "node").glob("*/objects/*.bin"))
+    assert not list((base / "node").glob("*/slots/*/*"))
     return base
 
 
@@ -105,9 +107,11 @@ def test_crash_at_every_io_op_of_a_fast_save_and_of_a_restore(
     clean = _copy(base, tmp_path / "clean")
     trace = _traced(clean, fast_save)
     assert isinstance(trace, list)
-    created = {path for kind, path in trace if kind == "create"}
-    reused = [path for kind, path in trace if kind == "write" and "/objects/" in path and path not in created]
-    assert reused, "step 8's save wrote no object into a spare (step 4's stale objects)"
+    adopted = [path for kind, path in trace if kind == "rename" and "/objects/" in path]
+    written = [path for kind, path in trace if kind in ("create", "write") and "/objects/" in path]
+    assert adopted and not written, f"step 8's objects were written, not renamed from its snapshot: {written}"
+    refilled = [path for kind, path in trace if kind == "rename" and "/slots/" in path]
+    assert refilled, "step 8's save took no spare (step 4's stale objects) for the next snapshot"
     points = pick_points(trace, sized(30, len(trace)))
     t0 = time.monotonic()
     for n in points:
@@ -117,6 +121,8 @@ def test_crash_at_every_io_op_of_a_fast_save_and_of_a_restore(
         step, tier, weights = _resume(run)
         if (step, tier) not in ((8, "fast"), (6, "fast")) or any(not weights[k].equal(want[step][k]) for k in weights):
             problems.append(f"save op {n}: resumed step {step} from the {tier} tier, or other weights")
+        if list((run / "node").glob("*/slots/*/*")):  # the dead process's snapshot files, removed at restore
+            problems.append(f"save op {n}: snapshot files outlived the restore")
         shutil.rmtree(run)
 
     # a restore that quarantines step 8's damaged copy and falls back to step 6, crashed at every op

@@ -9,7 +9,8 @@ safetensors file whose metadata holds the skeleton as JSON (containers, scalars,
 tensor goes): decoding parses JSON and the safetensors header, never pickle.
 
 :func:`snapshot` is what training waits for: it lays the blob out (header first) and copies every tensor straight
-into its place in one buffer, which the next snapshot reuses, so the background has nothing left to serialise.
+into its place: in one buffer, which the next snapshot reuses, or (a CPU state's big tensors) into the node file
+the caller gives for it (:mod:`.slots`), so the background has nothing left to serialise or copy.
 :func:`unpack` returns tensors that are views of the buffer it is given (no copy); :func:`fill` copies them into
 the tensors being restored.
 """
@@ -22,7 +23,8 @@ import json
 import math
 import struct
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +44,8 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
+Place = Callable[[int, int], "torch.Tensor | None"]
+"""Where :func:`snapshot` puts the tensor at a blob offset, of a size in bytes (None: in its own buffer)."""
 Layout = tuple[tuple[int, ...], tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
 """A DTensor shard's place: the global shape, and each local chunk's (offsets, sizes) in it."""
 
@@ -66,24 +70,41 @@ def _layout(shape: Any, chunks: Any) -> Layout:
 
 @dataclass
 class Blob:
-    """A packed rank state: ``data`` (a uint8 CPU tensor, pinned when the state is on a GPU) is the blob;
-    ``spans``: each tensor's bytes in it (start, end), in order (:mod:`.pieces` cuts the blob along them)."""
+    """A packed rank state: ``data`` (a uint8 CPU tensor, pinned when the state is on a GPU) is the blob, except
+    the tensors ``placed`` elsewhere (by where they start: :func:`snapshot`'s ``place``); ``spans``: each tensor's
+    bytes in it (start, end), in order (:mod:`.pieces` cuts the blob along them)."""
 
     data: torch.Tensor
     spans: tuple[tuple[int, int], ...] = ()
+    placed: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return int(self.data.numel())
 
     def view(self) -> memoryview:
-        """The blob's bytes, without a copy."""
+        """The blob's bytes, without a copy (where nothing is placed: else :meth:`piece`)."""
+        if self.placed:
+            raise ValueError("the blob's placed tensors are not in its buffer: read it piece by piece")
         return self.data.numpy().data.cast("B")
 
+    def piece(self, b: int, e: int) -> torch.Tensor:
+        """Bytes ``b``..``e`` (a placed tensor whole, or a range of the buffer), no copy."""
+        placed = self.placed.get(b)
+        if placed is not None and placed.numel() == e - b:
+            return placed
+        return self.data[b:e]
 
-def snapshot(state: Any, reuse: Blob | None = None) -> Blob:
+    def bytes(self, b: int, e: int) -> memoryview:
+        return self.piece(b, e).numpy().data.cast("B")
+
+
+def snapshot(state: Any, reuse: Blob | None = None, place: Place | None = None) -> Blob:
     """``state`` packed into one CPU buffer (a DTensor: its local shard), so training may go on. ``reuse``: the
-    previous snapshot's buffer, overwritten when the blob has the same size (nothing may still read it)."""
+    previous snapshot's buffer, overwritten when the blob has the same size (nothing may still read it).
+    ``place(start, size)``: where a CPU state's tensor that starts at ``start`` in the blob goes instead of the
+    buffer (a uint8 tensor of ``size`` bytes: a node file's mapping), or None (the buffer); a GPU state goes
+    whole into the pinned buffer its copy from the device needs."""
     tensors: list[tuple[str, torch.Tensor]] = []
 
     def walk(v: Any, where: str) -> Any:
@@ -129,14 +150,20 @@ def snapshot(state: Any, reuse: Blob | None = None) -> Blob:
     else:
         buf = torch.empty(total, dtype=torch.uint8, pin_memory=gpu)
     buf[:start].copy_(torch.frombuffer(bytearray(_HEAD.pack(len(raw)) + raw), dtype=torch.uint8))
+    placed: dict[int, torch.Tensor] = {}
     for key, t in tensors:
-        b, e = header[key]["data_offsets"]
+        b, e = (start + x for x in header[key]["data_offsets"])
         if e > b:
-            buf[start + b : start + e].view(t.dtype).view(t.shape).copy_(t, non_blocking=gpu)
+            dest = place(b, e - b) if place is not None and not gpu else None
+            if dest is None:
+                dest = buf[b:e]
+            else:
+                placed[b] = dest
+            dest.view(t.dtype).view(t.shape).copy_(t, non_blocking=gpu)
     if gpu:
         torch.cuda.synchronize()
     spans = sorted((start + b, start + e) for b, e in (header[k]["data_offsets"] for k, _ in tensors) if e > b)
-    return Blob(buf, tuple(spans))
+    return Blob(buf, tuple(spans), placed)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ Under ``<fast dir>/<run key>/`` (a RAM-backed dir by default, one per node):
 * ``objects/<hash>.bin``: the tensors those copies share (:mod:`.pieces`), each once per node, named by the
   hash of its bytes; written by the lowest rank of the node that needs it (for a replica, the lowest receiver),
   removed by the node's keeper once no copy it keeps names it;
+* ``slots/``: each process's snapshot files (:mod:`.slots`), its own, renamed into ``objects/`` when they
+  hold a new object; removed by the keeper at restore (a dead process's), by the process at close;
 * ``quarantine/``: copies that failed verification, moved aside with a note, never offered again;
 * ``node.id``: a token created once (``O_EXCL`` on the node's own filesystem), which tells the ranks sharing
   this dir apart from those of other nodes; the lowest rank sharing it is the dir's *keeper* (it scans,
@@ -160,17 +162,39 @@ class NodeTier:
             return False
         path = self.object_path(h)
         path.parent.mkdir(parents=True, exist_ok=True)
-        for spare in sorted((self.root / "spare").glob(f"{len(data)}-*.bin")):
-            name = f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-            try:  # taken: no other writer can have it now
-                tmp = move_aside(spare, path.parent, name, sync=False)
-            except FileNotFoundError:
-                continue  # another writer of this node took it first
+        name = f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = self.take_spare(self.spares().get(len(data), []), path.parent, name)
+        if tmp is not None:
             overwrite_file(tmp, data, sync=False)
             replace_file(tmp, path, sync=False)
             return True
         write_bytes_atomic(path, data, sync=False)  # type: ignore[arg-type]
         return True
+
+    def spares(self) -> dict[int, list[Path]]:
+        """The node's spare files (objects no copy names any more, :meth:`collect`) by size."""
+        out: dict[int, list[Path]] = {}
+        for p in sorted((self.root / "spare").glob("*-*.bin")):
+            size = p.name.split("-", 1)[0]
+            if size.isdigit():
+                out.setdefault(int(size), []).append(p)
+        return out
+
+    def take_spare(self, listed: list[Path], dest_dir: Path, name: str) -> Path | None:
+        """One of the ``listed`` spares (taken from the list) moved to ``dest_dir/name``: taken, no other writer
+        can have it now. None: another writer of this node took each first, or none was listed."""
+        while listed:
+            try:
+                return move_aside(listed.pop(0), dest_dir, name, sync=False)
+            except FileNotFoundError:
+                continue
+        return None
+
+    def adopt(self, path: Path, h: str) -> None:
+        """A finished file of an object's bytes (a process's snapshot slot, :mod:`.slots`) given its name."""
+        dest = self.object_path(h)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(path, dest, sync=False)
 
     def piece(self, c: Copy, i: int) -> memoryview:
         """Piece ``i`` of a copy, mapped from its file (no copy: it is hashed, sent and loaded as it lies). Its pages
@@ -299,6 +323,11 @@ class NodeTier:
                 for data in rank_dir.glob("step_*.bin"):  # data whose writer died before its marker
                     if not data.with_suffix(".json").exists():
                         _unlink(data)
+        for slots in (self.root / "slots").glob("*"):  # a dead process's snapshot files (:mod:`.slots`)
+            for p in slots.glob("*"):
+                _unlink(p)
+            with contextlib.suppress(OSError):
+                slots.rmdir()
         self.collect(set(), litter=True)
 
     def held_bytes(self, dirs: list[tuple[str, int]] | None = None) -> int:

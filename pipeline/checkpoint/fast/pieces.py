@@ -12,7 +12,7 @@ whole blob's)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -44,9 +44,12 @@ def cut(size: int, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, boo
     return out
 
 
-def hashed(view: memoryview, ranges: Sequence[tuple[int, int, bool]]) -> tuple[Part, ...]:
-    """Each range's (length, hash, is_object): one pass over the blob's bytes."""
-    return tuple((e - b, digest(view[b:e]), obj) for b, e, obj in ranges)
+def hashed(blob: memoryview | Callable[[int, int], memoryview], ranges: Sequence[tuple[int, int, bool]]
+           ) -> tuple[Part, ...]:  # fmt: skip
+    """Each range's (length, hash, is_object): one pass over the blob's bytes (a buffer, or a function giving the
+    bytes from ``b`` to ``e``: :meth:`.codec.Blob.bytes`)."""
+    read = blob if callable(blob) else lambda b, e: blob[b:e]
+    return tuple((e - b, digest(read(b, e)), obj) for b, e, obj in ranges)
 
 
 def digest_of(parts: Sequence[Part]) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from pipeline.checkpoint.fast.codec import over
 
-__all__ = ["Prefault"]
+__all__ = ["Prefault", "populate"]
 
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
 _PAGE = mmap.PAGESIZE
@@ -63,6 +63,16 @@ def _pages(t: torch.Tensor | memoryview) -> tuple[int, int] | None:
     end = start + t.numel() * t.element_size()
     first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
     return (first, last - first) if last > first else None
+
+
+def populate(region: torch.Tensor | memoryview, *, write: bool = True) -> int:
+    """Fault ``region``'s whole pages in now, in this thread (a snapshot file's mapping, before the copy into it);
+    the bytes mapped in (0 where the call is missing or refused)."""
+    r, fn = _pages(region), _madvise()
+    if r is None or fn is None:
+        return 0
+    start, length = r
+    return length if fn(start, length, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ) == 0 else 0
 
 
 class Prefault:

@@ -38,6 +38,7 @@ from pipeline.checkpoint.fast.codec import Blob, snapshot
 from pipeline.checkpoint.fast.local import Copy, NodeTier, run_key
 from pipeline.checkpoint.fast.pieces import Part, cut, digest, digest_of, hashed
 from pipeline.checkpoint.fast.sharing import NodePlan, node_bytes, node_plan, pairs
+from pipeline.checkpoint.fast.slots import Slots
 from pipeline.errors import PipelineError, exception_line
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class FastTier:
         self._thread: threading.Thread | None = None
         self._pending: int | None = None
         self._buffer: Blob | None = None
+        self.slots = Slots(self.node, self.rank)
         self.stats = FastStats()
 
     # -- when --------------------------------------------------------------------------------------------------
@@ -156,7 +158,8 @@ class FastTier:
         if any_rank(stuck or not self.enabled or bool(self._short)):
             self._disable(f"a fast save still ran after {self.deadline_s:g} s" if stuck else self._short)
             return time.monotonic() - t0
-        snap = self._buffer = snapshot(state, reuse=self._buffer)
+        self.slots.begin()
+        snap = self._buffer = snapshot(state, reuse=self._buffer, place=self.slots.take)
         if not self._room_checked:
             self._room_checked = True
             short = self._room_short(snap)
@@ -223,6 +226,12 @@ class FastTier:
         if self.enabled and self.rank == 0 and why:
             log.warning("fast tier off: %s; durable saves only", why)
         self.enabled = False
+        self.slots.release()
+
+    def close(self) -> None:
+        """The pending save settled (at most the deadline), then this process's snapshot files removed."""
+        self.wait()
+        self.slots.release()
 
     def _persist(self, step: int, snap: Blob) -> None:
         t0, c0 = time.monotonic(), time.thread_time()
@@ -230,13 +239,12 @@ class FastTier:
         try:
             self._prune(max(1, self.cfg.keep - 1))  # before the gather: the keeper's collect then sees the node's
             c = self.stats.add("prune", c0)  # the newest complete step survives; the others' objects are reused
-            blob = snap.view()
-            ranges = cut(len(blob), snap.spans)
-            parts = hashed(blob, ranges)  # the one pass over the bytes before they are written or sent
+            ranges = cut(snap.nbytes, snap.spans)
+            parts = hashed(snap.bytes, ranges)  # the one pass over the bytes before they are written or sent
             c = self.stats.add("hash", c)
             gathered: list[Any] = [None] * self.world
             first = not self.stats.saved and not self.stats.failed
-            dist.all_gather_object(gathered, (len(blob), digest_of(parts)), group=self.xfer)  # the step's table
+            dist.all_gather_object(gathered, (snap.nbytes, digest_of(parts)), group=self.xfer)  # the step's table
             rows = tuple((int(s), str(h)) for s, h in gathered)
             every = self._exchange(parts)
             plan = node_plan(self.rank, self.node_ids, every, self.offset, self.replicas)
@@ -248,9 +256,12 @@ class FastTier:
             if self.keeper:  # what no kept copy and nothing of this step names (no rank of the node writes it)
                 self.node.collect(plan.protect)
             for (b, e, obj), (_, h, _) in zip(ranges, parts, strict=True):
-                if obj and h in plan.writes and self.node.write_object(h, blob[b:e]):
+                if not obj or h not in plan.writes:
+                    continue  # another rank of the node writes it, or it is the copy's own file's
+                if self.slots.held(b) and self.slots.adopt(b, h) or not self.slots.held(b) and \
+                        self.node.write_object(h, snap.bytes(b, e)):  # fmt: skip
                     self.stats.written_bytes += e - b
-            inline = b"".join(blob[b:e] for b, e, obj in ranges if not obj)
+            inline = b"".join(snap.bytes(b, e) for b, e, obj in ranges if not obj)
             self.node.write(Copy(step, self.rank, "own", self.world, self.attempt, *rows[self.rank], rows, parts),
                             inline)  # fmt: skip
             self.stats.written_bytes += len(inline)
@@ -262,8 +273,10 @@ class FastTier:
             self.stats.saved.append(step)
             mine = [("own", self.rank), *(("replica", src) for _, src in self.pairs)]
             self.stats.held_bytes = self.node.held_bytes(mine)
-            self.stats.staging_bytes = snap.nbytes
-            self.stats.add("prune", c)
+            c = self.stats.add("prune", c)
+            self.slots.refill((b, e) for b, e, obj in ranges if obj)  # for the next snapshot, while training goes on
+            self.stats.staging_bytes = snap.nbytes - sum(t.numel() for t in snap.placed.values()) + self.slots.nbytes
+            self.stats.add("refill", c)
         except BaseException as e:  # a background save never kills training: the step is just not in the fast tier
             self.stats.failed[step] = exception_line(e)
             log.warning("fast tier: rank %d did not save step %d: %s", self.rank, step, exception_line(e))
@@ -291,7 +304,7 @@ class FastTier:
         works, places, at = [], {}, 0
         for i, ((b, e, _), a) in enumerate(zip(ranges, asked.tolist(), strict=True)):
             if a:
-                works.append(dist.isend(snap.data[b:e], dst, group=self.xfer, tag=1 + i))
+                works.append(dist.isend(snap.piece(b, e), dst, group=self.xfer, tag=1 + i))
                 self.stats.sent_bytes += e - b
         for i, ((n, _, _), w) in enumerate(zip(theirs, want, strict=True)):
             if w:

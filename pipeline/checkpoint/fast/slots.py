@@ -1,0 +1,138 @@
+"""A process's snapshot files: the node-dir files a CPU state's big tensors are copied into at a fast save, so the
+background renames each new object into place instead of writing it (the second copy of every byte a save made
+before: two thirds of its CPU, docs/figures.md).
+
+Owner: the process. It has a dir of its own, ``slots/rank_K-<pid>-<token>/`` in the node dir (a ghost's or another
+launch's never shares a file with it), with one file per tensor of at least :data:`~.pieces.OBJECT_MIN` bytes,
+mapped for writing. At a save, :func:`~.codec.snapshot` copies each such tensor into its slot. Once the piece is
+hashed, a slot holding an object this rank writes for its node (:mod:`.sharing`) that the node lacks is renamed
+into ``objects/`` under its hash (:meth:`Slots.adopt`): it is then that object's file, never written again. A spare
+takes its place (the pages of an object no copy names any more), or else a new file, faulted in by the background
+before the next snapshot (:meth:`Slots.refill`). Every other slot stays, to be overwritten by the next snapshot,
+which runs only while no save of the world's runs (each rank settles its own first, then all agree).
+
+A new file is allocated whole (``posix_fallocate``) before it is mapped: a write through a mapping into a full
+tmpfs is a SIGBUS, not an error. A slot that cannot be made leaves its tensor in the snapshot's own buffer (the
+save writes it as before) and says why in ``failed``. A dead process's dirs are removed by the node's keeper at
+restore (:meth:`~.local.NodeTier.drop_all_but`); :meth:`Slots.release` removes this process's own at close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.checkpoint.fast import pieces
+from pipeline.checkpoint.fast.local import NodeTier
+from pipeline.checkpoint.fast.prefault import populate
+from pipeline.storage.atomic import clear_file
+from pipeline.storage.faults import io_op
+
+
+@dataclass(frozen=True)
+class Slot:
+    path: Path
+    tensor: torch.Tensor
+    """A uint8 tensor over the file's shared, writable mapping."""
+
+
+class Slots:
+    """One process's snapshot files in its node dir (see the module docstring)."""
+
+    def __init__(self, node: NodeTier, rank: int) -> None:
+        self.node = node
+        self.dir = node.root / "slots" / f"rank_{rank}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._held: dict[int, Slot] = {}
+        """By where its tensor starts in the blob."""
+        self._spares: dict[int, list[Path]] = {}
+        self.failed = ""
+        """Why the last slot that could not be made was not (its tensor went into the snapshot's buffer)."""
+        self.reused = 0
+        """Slots made from spares (the pages of objects no copy names any more)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.tensor.numel() for s in self._held.values())
+
+    def begin(self) -> None:
+        """Before a snapshot (or a refill): the node's spares, listed once."""
+        self._spares = self.node.spares()
+
+    def take(self, at: int, size: int) -> torch.Tensor | None:
+        """The slot for the tensor at ``at`` of ``size`` bytes (:data:`~.codec.Place`); None: it stays in the
+        snapshot's buffer (too small to be an object, or no slot could be made)."""
+        if size < pieces.OBJECT_MIN:
+            return None
+        slot = self._held.get(at)
+        if slot is not None and (slot.tensor.numel() != size or not slot.path.exists()):
+            del self._held[at]  # another layout, or removed under it (a restore's keeper): a new one
+            slot = None
+        if slot is None:
+            try:
+                slot = self._make(size)
+            except OSError as e:
+                self.failed = f"{self.dir}: {e.strerror or e}"
+                return None
+            self._held[at] = slot
+        return slot.tensor
+
+    def _make(self, size: int) -> Slot:
+        name = f"{size}-{secrets.token_hex(6)}.bin"
+        path = self.node.take_spare(self._spares.get(size, []), self.dir, name)
+        if path is None:
+            path = self.dir / name
+            if not self.dir.is_dir():
+                io_op("mkdir", self.dir)
+                self.dir.mkdir(parents=True, exist_ok=True)
+            io_op("create", path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.close(fd)
+                clear_file(path)
+                raise
+            os.close(fd)
+        else:
+            self.reused += 1
+        with open(path, "r+b") as f:
+            if os.fstat(f.fileno()).st_size != size:
+                raise OSError(f"{path} is not {size} bytes")
+            mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        tensor = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the mapping alive
+        populate(tensor)  # its pages mapped in now, not one trap each in the copy
+        return Slot(path, tensor)
+
+    def adopt(self, at: int, h: str) -> bool:
+        """The slot of the tensor at ``at`` (:meth:`held`), just hashed to ``h``, renamed into the node's objects
+        (this rank writes that object for its node); False: the node has it already (the slot stays)."""
+        slot = self._held[at]
+        if self.node.has_object(h, slot.tensor.numel()):
+            return False
+        self.node.adopt(slot.path, h)
+        del self._held[at]
+        return True
+
+    def held(self, at: int) -> bool:
+        return at in self._held
+
+    def refill(self, spans: Iterable[tuple[int, int]]) -> None:
+        """After a save (the background): a slot, faulted in, for every big tensor that lacks one."""
+        self.begin()
+        for b, e in spans:
+            self.take(b, e - b)
+
+    def release(self) -> None:
+        """Remove this process's slots (at close, or when the tier turns off)."""
+        for slot in self._held.values():
+            clear_file(slot.path)
+        self._held.clear()
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()

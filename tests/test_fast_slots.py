@@ -1,0 +1,92 @@
+"""A fast save copies each big tensor once (:mod:`pipeline.checkpoint.fast.slots`): the snapshot copies it into a
+file of the node dir, which becomes the object under its hash by a rename; an object is never written again; a
+spare's pages are reused for the next snapshot; a slot that cannot be made leaves the tensor in the snapshot's
+buffer. In-process; the distributed saves and restores on this layout are in ``test_fast_tier.py``."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.checkpoint.fast.codec import Blob, Scattered, snapshot, unpack
+from pipeline.checkpoint.fast.local import NodeTier
+from pipeline.checkpoint.fast.pieces import Part, cut, hashed, offsets
+from pipeline.checkpoint.fast.slots import Slots
+
+
+def _save(slots: Slots, state: dict[str, torch.Tensor]) -> tuple[Blob, list[tuple[int, int, bool]], tuple[Part, ...]]:
+    slots.begin()
+    blob = snapshot(state, place=slots.take)
+    ranges = cut(blob.nbytes, blob.spans)
+    return blob, ranges, hashed(blob.bytes, ranges)
+
+
+def _objects(ranges: list[tuple[int, int, bool]], parts: tuple[Part, ...]) -> list[tuple[int, str]]:
+    return [(b, h) for (b, _, obj), (_, h, _) in zip(ranges, parts, strict=True) if obj]
+
+
+def _state(node: NodeTier, blob: Blob, ranges: list[tuple[int, int, bool]], parts: tuple[Part, ...]) -> dict:
+    """What the node's files hold for this blob: its objects from ``objects/``, the rest from the blob."""
+    views = tuple(
+        memoryview(node.object_path(h).read_bytes()) if obj else blob.bytes(b, e)
+        for (b, e, obj), (_, h, _) in zip(ranges, parts, strict=True)
+    )
+    return unpack(Scattered(tuple(offsets(parts)), views, blob.nbytes), "test")
+
+
+def test_a_big_tensor_is_copied_once_and_its_file_becomes_the_object(tmp_path: Path) -> None:
+    node = NodeTier(tmp_path / "node")
+    slots = Slots(node, rank=0)
+    w, small = torch.arange(4096, dtype=torch.float32), torch.arange(8, dtype=torch.float32)
+    blob, ranges, parts = _save(slots, {"w": w, "small": small})
+    ((at, h),) = _objects(ranges, parts)
+    assert list(blob.placed) == [at] and slots.held(at)  # the small tensor stays in the buffer
+    (slot,) = slots.dir.glob("*.bin")
+    inode = slot.stat().st_ino
+    assert slot.read_bytes() == w.numpy().tobytes()  # the snapshot's copy went straight into the file
+    assert slots.adopt(at, h) and not slots.held(at)
+    assert node.object_path(h).stat().st_ino == inode and not slot.exists()  # renamed, not written
+    out = _state(node, blob, ranges, parts)
+    assert out["w"].equal(w) and out["small"].equal(small)
+
+    # the next snapshot never writes into the object: a new slot, and the object keeps its bytes
+    blob2, ranges2, parts2 = _save(slots, {"w": w + 1, "small": small})
+    ((at2, h2),) = _objects(ranges2, parts2)
+    assert at2 == at and h2 != h and node.object_path(h).read_bytes() == w.numpy().tobytes()
+    # a tensor the node already has: the slot stays (overwritten by the next snapshot, never named)
+    blob3, ranges3, parts3 = _save(slots, {"w": w, "small": small})
+    assert _objects(ranges3, parts3) == [(at, h)] and not slots.adopt(at, h) and slots.held(at)
+    again = next(slots.dir.glob("*.bin")).stat().st_ino
+    _save(slots, {"w": w + 2, "small": small})
+    assert next(slots.dir.glob("*.bin")).stat().st_ino == again
+
+    # an object no copy names becomes a spare; a refill takes its pages for the next snapshot
+    assert slots.adopt(at, _objects(*_save(slots, {"w": w + 3, "small": small})[1:])[0][1])
+    node.collect({h})  # the step being saved names h: only w + 3's object is a spare
+    (spare,) = (node.root / "spare").glob("*.bin")
+    spare_inode = spare.stat().st_ino
+    slots.refill([(at, at + w.numel() * 4)])
+    assert slots.reused == 1 and next(slots.dir.glob("*.bin")).stat().st_ino == spare_inode
+    slots.release()
+    assert not slots.dir.exists()
+
+
+def test_a_slot_that_cannot_be_made_leaves_the_tensor_in_the_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    node = NodeTier(tmp_path / "node")
+    slots = Slots(node, rank=0)
+    w = torch.arange(4096, dtype=torch.float32)
+    blob, ranges, parts = _save(slots, {"w": w})
+    assert not blob.placed and "No space left" in slots.failed and not list(slots.dir.glob("*"))
+    assert unpack(blob.view(), "test")["w"].equal(w)
+    ((at, h),) = _objects(ranges, parts)
+    assert not slots.held(at) and node.write_object(h, blob.bytes(at, at + w.numel() * 4))
