@@ -134,6 +134,8 @@ def _worker(args: argparse.Namespace) -> None:
                        written_per_save=getattr(st, "written_bytes", 0) / n,
                        sent_per_save=getattr(st, "sent_bytes", 0) / n,
                        persist_cpu_per_save=getattr(st, "persist_cpu_s", 0.0) / n,  # older commits lack them)
+                       renamed_per_save=getattr(st, "renamed_bytes", 0) / n,
+                       steady_cpu_per_save=_steady(getattr(st, "save_cpu_s", [])),
                        phase_cpu_per_save={k: v / n for k, v in getattr(st, "phase_cpu_s", {}).items()})  # fmt: skip
         out.update(train_s=train_s, blocked_s=blocked, cpu_s=_cpu() - cpu0, step_s=step_s)  # cpu: to the last save
         if args.save:
@@ -344,6 +346,9 @@ def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, A
         "written_per_save": fast.get("written_per_save"),
         "sent_per_save": fast.get("sent_per_save"),
         "persist_cpu_per_save": fast.get("persist_cpu_per_save"),
+        "renamed_per_save": fast.get("renamed_per_save"),
+        # from the third save on: the first two take new pages (the node holds two steps before it drops one)
+        "steady_cpu_per_save": fast.get("steady_cpu_per_save"),
         "phase_cpu_per_save": fast.get("phase_cpu_per_save"),
         "extra_cpu_per_save": (fast["cpu_s"] - plain["cpu_s"]) / max(1, len(fast["blocked_s"])),
         # after the third save: the node reuses the pages of the steps it dropped (the first two saves take new
@@ -365,10 +370,18 @@ def _overhead(args: argparse.Namespace, scratch: Path, shm: Path) -> dict[str, A
           f"{(o['held_bytes_per_rank'] or 0) / 1e9:.2f} GB held per rank", flush=True)  # fmt: skip
     if o["steady_overhead"] is not None:
         print(f"  steady state (steps {3 * args.every + 1}..{args.steps}): {o['steady_overhead']:+.1%}", flush=True)
-    print(f"  per fast save and rank: written {o['written_per_save'] / 1e9:.2f} GB, sent {o['sent_per_save'] / 1e9:.2f}"
-          f" GB; background thread {o['persist_cpu_per_save']:.2f} CPU-s; the process's extra CPU "
+    steady = o["steady_cpu_per_save"]
+    print(f"  per fast save and rank: written {o['written_per_save'] / 1e9:.2f} GB ("
+          f"{(o['renamed_per_save'] or 0) / 1e9:.2f} GB of it renamed, not copied), sent "
+          f"{o['sent_per_save'] / 1e9:.2f} GB; background thread {o['persist_cpu_per_save']:.2f} CPU-s"
+          f"{f' ({steady:.2f} from the third save)' if steady is not None else ''}; the process's extra CPU "
           f"{o['extra_cpu_per_save']:.2f} CPU-s (rank 0)", flush=True)  # fmt: skip
     return o
+
+
+def _steady(per_save: list[float]) -> float | None:
+    """The mean background CPU of the saves after the first two (None: fewer than three)."""
+    return sum(per_save[2:]) / len(per_save[2:]) if len(per_save) > 2 else None
 
 
 def _recoveries(args: argparse.Namespace, only: set[str], scratch: Path, shm: Path) -> list[dict[str, Any]]:

@@ -56,6 +56,9 @@ class Slots:
         """Why the last slot that could not be made was not (its tensor went into the snapshot's buffer)."""
         self.reused = 0
         """Slots made from spares (the pages of objects no copy names any more)."""
+        self._named: dict[int, tuple[str, torch.Tensor]] = {}
+        """By inode: the objects this process named, still mapped (a spare made of one again is a slot with its
+        pages mapped in already; mapping them in again costs as much CPU as the copy into them)."""
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +86,16 @@ class Slots:
             self._held[at] = slot
         return slot.tensor
 
+    def scratch(self, size: int) -> Slot | None:
+        """A file of ``size`` bytes in this process's dir (a spare's pages, or new), mapped for writing and held by
+        the caller: bytes received for an object go straight into it, then the node's
+        :meth:`~.local.NodeTier.adopt` names it (or the caller removes it). None: none could be made."""
+        try:
+            return self._make(size)
+        except OSError as e:
+            self.failed = f"{self.dir}: {e.strerror or e}"
+            return None
+
     def _make(self, size: int) -> Slot:
         name = f"{size}-{secrets.token_hex(6)}.bin"
         path = self.node.take_spare(self._spares.get(size, []), self.dir, name)
@@ -102,6 +115,9 @@ class Slots:
             os.close(fd)
         else:
             self.reused += 1
+            kept = self._named.pop(os.stat(path).st_ino, None)  # a mapping keeps its inode's number unreused
+            if kept is not None and kept[1].numel() == size:
+                return Slot(path, kept[1])
         with open(path, "r+b") as f:
             if os.fstat(f.fileno()).st_size != size:
                 raise OSError(f"{path} is not {size} bytes")
@@ -116,9 +132,16 @@ class Slots:
         slot = self._held[at]
         if self.node.has_object(h, slot.tensor.numel()):
             return False
-        self.node.adopt(slot.path, h)
+        self.name(slot, h)
         del self._held[at]
         return True
+
+    def name(self, slot: Slot, h: str) -> None:
+        """``slot``, holding the object ``h``'s bytes (checked by the caller), made the node's object ``h``. Its
+        mapping is kept (never written while it is an object) until :meth:`refill` finds it gone."""
+        ino = os.stat(slot.path).st_ino
+        self.node.adopt(slot.path, h)
+        self._named[ino] = (h, slot.tensor)
 
     def held(self, at: int) -> bool:
         return at in self._held
@@ -128,11 +151,19 @@ class Slots:
         self.begin()
         for b, e in spans:
             self.take(b, e - b)
+        for ino, (h, _) in list(self._named.items()):  # gone, or a spare another writer took: unmapped
+            try:
+                if os.stat(self.node.object_path(h)).st_ino == ino:
+                    continue
+            except OSError:
+                pass
+            del self._named[ino]
 
     def release(self) -> None:
         """Remove this process's slots (at close, or when the tier turns off)."""
         for slot in self._held.values():
             clear_file(slot.path)
         self._held.clear()
+        self._named.clear()
         with contextlib.suppress(OSError):
             self.dir.rmdir()

@@ -25,7 +25,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,10 +35,12 @@ import torch.distributed as dist
 from pipeline.checkpoint.fast import sharing
 from pipeline.checkpoint.fast.codec import Blob, snapshot
 from pipeline.checkpoint.fast.local import Copy, NodeTier, run_key
+from pipeline.checkpoint.fast.options import FastConfig, FastStats
 from pipeline.checkpoint.fast.pieces import Part, cut, digest, digest_of, hashed
 from pipeline.checkpoint.fast.sharing import NodePlan, node_bytes, node_plan, pairs
-from pipeline.checkpoint.fast.slots import Slots
+from pipeline.checkpoint.fast.slots import Slot, Slots
 from pipeline.errors import PipelineError, exception_line
+from pipeline.storage.atomic import clear_file
 
 log = logging.getLogger(__name__)
 
@@ -50,54 +51,6 @@ NICE_ENV = "PIPELINE_FAST_NICE"
 niceness 19 made training slower, not faster (``bench/fast_recovery.py --nice``; docs/figures.md)."""
 ROOM_MARGIN = 1.1
 """Room asked for beyond the copies themselves (a blob being written beside the ``keep`` it replaces)."""
-
-
-@dataclass(frozen=True)
-class FastConfig:
-    """The fast tier's options (the ``Checkpointer``'s ``fast_*`` arguments, the app's ``checkpoint.fast``)."""
-
-    every: int
-    """Save to the fast tier every this many steps."""
-    dir: str = "/dev/shm/pipeline-fast"
-    """Node-local (RAM-backed by default); a dir per run is made inside."""
-    replicas: int = 1
-    """Copies of each rank's shard on other nodes."""
-    keep: int = 2
-    """Steps kept per copy once a save is done; while the next is written, the newest ``keep - 1`` (at least one)
-    complete steps survive, so a node holds ``keep`` steps at most (``keep = 1``: two) and reuses the pages of the
-    step it dropped."""
-
-    def check(self) -> None:
-        for name in ("every", "keep"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise PipelineError(f"fast {name}={value!r}: must be a positive integer")
-        if type(self.replicas) is not int or self.replicas < 0:
-            raise PipelineError(f"fast replicas={self.replicas!r}: must be 0 or a positive integer")
-
-
-@dataclass
-class FastStats:
-    saved: list[int] = field(default_factory=list)
-    failed: dict[int, str] = field(default_factory=dict)
-    held_bytes: int = 0
-    """What this rank's copies (own and replicas, every step kept) take in its node dir."""
-    staging_bytes: int = 0
-    """The CPU buffer each save packs into (reused; pinned for GPU state)."""
-    last_persist_s: float = 0.0
-    written_bytes: int = 0
-    """Bytes this rank wrote into node dirs (every save, copies and replicas)."""
-    sent_bytes: int = 0
-    """Bytes this rank sent to peers (every save)."""
-    persist_cpu_s: float = 0.0
-    """CPU seconds of the background thread (every save; the transport's own threads not counted)."""
-    phase_cpu_s: dict[str, float] = field(default_factory=dict)
-    """``persist_cpu_s`` by phase: hash, gather, write, replicate, prune."""
-
-    def add(self, phase: str, since: float) -> float:
-        now = time.thread_time()
-        self.phase_cpu_s[phase] = self.phase_cpu_s.get(phase, 0.0) + now - since
-        return now
 
 
 class FastTier:
@@ -255,17 +208,13 @@ class FastTier:
             c = self.stats.add("gather", c)
             if self.keeper:  # what no kept copy and nothing of this step names (no rank of the node writes it)
                 self.node.collect(plan.protect)
-            for (b, e, obj), (_, h, _) in zip(ranges, parts, strict=True):
-                if not obj or h not in plan.writes:
-                    continue  # another rank of the node writes it, or it is the copy's own file's
-                if self.slots.held(b) and self.slots.adopt(b, h) or not self.slots.held(b) and \
-                        self.node.write_object(h, snap.bytes(b, e)):  # fmt: skip
-                    self.stats.written_bytes += e - b
+            self._write_objects(snap, ranges, parts, plan)
             inline = b"".join(snap.bytes(b, e) for b, e, obj in ranges if not obj)
             self.node.write(Copy(step, self.rank, "own", self.world, self.attempt, *rows[self.rank], rows, parts),
                             inline)  # fmt: skip
             self.stats.written_bytes += len(inline)
             c = self.stats.add("write", c)
+            self.slots.begin()  # the spares this step's collect left, for what arrives
             for dst, src in self.pairs:
                 self._replicate(step, snap, ranges, (dst, src), rows, every[src], plan)
             c = self.stats.add("replicate", c)
@@ -283,6 +232,21 @@ class FastTier:
         finally:
             self.stats.last_persist_s = time.monotonic() - t0
             self.stats.persist_cpu_s += time.thread_time() - c0
+            self.stats.save_cpu_s.append(time.thread_time() - c0)
+
+    def _write_objects(self, snap: Blob, ranges: list[tuple[int, int, bool]], parts: tuple[Part, ...],
+                       plan: NodePlan) -> None:  # fmt: skip
+        """The objects of this rank's blob it writes for its node: a snapshot file renamed (:mod:`.slots`), or the
+        bytes written from the snapshot's buffer (a GPU state's, or where no file could be made)."""
+        for (b, e, obj), (_, h, _) in zip(ranges, parts, strict=True):
+            if not obj or h not in plan.writes:
+                continue  # another rank of the node writes it, or it is the copy's own file's
+            if self.slots.held(b):
+                if self.slots.adopt(b, h):
+                    self.stats.written_bytes += e - b
+                    self.stats.renamed_bytes += e - b
+            elif self.node.write_object(h, snap.bytes(b, e)):
+                self.stats.written_bytes += e - b
 
     def _prune(self, keep: int) -> None:
         """The newest ``keep`` steps of this rank's own copies and of the replicas it holds."""
@@ -300,29 +264,53 @@ class FastTier:
         asked = torch.empty(len(ranges), dtype=torch.uint8)
         _wait([dist.isend(torch.tensor(want, dtype=torch.uint8), src, group=self.xfer),
                dist.irecv(asked, dst, group=self.xfer)])  # fmt: skip
-        got = torch.empty(sum(n for (n, _, _), w in zip(theirs, want, strict=True) if w), dtype=torch.uint8)
-        works, places, at = [], {}, 0
+        # each object asked for arrives straight in a file of this node (named once it checks), the rest in a buffer
+        files = {i: self.slots.scratch(n) for i, ((n, _, obj), w) in enumerate(zip(theirs, want, strict=True))
+                 if w and obj}  # fmt: skip
+        into = {i: f.tensor for i, f in files.items() if f is not None}
+        got = torch.empty(sum(n for i, ((n, _, _), w) in enumerate(zip(theirs, want, strict=True))
+                              if w and i not in into), dtype=torch.uint8)  # fmt: skip
+        works, at = [], 0
         for i, ((b, e, _), a) in enumerate(zip(ranges, asked.tolist(), strict=True)):
             if a:
                 works.append(dist.isend(snap.piece(b, e), dst, group=self.xfer, tag=1 + i))
                 self.stats.sent_bytes += e - b
         for i, ((n, _, _), w) in enumerate(zip(theirs, want, strict=True)):
+            if w and i not in into:
+                into[i], at = got[at : at + n], at + n
             if w:
-                works.append(dist.irecv(got[at : at + n], src, group=self.xfer, tag=1 + i))
-                places[i], at = at, at + n
-        _wait(works)
-        view = got.numpy().data.cast("B")  # the received tensor's own buffer, not a copy
-        inline = bytearray()
-        for i, at in places.items():
-            n, h, obj = theirs[i]
-            if digest(view[at : at + n]) != h:
-                raise PipelineError(f"the replica of rank {src}'s step {step} arrived damaged (piece {i}); not kept")
-            if not obj:
-                inline += view[at : at + n]
-            elif self.node.write_object(h, view[at : at + n]):
-                self.stats.written_bytes += n
+                works.append(dist.irecv(into[i], src, group=self.xfer, tag=1 + i))
+        try:
+            _wait(works)
+            inline = self._keep(step, src, theirs, into, files)
+        finally:
+            for f in files.values():
+                if f is not None:  # damaged, or the node had it: not kept
+                    clear_file(f.path)
         self.node.write(Copy(step, src, "replica", self.world, self.attempt, *rows[src], rows, theirs), inline)
         self.stats.written_bytes += len(inline)
+
+    def _keep(self, step: int, src: int, theirs: tuple[Part, ...], into: dict[int, torch.Tensor],
+              files: dict[int, Slot | None]) -> bytearray:  # fmt: skip
+        """Check each piece that arrived from ``src`` against its hash; name the objects that came in files (the
+        node's own, now: taken out of ``files``), write the others; the inline pieces, in order."""
+        inline = bytearray()
+        for i in sorted(into):
+            n, h, obj = theirs[i]
+            data = into[i].numpy().data.cast("B")  # the received bytes where they lie, not a copy
+            if digest(data) != h:
+                raise PipelineError(f"the replica of rank {src}'s step {step} arrived damaged (piece {i}); not kept")
+            if not obj:
+                inline += data
+            elif (f := files.get(i)) is not None:
+                if not self.node.has_object(h, n):
+                    self.slots.name(f, h)
+                    files[i] = None
+                    self.stats.written_bytes += n
+                    self.stats.renamed_bytes += n
+            elif self.node.write_object(h, data):
+                self.stats.written_bytes += n
+        return inline
 
     def _settle(self, timeout_s: float) -> bool:
         """Wait for the background save (bounded); False if it still runs."""
