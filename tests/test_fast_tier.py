@@ -497,6 +497,8 @@ def test_the_app_resumes_a_killed_train_from_the_fast_tier_bit_identically(tmp_p
     assert json.loads(layout.stage_record("train").read_text())["summary"]["resumed_from"] == 10
     resumed = json.loads((layout.checkpoints / "resumed.json").read_text())
     assert resumed["tier"] == "fast" and resumed["step"] == 10, resumed
+    # the killed launch's snapshot files went at the restore, the finished one's at its end
+    assert not list((tmp_path / "local").glob("*/slots/*/*")) and list((tmp_path / "local").glob("*/objects/*"))
     before = train_losses(layout, killed_attempt)
     assert train_losses(layout) == {k: v for k, v in before.items() if int(k) > 10} != {}
     status = run_cli("status=true", f"run.root={tmp_path}", "run.id=f", "+experiment=tiny").stdout

@@ -315,9 +315,11 @@ def _train(ctx: TaskContext, device: torch.device) -> dict[str, object]:
         last = r.loop(resume)
         r.session.wait()  # the last save (the final step's, or the one before a requeue) is settled too
         if r.fast is not None:
-            r.fast.wait()
+            r.fast.close()
     except BaseException as e:
         r.session.abandon(f"train failed: {type(e).__name__}")
+        if r.fast is not None:
+            r.fast.close(settle=False)
         raise
     if last == final_step(cfg) and os.environ.get(PROBE_ENV):
         strategy.write_probe(r.trainer, r.stream, device, os.environ[PROBE_ENV], r.rank)

@@ -31,7 +31,7 @@ import torch
 
 from pipeline.checkpoint.fast import pieces
 from pipeline.checkpoint.fast.local import NodeTier
-from pipeline.checkpoint.fast.prefault import populate
+from pipeline.checkpoint.fast.prefault import populate as populate_pages
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.faults import io_op
 
@@ -71,6 +71,9 @@ class Slots:
     def take(self, at: int, size: int) -> torch.Tensor | None:
         """The slot for the tensor at ``at`` of ``size`` bytes (:data:`~.codec.Place`); None: it stays in the
         snapshot's buffer (too small to be an object, or no slot could be made)."""
+        return self._slot(at, size, populate=False)
+
+    def _slot(self, at: int, size: int, populate: bool) -> torch.Tensor | None:
         if size < pieces.OBJECT_MIN:
             return None
         slot = self._held.get(at)
@@ -79,7 +82,7 @@ class Slots:
             slot = None
         if slot is None:
             try:
-                slot = self._make(size)
+                slot = self._make(size, populate)
             except OSError as e:
                 self.failed = f"{self.dir}: {e.strerror or e}"
                 return None
@@ -96,7 +99,7 @@ class Slots:
             self.failed = f"{self.dir}: {e.strerror or e}"
             return None
 
-    def _make(self, size: int) -> Slot:
+    def _make(self, size: int, populate: bool = True) -> Slot:
         name = f"{size}-{secrets.token_hex(6)}.bin"
         path = self.node.take_spare(self._spares.get(size, []), self.dir, name)
         if path is None:
@@ -122,8 +125,12 @@ class Slots:
             if os.fstat(f.fileno()).st_size != size:
                 raise OSError(f"{path} is not {size} bytes")
             mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if hasattr(mmap, "MADV_DONTFORK"):  # a forked child (a DataLoader's worker) would keep the file's pages
+            with contextlib.suppress(OSError):  # alive after it is removed, for as long as the child lives
+                mapped.madvise(mmap.MADV_DONTFORK)
         tensor = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the mapping alive
-        populate(tensor)  # its pages mapped in now, not one trap each in the copy
+        if populate:  # in the background: its pages mapped in now, not one trap each in the snapshot's copy (in
+            populate_pages(tensor)  # the snapshot itself, the copy's traps cost less than mapping them in first)
         return Slot(path, tensor)
 
     def adopt(self, at: int, h: str) -> bool:
@@ -150,7 +157,7 @@ class Slots:
         """After a save (the background): a slot, faulted in, for every big tensor that lacks one."""
         self.begin()
         for b, e in spans:
-            self.take(b, e - b)
+            self._slot(b, e - b, populate=True)
         for ino, (h, _) in list(self._named.items()):  # gone, or a spare another writer took: unmapped
             try:
                 if os.stat(self.node.object_path(h)).st_ino == ino:
@@ -161,9 +168,8 @@ class Slots:
 
     def release(self) -> None:
         """Remove this process's slots (at close, or when the tier turns off)."""
-        for slot in self._held.values():
+        held, self._held, self._named = self._held, {}, {}  # a save that still runs sees none (then fails)
+        for slot in held.values():
             clear_file(slot.path)
-        self._held.clear()
-        self._named.clear()
         with contextlib.suppress(OSError):
             self.dir.rmdir()

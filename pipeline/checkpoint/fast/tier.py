@@ -5,17 +5,20 @@ copy and the replicas it holds for its peers (:mod:`.local`), the newest ``keep`
 rank writes its own copy and the replicas it receives; a node's *keeper* (the lowest rank sharing the dir)
 removes what earlier launches left, at restore, before any rank saves again.
 
-Training waits only for the copy of its tensors into the blob's buffer on CPU (:func:`.codec.snapshot`; the buffer
-is reused by the next save). A thread then hashes the blob's pieces (:mod:`.pieces`: each tensor of 4 KiB or more
-is one, the bytes between them others; the one pass over the bytes before they are written or sent), gathers every
-rank's size and digest (so every copy's marker carries the whole step's table) and exchanges whole piece lists only
-with the ranks that need them (its node's, and those whose replicas it holds), writes the objects of its node it is
-the lowest holder of (:mod:`.sharing`; one the node already has, an unchanged tensor, is not written again), its
-own copy, and swaps with the peers over a gloo group of its own (rank ``r`` sends to ``r + i·n`` and receives from
-``r − i·n``, ``n`` the ranks per node, ``i`` = 1..replicas): each holder asks its source only for the pieces its node
-lacks (under DDP: the source's own RNG and position, not the weights and moments its node holds already) and
-checks each against the source's hash before it keeps it. A peer that dies mid-swap leaves the step incomplete,
-so no restore picks it (:mod:`.restore`). The thread is the only one; its CPU by phase is in ``stats``."""
+Training waits only for the copy of its tensors to CPU (:func:`.codec.snapshot`): each tensor of 4 KiB or more
+into a file of the node dir of its own (:mod:`.slots`), the rest into a buffer; both are reused by the next save.
+A thread then hashes the blob's pieces (:mod:`.pieces`: each such tensor is one, the bytes between them others;
+the one pass over the bytes before they are kept or sent), gathers every rank's size and digest (so every copy's
+marker carries the whole step's table) and exchanges whole piece lists only with the ranks that need them (its
+node's, and those whose replicas it holds), renames into the node's objects the files of the tensors it is its
+node's lowest holder of (:mod:`.sharing`; one the node already has, an unchanged tensor, is not kept again: no
+byte is copied a second time), writes its own copy (the inline pieces), and swaps with the peers over a gloo
+group of its own (rank ``r`` sends to ``r + i·n`` and receives from ``r − i·n``, ``n`` the ranks per node, ``i`` =
+1..replicas): each holder asks its source only for the pieces its node lacks (under DDP: the source's own RNG and
+position, not the weights and moments its node holds already), receives each object straight into a file of the
+node, and checks each piece against the source's hash before it keeps it. A peer that dies mid-swap leaves the
+step incomplete, so no restore picks it (:mod:`.restore`). Last, the snapshot files it renamed are replaced, for
+the next save. The thread is the only one; its CPU by phase is in ``stats``."""
 
 from __future__ import annotations
 
@@ -94,6 +97,7 @@ class FastTier:
         self._pending: int | None = None
         self._buffer: Blob | None = None
         self.slots = Slots(self.node, self.rank)
+        self._said_slots = False
         self.stats = FastStats()
 
     # -- when --------------------------------------------------------------------------------------------------
@@ -113,6 +117,10 @@ class FastTier:
             return time.monotonic() - t0
         self.slots.begin()
         snap = self._buffer = snapshot(state, reuse=self._buffer, place=self.slots.take)
+        if self.slots.failed and not self._said_slots:
+            self._said_slots = True
+            log.warning("fast tier: rank %d keeps some tensors in memory, not in node files, and writes them in the "
+                        "background (a second copy): %s", self.rank, self.slots.failed)  # fmt: skip
         if not self._room_checked:
             self._room_checked = True
             short = self._room_short(snap)
@@ -181,9 +189,11 @@ class FastTier:
         self.enabled = False
         self.slots.release()
 
-    def close(self) -> None:
-        """The pending save settled (at most the deadline), then this process's snapshot files removed."""
-        self.wait()
+    def close(self, settle: bool = True) -> None:
+        """The pending save settled (at most the deadline; ``settle=False``: not waited for, a failing run's), then
+        this process's snapshot files removed (a save still running then fails, and is not offered)."""
+        if settle:
+            self.wait()
         self.slots.release()
 
     def _persist(self, step: int, snap: Blob) -> None:
