@@ -188,6 +188,7 @@ class FastTier:
             log.warning("fast tier off: %s; durable saves only", why)
         self.enabled = False
         self.slots.release()
+        self._buffer = None  # its tensors' memory (the slots' pages among it) goes with it
 
     def close(self, settle: bool = True) -> None:
         """The pending save settled (at most the deadline; ``settle=False``: not waited for, a failing run's), then
