@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.checkpoint.fast import slots as slots_module
 from pipeline.checkpoint.fast.codec import Blob, Scattered, snapshot, unpack
 from pipeline.checkpoint.fast.local import NodeTier
 from pipeline.checkpoint.fast.pieces import Part, cut, hashed, offsets
@@ -93,3 +94,13 @@ def test_a_slot_that_cannot_be_made_leaves_the_tensor_in_the_buffer(
     assert unpack(blob.view(), "test")["w"].equal(w)
     ((at, h),) = _objects(ranges, parts)
     assert not slots.held(at) and node.write_object(h, blob.bytes(at, at + w.numel() * 4))
+
+
+def test_past_the_mapping_bound_tensors_stay_in_the_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slots_module, "MAPS_MAX", 4)  # two slots at most
+    slots = Slots(NodeTier(tmp_path / "node"), rank=0)
+    state = {f"w{i}": torch.full((2048,), float(i)) for i in range(3)}
+    blob, _, _ = _save(slots, state)
+    assert len(blob.placed) == 2 and "more than 2 tensors" in slots.failed
+    for (b, e), t in zip(blob.spans, state.values(), strict=True):
+        assert bytes(blob.bytes(b, e)) == t.numpy().tobytes()

@@ -35,6 +35,11 @@ from pipeline.checkpoint.fast.prefault import populate as populate_pages
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.faults import io_op
 
+MAPS_MAX = 16384
+"""The most mappings a process keeps (Linux allows 65,530 by default, ``vm.max_map_count``, and the restore maps
+pieces too): beyond half of it a tensor stays in the snapshot's buffer, beyond all of it a named file's mapping is
+not kept."""
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -81,6 +86,9 @@ class Slots:
             del self._held[at]  # another layout, or removed under it (a restore's keeper): a new one
             slot = None
         if slot is None:
+            if len(self._held) >= MAPS_MAX // 2:
+                self.failed = f"more than {MAPS_MAX // 2} tensors of {pieces.OBJECT_MIN} bytes or more"
+                return None
             try:
                 slot = self._make(size, populate)
             except OSError as e:
@@ -148,7 +156,8 @@ class Slots:
         mapping is kept (never written while it is an object) until :meth:`refill` finds it gone."""
         ino = os.stat(slot.path).st_ino
         self.node.adopt(slot.path, h)
-        self._named[ino] = (h, slot.tensor)
+        if len(self._named) + len(self._held) < MAPS_MAX:
+            self._named[ino] = (h, slot.tensor)
 
     def held(self, at: int) -> bool:
         return at in self._held
