@@ -129,10 +129,14 @@ class Slots:
             kept = self._named.pop(os.stat(path).st_ino, None)  # a mapping keeps its inode's number unreused
             if kept is not None and kept[1].numel() == size:
                 return Slot(path, kept[1])
-        with open(path, "r+b") as f:
-            if os.fstat(f.fileno()).st_size != size:
-                raise OSError(f"{path} is not {size} bytes")
-            mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            with open(path, "r+b") as f:
+                if os.fstat(f.fileno()).st_size != size:
+                    raise OSError(f"{path} is not {size} bytes")
+                mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            clear_file(path)  # not a slot: nothing of this process's may stay behind unheld
+            raise
         if hasattr(mmap, "MADV_DONTFORK"):  # a forked child (a DataLoader's worker) would keep the file's pages
             with contextlib.suppress(OSError):  # alive after it is removed, for as long as the child lives
                 mapped.madvise(mmap.MADV_DONTFORK)
