@@ -41,6 +41,7 @@ from pipeline.storage.atomic import (
     create_exclusive,
     move_aside,
     overwrite_file,
+    remove_tree,
     replace_file,
     write_bytes_atomic,
     write_json_atomic,
@@ -163,7 +164,7 @@ class NodeTier:
         path = self.object_path(h)
         path.parent.mkdir(parents=True, exist_ok=True)
         name = f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        tmp = self.take_spare(self.spares().get(len(data), []), path.parent, name)
+        tmp = self.take_spare(self.spares(len(data)).get(len(data), []), path.parent, name)
         if tmp is not None:
             overwrite_file(tmp, data, sync=False)
             replace_file(tmp, path, sync=False)
@@ -171,13 +172,13 @@ class NodeTier:
         write_bytes_atomic(path, data, sync=False)  # type: ignore[arg-type]
         return True
 
-    def spares(self) -> dict[int, list[Path]]:
-        """The node's spare files (objects no copy names any more, :meth:`collect`) by size."""
+    def spares(self, size: int | None = None) -> dict[int, list[Path]]:
+        """The node's spare files (objects no copy names any more, :meth:`collect`) by size (of ``size`` only)."""
         out: dict[int, list[Path]] = {}
-        for p in sorted((self.root / "spare").glob("*-*.bin")):
-            size = p.name.split("-", 1)[0]
-            if size.isdigit():
-                out.setdefault(int(size), []).append(p)
+        for p in sorted((self.root / "spare").glob(f"{'*' if size is None else size}-*.bin")):
+            n = p.name.split("-", 1)[0]
+            if n.isdigit():
+                out.setdefault(int(n), []).append(p)
         return out
 
     def take_spare(self, listed: list[Path], dest_dir: Path, name: str) -> Path | None:
@@ -324,10 +325,7 @@ class NodeTier:
                     if not data.with_suffix(".json").exists():
                         _unlink(data)
         for slots in (self.root / "slots").glob("*"):  # a dead process's snapshot files (:mod:`.slots`)
-            for p in slots.glob("*"):
-                _unlink(p)
-            with contextlib.suppress(OSError):
-                slots.rmdir()
+            remove_tree(slots)
         self.collect(set(), litter=True)
 
     def held_bytes(self, dirs: list[tuple[str, int]] | None = None) -> int:

@@ -32,7 +32,7 @@ import torch
 from pipeline.checkpoint.fast import pieces
 from pipeline.checkpoint.fast.local import NodeTier
 from pipeline.checkpoint.fast.prefault import populate as populate_pages
-from pipeline.storage.atomic import clear_file
+from pipeline.storage.atomic import clear_file, remove_tree
 from pipeline.storage.faults import io_op
 
 MAPS_MAX = 16384
@@ -56,7 +56,8 @@ class Slots:
         self.dir = node.root / "slots" / f"rank_{rank}-{os.getpid()}-{secrets.token_hex(4)}"
         self._held: dict[int, Slot] = {}
         """By where its tensor starts in the blob."""
-        self._spares: dict[int, list[Path]] = {}
+        self._spares: dict[int, list[Path]] | None = None
+        """The node's spares by size, listed at the first slot made since :meth:`begin` (none made: no listing)."""
         self.failed = ""
         """Why the last slot that could not be made was not (its tensor went into the snapshot's buffer)."""
         self.reused = 0
@@ -70,8 +71,11 @@ class Slots:
         return sum(s.tensor.numel() for s in self._held.values())
 
     def begin(self) -> None:
-        """Before a snapshot (or a refill): the node's spares, listed once."""
-        self._spares = self.node.spares()
+        """Before a snapshot, a refill or a receive: the spares are listed again when one is wanted, and slots
+        removed under this process (its dir gone: a restore's keeper) are made anew."""
+        self._spares = None
+        if self._held and not self.dir.is_dir():
+            self._held = {}
 
     def take(self, at: int, size: int) -> torch.Tensor | None:
         """The slot for the tensor at ``at`` of ``size`` bytes (:data:`~.codec.Place`); None: it stays in the
@@ -82,17 +86,15 @@ class Slots:
         if size < pieces.OBJECT_MIN:
             return None
         slot = self._held.get(at)
-        if slot is not None and (slot.tensor.numel() != size or not slot.path.exists()):
-            del self._held[at]  # another layout, or removed under it (a restore's keeper): a new one
+        if slot is not None and slot.tensor.numel() != size:
+            del self._held[at]  # another layout: a new one
             slot = None
         if slot is None:
             if len(self._held) >= MAPS_MAX // 2:
                 self.failed = f"more than {MAPS_MAX // 2} tensors of {pieces.OBJECT_MIN} bytes or more"
                 return None
-            try:
-                slot = self._make(size, populate)
-            except OSError as e:
-                self.failed = f"{self.dir}: {e.strerror or e}"
+            slot = self._try(size, populate)
+            if slot is None:
                 return None
             self._held[at] = slot
         return slot.tensor
@@ -101,14 +103,19 @@ class Slots:
         """A file of ``size`` bytes in this process's dir (a spare's pages, or new), mapped for writing and held by
         the caller: bytes received for an object go straight into it, then the node's
         :meth:`~.local.NodeTier.adopt` names it (or the caller removes it). None: none could be made."""
+        return self._try(size, populate=True)
+
+    def _try(self, size: int, populate: bool) -> Slot | None:
         try:
-            return self._make(size)
+            return self._make(size, populate)
         except OSError as e:
             self.failed = f"{self.dir}: {e.strerror or e}"
             return None
 
-    def _make(self, size: int, populate: bool = True) -> Slot:
+    def _make(self, size: int, populate: bool) -> Slot:
         name = f"{size}-{secrets.token_hex(6)}.bin"
+        if self._spares is None:
+            self._spares = self.node.spares()
         path = self.node.take_spare(self._spares.get(size, []), self.dir, name)
         if path is None:
             path = self.dir / name
@@ -181,8 +188,6 @@ class Slots:
 
     def release(self) -> None:
         """Remove this process's slots (at close, or when the tier turns off)."""
-        held, self._held, self._named = self._held, {}, {}  # a save that still runs sees none (then fails)
-        for slot in held.values():
-            clear_file(slot.path)
-        with contextlib.suppress(OSError):
-            self.dir.rmdir()
+        self._held, self._named = {}, {}  # a save that still runs sees none (then fails)
+        with contextlib.suppress(OSError):  # the dir holds only this process's files: one removal, never an error
+            remove_tree(self.dir)  # at close
