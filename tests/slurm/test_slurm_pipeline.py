@@ -310,12 +310,6 @@ def _status_json(layout: RunLayout) -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.mark.xfail(
-    reason="seen 2 of 3 runs on 2026-11-24: after Ctrl-C the lease stayed 'handed_over' to jobs that had all ended. "
-    "Likely cause, fixed since: a job with no state yet (gone from squeue, not yet in sacct) counted as live at the "
-    "handover; it passed in the 2 full runs after the fix. The marker stays until more runs confirm it",
-    strict=False,
-)
 def test_ctrl_c_with_wait_cancels_the_chain_and_commits(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """``launcher.wait=true``, Ctrl-C mid-train: train and the queued jobs after it are cancelled, the committer
     commits what was staged and ends by itself, nothing of the run is left in the queue, the lease is released."""
