@@ -8,15 +8,20 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from pipeline.checkpoint.fast import local as local_module
 from pipeline.checkpoint.fast import slots as slots_module
 from pipeline.checkpoint.fast.codec import Blob, Scattered, snapshot, unpack
 from pipeline.checkpoint.fast.local import NodeTier
-from pipeline.checkpoint.fast.pieces import Part, cut, hashed, offsets
+from pipeline.checkpoint.fast.options import FastStats
+from pipeline.checkpoint.fast.pieces import Part, cut, digest, hashed, offsets
 from pipeline.checkpoint.fast.slots import Slots
+from pipeline.checkpoint.fast.tier import FastTier
+from pipeline.errors import PipelineError
 
 
 def _save(slots: Slots, state: dict[str, torch.Tensor]) -> tuple[Blob, list[tuple[int, int, bool]], tuple[Part, ...]]:
@@ -104,3 +109,69 @@ def test_past_the_mapping_bound_tensors_stay_in_the_buffer(tmp_path: Path, monke
     assert len(blob.placed) == 2 and "more than 2 tensors" in slots.failed
     for (b, e), t in zip(blob.spans, state.values(), strict=True):
         assert bytes(blob.bytes(b, e)) == t.numpy().tobytes()
+
+
+def test_a_dead_process_slots_that_cannot_be_removed_never_fail_the_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keeper removes dead processes' slot dirs at restore; an error there would be the keeper's alone (its
+    node-mates would wait for it in the restore's next collective): the dir stays, for the next restore."""
+    node = NodeTier(tmp_path / "node")
+    dead = node.root / "slots" / "rank_0-1-dead"
+    dead.mkdir(parents=True)
+    (dead / "8192-x.bin").write_bytes(b"\0" * 8192)
+
+    def refuse(path: Path) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(local_module, "remove_tree", refuse)
+    node.drop_all_but(None)
+    assert dead.is_dir()
+    monkeypatch.undo()
+    node.drop_all_but(None)
+    assert not dead.exists()
+
+
+def test_an_object_received_for_a_replica_arrives_in_a_node_file_that_becomes_the_object(tmp_path: Path) -> None:
+    """A replica's holder receives each object it asked for straight into a file of its process's slots dir; once
+    its hash checks, that file is renamed into the node's objects (no copy). A damaged one is refused, not named."""
+    node = NodeTier(tmp_path / "node")
+    slots = Slots(node, rank=0)
+    tier = SimpleNamespace(node=node, slots=slots, stats=FastStats())  # what FastTier._keep reads
+    raw = torch.arange(2048, dtype=torch.float32).numpy().tobytes()  # 8 KiB: an object
+    h = digest(raw)
+    theirs = ((len(raw), h, True),)
+
+    f = slots.scratch(len(raw))
+    assert f is not None and f.path.parent == slots.dir
+    f.tensor.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))  # what the transport's receive does
+    inode, files = f.path.stat().st_ino, {0: f}
+    assert FastTier._keep(tier, 8, 1, theirs, {0: f.tensor}, files) == bytearray()  # type: ignore[arg-type]
+    assert files == {0: None} and node.object_path(h).stat().st_ino == inode
+    assert node.object_path(h).read_bytes() == raw and tier.stats.renamed_bytes == len(raw)
+
+    node.object_path(h).unlink()
+    bad = slots.scratch(len(raw))
+    assert bad is not None  # its bytes are zeros: not the piece's
+    with pytest.raises(PipelineError, match="arrived damaged"):
+        FastTier._keep(tier, 8, 1, theirs, {0: bad.tensor}, {0: bad})  # type: ignore[arg-type]
+    assert not node.has_object(h, len(raw)) and bad.path.exists()  # the caller (_replicate) removes it
+
+
+def test_a_planted_link_among_the_spares_is_removed_and_never_written_through(tmp_path: Path) -> None:
+    """A spare is a file the node's writers reuse in place; a link planted among them (to a file outside the node
+    dir) is removed when taken, and a slot or an object is made anew: the link's target keeps its bytes."""
+    node = NodeTier(tmp_path / "node")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x" * 8192)
+    (node.root / "spare").mkdir(parents=True)
+    for name in ("8192-a.bin", "8192-b.bin"):
+        (node.root / "spare" / name).symlink_to(outside)
+    slots = Slots(node, rank=0)
+    w = torch.ones(2048)  # 8 KiB, the spares' size
+    blob, ranges, parts = _save(slots, {"w": w})
+    assert slots.reused == 0 and len(blob.placed) == 1 and not slots.failed
+    ((at, h),) = _objects(ranges, parts)
+    assert node.write_object(h, blob.bytes(at, at + 8192))  # the object's writes take spares too
+    assert outside.read_bytes() == b"x" * 8192 and not list((node.root / "spare").iterdir())
+    assert node.object_path(h).read_bytes() == w.numpy().tobytes() and not node.object_path(h).is_symlink()

@@ -231,7 +231,7 @@ def overwrite_file(path: Path, data: memoryview, *, sync: bool = True) -> None:
     """All of ``data`` into the existing file ``path`` (no reader has it: a temp name) from its start, in place:
     its pages are reused, not allocated again."""
     io_op("write", path)
-    fd = os.open(path, os.O_WRONLY)
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link is refused, never written through
     try:
         done = 0
         while done < len(data):

@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,12 +184,17 @@ class NodeTier:
 
     def take_spare(self, listed: list[Path], dest_dir: Path, name: str) -> Path | None:
         """One of the ``listed`` spares (taken from the list) moved to ``dest_dir/name``: taken, no other writer
-        can have it now. None: another writer of this node took each first, or none was listed."""
+        can have it now; one that is not a regular file (a planted link: writing through it would reach outside the
+        node dir) is removed. None: another writer of this node took each first, or none was listed."""
         while listed:
             try:
-                return move_aside(listed.pop(0), dest_dir, name, sync=False)
+                taken = move_aside(listed.pop(0), dest_dir, name, sync=False)
             except FileNotFoundError:
                 continue
+            if stat.S_ISREG(os.lstat(taken).st_mode):
+                return taken
+            with contextlib.suppress(OSError):
+                clear_file(taken)
         return None
 
     def adopt(self, path: Path, h: str) -> None:
@@ -325,7 +331,8 @@ class NodeTier:
                     if not data.with_suffix(".json").exists():
                         _unlink(data)
         for slots in (self.root / "slots").glob("*"):  # a dead process's snapshot files (:mod:`.slots`)
-            remove_tree(slots)
+            with contextlib.suppress(OSError):  # the keeper alone raising here would leave its node-mates waiting
+                remove_tree(slots)  # in the restore's next collective; what stays is removed at the next restore
         self.collect(set(), litter=True)
 
     def held_bytes(self, dirs: list[tuple[str, int]] | None = None) -> int:

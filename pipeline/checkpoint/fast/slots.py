@@ -137,10 +137,13 @@ class Slots:
             if kept is not None and kept[1].numel() == size:
                 return Slot(path, kept[1])
         try:
-            with open(path, "r+b") as f:
-                if os.fstat(f.fileno()).st_size != size:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)  # a link is refused, never written through
+            try:
+                if os.fstat(fd).st_size != size:
                     raise OSError(f"{path} is not {size} bytes")
-                mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
         except OSError:
             clear_file(path)  # not a slot: nothing of this process's may stay behind unheld
             raise
