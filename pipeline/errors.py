@@ -69,6 +69,14 @@ class VerificationError(PipelineError):
     exit_code = 1
 
 
+class ReadFailed(PipelineError):
+    """A read that did not complete (``EIO``, ``ESTALE``, a timeout, a short read, an S3 5xx), retried for a bounded
+    time: what the bytes are is unknown, which is never evidence of damage (nothing is quarantined, ``latest``
+    never moves back, no reader picks an older step because of it). :mod:`pipeline.storage.reads`."""
+
+    exit_code = 1
+
+
 class UnsafePathError(VerificationError):
     """A path read from a manifest or marker escapes the run dir, or a symlink sits where a run's file should."""
 

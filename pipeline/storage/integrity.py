@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Any
 import xxhash
 
 from pipeline.errors import UnsafePathError, VerificationError
+from pipeline.storage import reads
 from pipeline.storage.settle import parse_settled
 
 HASH_ALGO = "xxh3_128"
@@ -34,13 +36,16 @@ MAX_RECORD_BYTES = 64 << 20
 def lstat_kind(path: Path | str) -> str | None:
     """What ``path`` itself is, never following a link: ``dir``, ``file``, ``symlink``, ``other`` or None."""
     try:
-        mode = os.lstat(path).st_mode
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError as e:
+            if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+                return None  # a name no file of this pipeline can have
+            if not reads.is_transient(e):
+                raise
+            mode = reads.lstat(path).st_mode  # the storage did not answer: again, then ReadFailed
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except OSError as e:
-        if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
-            return None  # a name no file of this pipeline can have
-        raise
     if stat.S_ISLNK(mode):
         return "symlink"
     return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
@@ -84,21 +89,27 @@ class _Torn(VerificationError):
 
 
 def _read_record(path: Path, what: str) -> bytes:
+    """The record's bytes, read whole: a read that fails or comes back short is retried, then :class:`ReadFailed`
+    (unknown, never damage: :mod:`pipeline.storage.reads`)."""
+    return reads.retrying(lambda: _read_record_once(path, what), what, path)
+
+
+def _read_record_once(path: Path, what: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise VerificationError(f"{what} {path} is a symlink, which is never followed: remove it") from None
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise VerificationError(f"cannot read {what} {path}: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise VerificationError(f"{what} {path} is not a regular file")
+        raise
     with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise VerificationError(f"{what} {path} is not a regular file")
         raw = f.read(MAX_RECORD_BYTES + 1)
     if len(raw) > MAX_RECORD_BYTES:
         raise VerificationError(f"{what} {path} is larger than {MAX_RECORD_BYTES} bytes: not one this pipeline wrote")
+    if len(raw) < st.st_size:  # a short read: the storage did not give the bytes it has, nothing said of them
+        raise OSError(errno.EIO, f"short read ({len(raw)} of {st.st_size} bytes)", str(path))
     return raw
 
 
@@ -287,12 +298,22 @@ def _hash_batch(paths: list[Path]) -> list[str | Exception]:
     """Each file's digest, in order; a file that cannot be read ends the run with its error (raised in order)."""
     out: list[str | Exception] = []
     for path in paths:
-        try:
-            out.append(hash_file(path))  # looked up when called: a test's patched ``hash_file`` sees every file
+        try:  # looked up when called: a test's patched ``hash_file`` sees every file
+            out.append(reads.retrying(functools.partial(hash_file, path), "file", path))
+        except FileNotFoundError:
+            out.append(_missing_now(path))
+            break
         except Exception as exc:
             out.append(exc)
             break
     return out
+
+
+def _missing_now(path: Path) -> Exception:
+    """A listed file gone between its size check and its read: absent (damage) only once that has settled."""
+    if reads.settled_absent(path):
+        return VerificationError(f"{path} is listed but vanished while it was verified")
+    return reads.failed(OSError(errno.EIO, "it vanished and came back while it was read"), "file", path)
 
 
 def _compare(
@@ -310,8 +331,10 @@ def _checked_size(root: SafeRoot, e: FileEntry, where: str) -> Path:
     """``root/e.path`` if it is a regular file (reached without a symlink) of the size ``where`` records."""
     full = root.join(e.path)
     try:
-        st = os.lstat(full)
+        st = reads.lstat(full)
     except FileNotFoundError:
+        if not reads.settled_absent(full):  # another node's rename not seen here yet: look again
+            return _checked_size(root, e, where)
         raise VerificationError(f"{full} is listed in {where} but missing") from None
     except NotADirectoryError:
         raise VerificationError(f"{full} is listed in {where}, but a parent of it is not a directory") from None
