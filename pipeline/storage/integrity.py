@@ -101,10 +101,15 @@ def _read_record_once(path: Path, what: str) -> bytes:
         if e.errno == errno.ELOOP:
             raise VerificationError(f"{what} {path} is a symlink, which is never followed: remove it") from None
         raise
-    with os.fdopen(fd, "rb") as f:
+    try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise VerificationError(f"{what} {path} is not a regular file")
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise VerificationError(f"{what} {path} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
         raw = f.read(MAX_RECORD_BYTES + 1)
     if len(raw) > MAX_RECORD_BYTES:
         raise VerificationError(f"{what} {path} is larger than {MAX_RECORD_BYTES} bytes: not one this pipeline wrote")
