@@ -25,6 +25,11 @@ from tests.seed_helpers import TEST_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A listed file that looks absent counts as missing after this settle (pipeline.storage.reads); the tests delete
+# files on purpose hundreds of times, on one local disk or a mount they wait on, so they settle briefly (the
+# processes they start inherit it). tests/test_unknown_not_damage.py checks the settle itself.
+os.environ.setdefault("PIPELINE_ABSENT_SETTLE_S", "0.05")
+
 
 def _test_files(step_dir: Path, _allow_pickle: bool = False) -> set[str]:
     """A TEST_FORMAT step's data files, named as DCP names them (``__K_0.distcp`` by rank K, ``.metadata``)."""

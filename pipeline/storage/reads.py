@@ -10,7 +10,7 @@ node just renamed into place may look absent. None of that says anything about t
   ``OSError`` of a read (``EACCES``...) is :class:`ReadFailed` at once. ``FileNotFoundError`` passes through:
   absence is for the caller to judge, after :func:`settled_absent`.
 * Only a :class:`~pipeline.errors.VerificationError` (bytes read whole that are wrong, a record that parses wrong
-  after a whole read, a listed file absent past :data:`ABSENT_SETTLE_S`) is damage. Callers catch
+  after a whole read, a listed file absent past :func:`absent_settle_s`) is damage. Callers catch
   ``VerificationError`` to quarantine or fall back, and let ``ReadFailed`` end the act untaken.
 """
 
@@ -42,9 +42,20 @@ READ_RETRY_S = 10.0
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 """Pauses between tries (the last repeats until :data:`READ_RETRY_S` is spent)."""
 
-ABSENT_SETTLE_S = 2.0
+ABSENT_SETTLE_S = 1.0
 """How long a file a record lists may look absent through this node's mount before it counts as missing: a
-client's cached negative entry (another node's rename not seen yet) lasts about a second on the mounts measured."""
+client's cached negative entry (another node's rename not seen yet) lasted under a second on the mounts measured.
+``PIPELINE_ABSENT_SETTLE_S`` sets it for mounts that cache longer (NFS with ``lookupcache=all``: up to
+``acdirmax``)."""
+
+
+def absent_settle_s() -> float:
+    """:data:`ABSENT_SETTLE_S`, or ``PIPELINE_ABSENT_SETTLE_S`` when set (a number of seconds)."""
+    raw = os.environ.get("PIPELINE_ABSENT_SETTLE_S", "").strip()
+    try:
+        return max(0.0, float(raw)) if raw else ABSENT_SETTLE_S
+    except ValueError:
+        return ABSENT_SETTLE_S
 
 
 def is_transient(e: BaseException) -> bool:
@@ -89,9 +100,9 @@ def lstat(path: Path | str, what: str = "file") -> os.stat_result:
 
 
 def settled_absent(path: Path | str, what: str = "file", settle_s: float | None = None) -> bool:
-    """Whether ``path`` is still absent after :data:`ABSENT_SETTLE_S` of looking again (False as soon as it
+    """Whether ``path`` is still absent after :func:`absent_settle_s` of looking again (False as soon as it
     shows): the positive evidence a missing listed file needs."""
-    deadline = time.monotonic() + (ABSENT_SETTLE_S if settle_s is None else settle_s)
+    deadline = time.monotonic() + (absent_settle_s() if settle_s is None else settle_s)
     delay = 0.05
     while True:
         try:
