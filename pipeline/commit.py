@@ -101,17 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     committer = Committer(layout, policy, store_for(layout, remote))
     try:
         with committer.hold():
-            committer.recover()
             if args.follow:
-                idle_since = [time.monotonic()]
-
-                def alive() -> bool:
-                    if committer.pending():
-                        idle_since[0] = time.monotonic()
-                    return args.idle_exit is None or time.monotonic() - idle_since[0] < args.idle_exit
-
-                committer.follow(alive=alive, stop=stop.is_set)
+                _follow(committer, args.idle_exit, stop)
             else:
+                committer.recover()
                 committer.commit_ready()
     except CommitterBusy as e:
         print(f"error: {e}", file=sys.stderr)
@@ -128,6 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     for line in report.quarantined:
         print(f"quarantined: {line}", file=sys.stderr)
     return 1 if report.quarantined else 0
+
+
+def _follow(committer: Committer, idle_exit: float | None, stop: threading.Event) -> None:
+    """``--follow``: commit each step as it completes until stopped (or idle for ``idle_exit`` s). A store that
+    cannot be read now (a filer away) costs passes, never an act: the pass after it recovers first."""
+    committer.recover_or_defer()
+    idle_since = [time.monotonic()]
+
+    def alive() -> bool:
+        if committer.pending():
+            idle_since[0] = time.monotonic()
+        return idle_exit is None or time.monotonic() - idle_since[0] < idle_exit
+
+    committer.follow(alive=alive, stop=stop.is_set)
 
 
 if __name__ == "__main__":

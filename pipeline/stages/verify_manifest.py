@@ -158,8 +158,10 @@ def run(ctx: TaskContext) -> dict[str, object]:
     layout = ctx.layout
     c = committer(ctx.cfg, layout, save_errors=lambda: _save_errors(layout))
     with c.hold(takeover=True):  # the run's one committer job: a stale holder (its ghost) is fenced off
-        c.recover()
-        if ctx.beside is not None:
+        if ctx.beside is None:
+            c.recover()
+        else:
+            c.recover_or_defer()  # the store away now: follow recovers before its next pass
             c.follow(alive=lambda: _producer_alive(ctx))
         c.finish(producer_attempt(layout, PRODUCER), alive=lambda: stage_alive(layout, PRODUCER))
         c.raise_problems()

@@ -8,11 +8,16 @@ from __future__ import annotations
 import concurrent.futures as cf
 from typing import Protocol
 
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, ReadFailed
 
 
 class StoreError(PipelineError):
     """An object-store request failed (after the client's retries), or the server cannot be committed to."""
+
+
+class StoreReadFailed(StoreError, ReadFailed):
+    """A GET, HEAD or LIST that failed after the client's retries (a 5xx, a timeout, no connection): what the
+    object holds is unknown, never damage (:mod:`pipeline.storage.reads`)."""
 
 
 class Conflict(StoreError):

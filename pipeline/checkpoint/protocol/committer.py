@@ -37,12 +37,18 @@ from pipeline.checkpoint.protocol.ownership import CommitterBusy, CommitterLease
 from pipeline.checkpoint.protocol.policy import CommitPolicy, CommitReport
 from pipeline.checkpoint.stores.posix_store import PosixCheckpoints, latest_step
 from pipeline.checkpoint.stores.store import RACES, CheckpointStore, Taken
-from pipeline.errors import DeadlineError, VerificationError
+from pipeline.errors import DeadlineError, PipelineError, ReadFailed, VerificationError
 from pipeline.storage.faults import inject
 from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.reads import is_transient
 from pipeline.storage.waiting import wait_until
 
 log = logging.getLogger(__name__)
+
+OUTAGE_S = 600.0
+"""How long a following committer's passes may keep failing to read or write the store (a filer away, a stale
+NFS handle) before it stops with one line; each failed pass takes no act and the next one starts with
+:meth:`Committer.recover` again."""
 
 
 __all__ = [
@@ -73,6 +79,9 @@ class Committer(LatestRepair):
         self.save_errors = save_errors
         self.report = CommitReport()
         self.lease: CommitterLease | None = None
+        self.recovered = False
+        """Whether :meth:`recover` completed since the last pass that failed on I/O (else the next pass runs it)."""
+        self._outage: tuple[float, str] | None = None  # (since, first error) while passes fail on I/O
 
     @contextlib.contextmanager
     def hold(self, takeover: bool = False) -> Iterator[None]:
@@ -111,6 +120,7 @@ class Committer(LatestRepair):
     def recover(self) -> None:
         """What a committer does first: remove its own litter, re-verify ``latest`` (quarantining damage), and
         finish a commit that was interrupted between publishing a step and moving ``latest``."""
+        self.recovered = False
         if self.epoch is not None:  # first: what its predecessors retired is this holder's before any repair
             self.store.claim(self.fence, self.epoch)
         self.report.quarantined += self.store.tidy(self.fence, *self._tidy_args(), first=True)
@@ -130,6 +140,19 @@ class Committer(LatestRepair):
             self.store.move_latest(step, manifest_hash, self.epoch)
             log.warning("step %d was published but latest was not moved (interrupted commit): latest -> %d", step, step)
             self.report.committed[step] = time.time()
+        self.recovered = True
+
+    def recover_or_defer(self) -> bool:
+        """:meth:`recover`; where the store cannot be read or written now (a filer away), one line and False:
+        :meth:`follow` runs it again before its next pass. Never an act because a read failed."""
+        try:
+            self.recover()
+        except (ReadFailed, OSError) as e:
+            if isinstance(e, OSError) and not is_transient(e):
+                raise
+            self._failed_pass(e)
+            return False
+        return True
 
     def commit_ready(self) -> list[int]:
         """One look: commit every staged step newer than ``latest`` whose markers are all there (one attempt)
@@ -148,6 +171,9 @@ class Committer(LatestRepair):
                     markers = complete_markers(self.store.markers(step, attempt, self.policy.world_size), None)
                 except VerificationError:
                     continue  # damaged markers: the last pass quarantines the step
+                except ReadFailed as e:
+                    log.warning("step %d: its markers cannot be read now, looked at again next pass: %s", step, e)
+                    continue
                 if markers is not None and self._commit_or_quarantine(step, markers):
                     done.append(step)
                     break
@@ -159,11 +185,48 @@ class Committer(LatestRepair):
         set); returns after one more look once it is not."""
         while True:
             self.check_lost()
-            running = alive() and not stop()
-            self.commit_ready()
+            try:
+                running = alive() and not stop()
+            except (ReadFailed, OSError) as e:  # whether the producer runs cannot be told now: it may
+                if isinstance(e, OSError) and not is_transient(e):
+                    raise
+                running = not stop()
+            try:
+                if not self.recovered:
+                    self.recover()
+                self.commit_ready()
+            except (ReadFailed, OSError) as e:  # no act was taken on what could not be read
+                if isinstance(e, OSError) and not is_transient(e):
+                    raise
+                self._failed_pass(e)
+                if not running:
+                    raise
+            else:
+                self._pass_ok()
             if not running:
                 return
             time.sleep(self.policy.poll_interval_s)
+
+    def _failed_pass(self, e: Exception) -> None:
+        """A pass that could not read or write the store: one line when an outage starts, then quiet; past
+        :data:`OUTAGE_S` the committer stops, in one line. The next pass recovers first."""
+        self.recovered = False
+        now = time.monotonic()
+        if self._outage is None:
+            self._outage = (now, str(e))
+            log.warning("committer: the store cannot be read or written now, trying again every %.1f s: %s",
+                        self.policy.poll_interval_s, e)  # fmt: skip
+        elif now - self._outage[0] > OUTAGE_S:
+            raise PipelineError(
+                f"committer: {self.store.where} could not be read or written for {now - self._outage[0]:.0f} s "
+                f"(first: {self._outage[1]}; now: {e}); nothing was quarantined or rolled back for it: check the "
+                "storage, then start the committer again"
+            ) from e
+
+    def _pass_ok(self) -> None:
+        if self._outage is not None:
+            log.warning("committer: the store answers again after %.0f s", time.monotonic() - self._outage[0])
+            self._outage = None
 
     def finish(self, attempt: str | None, alive: Callable[[], bool]) -> None:
         """The last pass: each staged step newer than ``latest`` waits for its markers (deadline, liveness) and
@@ -174,13 +237,14 @@ class Committer(LatestRepair):
                 continue
             try:
                 markers = self._wait_for_markers(step, attempt, alive)
-            except DeadlineError as e:
+            except (DeadlineError, ReadFailed) as e:
                 self.report.incomplete.append((step, str(e)))
                 continue
             except VerificationError as e:
                 self._quarantine_staged(step, None, e)
                 continue
-            self._commit_or_quarantine(step, markers)
+            if not self._commit_or_quarantine(step, markers) and step in self.report.unread:
+                self.report.incomplete.append((step, self.report.unread[step]))
         self.fence()
         self.store.sweep(self.latest_step(), self.policy.world_size)
 
@@ -213,7 +277,7 @@ class Committer(LatestRepair):
             if any(s > newest.step for s in self.store.committed()):
                 return None
             self.store.verify_committed(newest.step)
-        except (VerificationError, OSError, ValueError):
+        except (VerificationError, OSError, ValueError, ReadFailed):
             return None
         return newest.step
 
@@ -233,6 +297,10 @@ class Committer(LatestRepair):
         except VerificationError as e:
             self._quarantine_staged(step, markers[0].attempt, e)
             return False
+        except ReadFailed as e:  # unknown, not damage: no act, the step is looked at again
+            log.warning("step %d is not committed now (%s): looked at again next pass", step, e)
+            self.report.unread[step] = str(e)
+            return False
         except Taken as e:
             self.report.quarantined.append(f"step {step}: {e}")
             return False
@@ -244,6 +312,7 @@ class Committer(LatestRepair):
             log.warning("step %d: %s (another committer at work on it?): looked at again next pass", step, e)
             return False
         self.report.committed[step] = time.time()
+        self.report.unread.pop(step, None)
         self.apply_retention()
         return True
 

@@ -49,3 +49,5 @@ class CommitReport:
     committed: dict[int, float] = field(default_factory=dict)
     quarantined: list[str] = field(default_factory=list)
     incomplete: list[tuple[int, str]] = field(default_factory=list)
+    unread: dict[int, str] = field(default_factory=dict)
+    """Steps not committed because their files could not be read (unknown, not damage), with why."""

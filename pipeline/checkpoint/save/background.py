@@ -44,7 +44,10 @@ class BackgroundCommitter:
         while True:
             try:
                 if not recovered:
-                    self.committer.recover()
+                    if not self.committer.recover_or_defer():  # the store away now: one line, then again
+                        if self._stop.wait(self.committer.policy.poll_interval_s):
+                            return
+                        continue
                     recovered = True
                     self.recovered.set()
                 self.committer.follow(alive=lambda: True, stop=self._stop.is_set)

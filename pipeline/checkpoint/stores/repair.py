@@ -30,7 +30,7 @@ from pipeline.checkpoint.manifest import (
     write_manifest,
 )
 from pipeline.checkpoint.protocol.step_checks import verified_manifest
-from pipeline.errors import VerificationError
+from pipeline.errors import ReadFailed, VerificationError
 from pipeline.storage.atomic import is_temp_name, json_bytes
 from pipeline.storage.backend import Storage
 from pipeline.storage.integrity import (
@@ -164,7 +164,7 @@ def _holds_damage(step_dir: Path, name: str, bad: FileEntry) -> bool:
         return True
     try:
         verify_entries(step_dir, [mine], str(step_dir))
-    except (VerificationError, OSError):
+    except VerificationError:  # a read that fails is unknown, not damage: it takes no other step along
         return True
     return False
 
@@ -200,7 +200,7 @@ def damaged_links(step_dir: Path) -> dict[str, tuple[tuple[int, int], FileEntry]
             continue
         try:
             verify_entries(step_dir, [e], str(step_dir))
-        except (VerificationError, OSError):
+        except VerificationError:  # bytes read whole that differ; a failed read (ReadFailed) is no evidence
             out[e.path] = ((st.st_dev, st.st_ino), e)
     return out
 
@@ -286,8 +286,9 @@ def finish_unmanifested(
             if markers is None:
                 continue
             manifest = verified_manifest(step, markers, path, layout.run_id, allow_pickle)
-        except (VerificationError, OSError) as e:
-            log.warning("%s is published without a manifest and does not verify; not a committed step: %s", path, e)
+        except (VerificationError, OSError, ReadFailed) as e:
+            log.warning("%s is published without a manifest and does not verify (or cannot be read now); not a "
+                        "committed step: %s", path, e)  # fmt: skip
             continue
         fence()
         sweep_temp_files_in(storage, path)
