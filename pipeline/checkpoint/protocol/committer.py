@@ -237,14 +237,17 @@ class Committer(LatestRepair):
                 continue
             try:
                 markers = self._wait_for_markers(step, attempt, alive)
-            except (DeadlineError, ReadFailed) as e:
+            except DeadlineError as e:
                 self.report.incomplete.append((step, str(e)))
+                continue
+            except ReadFailed as e:  # unknown, not damage: left staged for the next committer
+                self.report.incomplete.append((step, f"step {step} is not committed: {e}"))
                 continue
             except VerificationError as e:
                 self._quarantine_staged(step, None, e)
                 continue
             if not self._commit_or_quarantine(step, markers) and step in self.report.unread:
-                self.report.incomplete.append((step, self.report.unread[step]))
+                self.report.incomplete.append((step, f"step {step} is not committed: {self.report.unread[step]}"))
         self.fence()
         self.store.sweep(self.latest_step(), self.policy.world_size)
 
