@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint.manifest import read_latest, read_newest
+from pipeline.checkpoint.manifest import read_latest, read_manifest, read_newest, verify_committed
 from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer
+from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
+from pipeline.checkpoint.stores.store import Taken
 from pipeline.errors import ReadFailed, VerificationError
 from pipeline.rundir.layout import RunLayout
 from pipeline.storage import integrity, reads
@@ -203,3 +205,38 @@ def test_a_listed_file_that_shows_within_the_settle_is_not_missing(
     with c.hold():
         c.recover()
     assert _quarantined(layout)
+
+
+# Finding 2: a ghost that verified attempt a1 and froze before its publish renamed the a2 dir the trainer had
+# saved since into place and wrote a1's manifest into it: readers were told to resume from a step that does not
+# verify, and the next committer quarantined the good a2 copy.
+@pytest.mark.parametrize("a2_ranks", [WORLD, 1], ids=["a2 complete", "a2 half-written"])
+def test_a_late_publish_never_takes_another_attempts_bytes(tmp_path: Path, a2_ranks: int) -> None:
+    layout = _committed(tmp_path, (2,))
+    for rank in range(WORLD):
+        stage_rank(layout, 4, rank, world=WORLD, attempt="a1")
+    store = PosixCheckpoints(layout)
+    markers = [m for m in store.markers(4, None, WORLD) if m is not None]
+    verified = store.verify_staged(4, markers, allow_pickle=False)  # the ghost verifies a1, then freezes
+    # meanwhile a1 is committed, found damaged, quarantined; latest falls back to 2; the trainer saves 4 again
+    (layout.checkpoints / "quarantine").mkdir()
+    layout.staged_step(4).rename(layout.checkpoints / "quarantine" / "step_4.a1")
+    for rank in range(a2_ranks):
+        stage_rank(layout, 4, rank, world=WORLD, attempt="a2")
+    with pytest.raises(Taken, match="not attempt a1 as verified"):
+        store.publish(verified)  # the ghost thaws
+    assert not (layout.committed_step(4) / "manifest.json").exists()
+    newest = read_newest(layout)
+    assert newest is not None and newest.step == 2  # no reader is told to resume from a step that does not verify
+    c = Committer(layout, CommitPolicy(world_size=WORLD))
+    with c.hold():
+        c.recover()
+        c.commit_ready()
+    latest = read_latest(layout)
+    if a2_ranks == WORLD:  # what it moved is a2 whole: verified for what it holds, and committed
+        assert latest is not None and latest.step == 4
+        verify_committed(layout.committed_step(4), 4)
+        assert read_manifest(layout.committed_step(4)).attempt == "a2"
+    else:  # half of a2: no committed step; latest stays where it was, nothing good is quarantined
+        assert latest is not None and latest.step == 2
+    assert os.listdir(layout.checkpoints / "quarantine") == ["step_4.a1"]
