@@ -13,11 +13,10 @@ import time
 from collections.abc import Callable
 
 from pipeline.checkpoint.manifest import read_newest, verify_committed
-from pipeline.checkpoint.protocol.ownership import committer_alive
 from pipeline.checkpoint.stores.remote import Remote
 from pipeline.checkpoint.stores.store import CheckpointStore
-from pipeline.checkpoint.stores.stores import store_for, uncommitted
-from pipeline.errors import DeadlineError, PipelineError
+from pipeline.checkpoint.stores.stores import committer_running, store_for, uncommitted
+from pipeline.errors import DeadlineError, PipelineError, ReadFailed
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
 
@@ -57,7 +56,7 @@ def decide(
             alive=committer_alive,
             interval_s=store.poll_s,
         )
-    except DeadlineError as e:
+    except (DeadlineError, ReadFailed) as e:  # a read that keeps failing: never a resume from an older step
         return f"cannot resume: {e}"
     try:
         local = store.local()  # a bucket's latest step: pulled, every file checked while read
@@ -84,12 +83,16 @@ def decide_with(
     """:func:`decide` for the library: the committer is rank 0's thread (``thread_alive``), or else an external
     one, which counts as alive while it holds the dir, or for :data:`EXTERNAL_START_S` while it may still start."""
     start = time.monotonic()
+    store = store_for(layout, remote)
 
     def alive() -> bool:
         if thread_alive is not None:
             return thread_alive()
-        if committer_alive(layout.checkpoints, layout.committer_lock):
-            return True
+        try:
+            if committer_running(store):  # the lease where the store keeps it (a bucket's in the bucket)
+                return True
+        except (ReadFailed, OSError):
+            return True  # the lease cannot be read now: unknown, so the deadline decides
         return time.monotonic() - start < EXTERNAL_START_S
 
     return decide(

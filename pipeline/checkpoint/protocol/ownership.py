@@ -40,7 +40,6 @@ import socket
 import threading
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 
 from pipeline.checkpoint.protocol import lease_records
 from pipeline.checkpoint.protocol.lease_records import (
@@ -55,7 +54,6 @@ from pipeline.checkpoint.protocol.lease_records import (
 )
 from pipeline.errors import PipelineError
 from pipeline.storage.atomic import json_bytes
-from pipeline.storage.backend import held_elsewhere
 
 log = logging.getLogger(__name__)
 
@@ -323,14 +321,3 @@ def _get_or_none(store: LeaseStore, name: str) -> bytes | None:
         return store.get(name)
     except (OSError, PipelineError):
         return None
-
-
-def live_holder(checkpoints: Path) -> Holder | None:
-    """The committer of ``checkpoints/`` that looks alive (advice: see :meth:`Holder.live`; None: none)."""
-    held = newest_holder(FileLease(checkpoints / LEASE))
-    return held if held is not None and held.live(time.time()) else None
-
-
-def committer_alive(checkpoints: Path, lock: Path) -> bool:
-    """Whether a committer of ``checkpoints/`` runs: the node-local lock held here, or a live lease anywhere."""
-    return held_elsewhere(lock) or live_holder(checkpoints) is not None
