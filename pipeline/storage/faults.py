@@ -4,6 +4,7 @@
 Points are named where I/O happens (``shard_save.before_marker``, ``verify.before_publish``, ...); optional
 ``key=value`` filters match the call's context, e.g. ``shard_save.before_marker@rank=1@step=4``.
 The special filter ``action=exit`` kills the process with ``os._exit(17)`` instead of raising, like a crash;
+``action=eio`` raises ``OSError(EIO)`` as a storage that does not answer does;
 ``action=sleep@seconds=S`` only delays the caller (a slow rank, a slow disk). Every point also matches
 ``restart=N``, SLURM's restart count of the job (``restart=0``: only its first run, not the one SLURM requeued).
 
@@ -68,6 +69,10 @@ def inject(point: str, **context: object) -> None:
                 continue
             if action == "exit":
                 os._exit(CRASH_EXIT_CODE)
+            if action == "eio":  # the storage failing (a FUSE filer away), as the OS reports it
+                raise OSError(
+                    errno_codes.EIO, f"Input/output error (injected at {point})", str(context.get("path", ""))
+                )
             raise InjectedFault(f"injected fault at {point} {context}")
 
 

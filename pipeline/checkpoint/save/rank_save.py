@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -29,7 +31,7 @@ from pipeline.checkpoint.save.async_save import Persist, Progress, Settled
 from pipeline.checkpoint.stores.remote import Remote
 from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.checkpoint.stores.stores import store_for
-from pipeline.errors import VerificationError, exception_line
+from pipeline.errors import PipelineError, VerificationError, exception_line
 from pipeline.formats.dcp import FORMAT, METADATA_FILE, RecordingWriter
 from pipeline.storage.faults import inject
 from pipeline.storage.integrity import FileEntry, describe
@@ -91,10 +93,20 @@ def scratch_dir(t: RankTarget, step: int) -> Path:
     return t.layout.staging / f".upload-rank_{t.rank}" / step_name(step)
 
 
-def prepare(t: RankTarget, step: int) -> Path:
+def prepare(t: RankTarget, step: int, any_failed: Callable[[bool], bool] | None = None) -> Path:
     """Where this rank writes ``step``: the step's staging dir without this rank's marker from an older attempt
-    (with a bucket: this rank's own scratch dir, emptied)."""
-    return t.store.rank_dir(step, t.rank)
+    (with a bucket: this rank's own scratch dir, emptied). ``any_failed`` (a collective every rank calls: true on
+    every rank when one passes true): where a rank could not make its dir (a filer away: ``EIO``), every rank
+    raises before the collective write, which would otherwise wait for it."""
+    try:
+        staged = t.store.rank_dir(step, t.rank)
+    except Exception:  # an OSError, a store's error: this rank cannot write the step
+        if any_failed is not None:
+            any_failed(True)
+        raise
+    if any_failed is not None and any_failed(False):
+        raise PipelineError(f"another rank could not prepare its files of step {step} (its own line says why)")
+    return staged
 
 
 def finish(
@@ -172,7 +184,14 @@ def save_dcp(
 ) -> SaveResult:
     """Save ``state`` for ``step`` with DCP; ``ok`` is true when this rank's marker is written. ``groups``: see
     :func:`write_dcp`; ``metrics``: see :func:`finish`."""
-    return save_files(t, step, FORMAT, lambda staged: write_dcp(t, staged, state, process_group, groups), metrics)
+    return save_files(
+        t,
+        step,
+        FORMAT,
+        lambda staged: write_dcp(t, staged, state, process_group, groups),
+        metrics,
+        lambda failed: _any_failed(failed, process_group),
+    )
 
 
 def dcp_persist(
@@ -182,7 +201,7 @@ def dcp_persist(
     only once the files are fsync'd."""
 
     def persist(staged_state: dict[str, Any], group: Any, progress: Progress) -> tuple[int, int]:
-        staged = prepare(t, step)
+        staged = prepare(t, step, lambda failed: _any_failed(failed, group))
         written = write_dcp(t, staged, staged_state, group, groups, progress.writer(staged))
         progress.written(len(written.entries))
         finish(t, staged, step, FORMAT, written.entries, progress.before_marker, written.reused, metrics)
@@ -191,17 +210,30 @@ def dcp_persist(
     return persist
 
 
+def _any_failed(failed: bool, group: Any) -> bool:
+    """True on every rank of ``group`` when one passes true (the async writer's own group)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return failed
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 def save_files(
     t: RankTarget,
     step: int,
     fmt: str,
     write: Callable[[Path], tuple[FileEntry, ...] | Written],
     metrics: Metrics | None = None,
+    any_failed: Callable[[bool], bool] | None = None,
 ) -> SaveResult:
-    """Run ``write`` (this rank's files into the staged dir, returning their entries) and write the marker."""
-    staged = prepare(t, step)
+    """Run ``write`` (this rank's files into the staged dir, returning their entries) and write the marker. Any
+    error, the staging dir's own included (see :func:`prepare` for ``any_failed``), is a failed save in one
+    line, never a crashed job (unless ``fail_on_error``)."""
     t0 = time.monotonic()
+    staged: Path | str = t.store.staged_where(step)
     try:
+        staged = prepare(t, step, any_failed)
         out = write(staged)
         written = out if isinstance(out, Written) else Written(out)
         entries = written.entries

@@ -98,6 +98,10 @@ Write = Callable[[Path], tuple[FileEntry, ...] | Written]
 """A strategy's own save of this rank's files into the staged dir it is given, returning them."""
 
 
+FAILING_LOUD = 3
+"""Saves failed in a row after which rank 0 says so once, louder (a storage outage that lasts)."""
+
+
 class CheckpointSession:
     """One rank's save path for one launch: save, save_async, wait, the agreement and the resume decision."""
 
@@ -168,7 +172,7 @@ class CheckpointSession:
         format ``fmt``."""
         t0 = time.monotonic() if started is None else started
         self.wait()
-        result = rank_save.save_files(self.target, step, fmt, write, metrics)
+        result = rank_save.save_files(self.target, step, fmt, write, metrics, self.any_rank)
         return self.agree(step, result, time.monotonic() - t0)
 
     def save_async(
@@ -238,6 +242,7 @@ class CheckpointSession:
         else:
             self.failed.append(step)
             self.errors[step] = agreed.why
+            self._say_louder(step, agreed.why)
             if self.rank == 0:
                 log.error(
                     "step %d was not saved by rank(s) %s; it will not be committed: %s",
@@ -248,6 +253,22 @@ class CheckpointSession:
         if self.on_agreed is not None:
             self.on_agreed(agreed)
         return result if agreed.ok else dataclasses.replace(result, ok=False, error=agreed.why)
+
+    def _say_louder(self, step: int, why: str) -> None:
+        """Rank 0, once per run of failures: :data:`FAILING_LOUD` saves in a row failed (a storage outage that
+        lasts): training goes on, but nothing newer is being checkpointed."""
+        in_a_row = 0
+        for s in reversed(sorted(self.saved + self.failed)):
+            if s in self.saved:
+                break
+            in_a_row += 1
+        if self.rank == 0 and in_a_row == FAILING_LOUD:
+            newest = max(self.saved, default=None)
+            log.error(
+                "CHECKPOINTS ARE NOT BEING SAVED: the last %d saves failed (up to step %d; the newest step saved in "
+                "this launch: %s); training goes on, and a crash now loses every step since. Last error: %s",
+                in_a_row, step, newest if newest is not None else "none", why,
+            )  # fmt: skip
 
     # -- resume ------------------------------------------------------------------------------------------------
 

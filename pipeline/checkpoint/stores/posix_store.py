@@ -325,13 +325,13 @@ class PosixCheckpoints:
             log.warning("step %d is not the one found bad (committed again since): not quarantined", step)
             return None
         where, others = repair.quarantine_damage(self.storage, self.layout, path, reason, step)
-        if manifest_hash is not None and _bytes_hash(where / MANIFEST) != manifest_hash:
-            # moved by a late act after another committer committed the step again: it goes back where it was
-            with contextlib.suppress(OSError, PipelineError):
-                clear_file(repair.quarantine_note(where, True))
-                self.storage.publish(where, path)
-                log.warning("step %d moved back from %s: it is not the copy found bad", step, where)
-                return None
+        found = _bytes_hash(where / MANIFEST)
+        if manifest_hash is not None and found != manifest_hash:
+            # moved by a late act after another committer committed the step again: it goes back where it was, or,
+            # where that cannot be (its path taken meanwhile), stays with a note saying it is good (issue 48 (e))
+            why = f"its manifest hashes to {found}, the copy found bad's to {manifest_hash}"
+            repair.move_back(self.storage, where, path, step, why)
+            return None
         return Quarantined(str(where), others)
 
     def trashed(self) -> list[int]:
@@ -383,6 +383,7 @@ class PosixCheckpoints:
 
     def rank_dir(self, step: int, rank: int) -> Path:
         staged = self.layout.staged_step(step)
+        inject("shard_save.staging_dir", rank=rank, step=step, path=staged)
         staged.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
         clear_file(marker_path(staged, rank))  # our own stale marker from an older attempt, if any
         return staged
