@@ -34,7 +34,7 @@ def test_a_staging_dir_that_cannot_be_made_fails_that_save_on_every_rank_and_tra
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "examples" / "readme_train.py")]  # fmt: skip
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
