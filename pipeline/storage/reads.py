@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
 from pipeline.errors import ReadFailed
 
@@ -58,7 +58,7 @@ def absent_settle_s() -> float:
         return ABSENT_SETTLE_S
 
 
-def is_transient(e: BaseException) -> bool:
+def is_transient(e: BaseException) -> TypeGuard[OSError]:
     """Whether ``e`` is an ``OSError`` whose errno says the storage did not answer (:data:`TRANSIENT`)."""
     return isinstance(e, OSError) and e.errno in TRANSIENT
 

@@ -15,8 +15,9 @@ from pipeline.checkpoint.fast.restore import restore
 from pipeline.checkpoint.fast.tier import FastConfig, FastTier
 from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.checkpoint.stores.stores import uncommitted
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, ReadFailed
 from pipeline.storage.atomic import write_json_atomic
+from pipeline.storage.reads import failed, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,11 @@ def durable_floor(store: CheckpointStore, world_size: int) -> int:
     it: a fast copy at least this new is restored instead (the durable step is verified only when used)."""
     try:
         named = store.latest_named() or 0
-    except (PipelineError, OSError):
+    except ReadFailed:
+        raise  # unknown: a lower floor would restore a fast copy older than the durable step
+    except (PipelineError, OSError) as e:
+        if is_transient(e):
+            raise failed(e, "latest pointer", store.latest_where()) from e
         named = 0
     return max([named, *uncommitted(store, world_size)])
 

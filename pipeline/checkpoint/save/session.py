@@ -37,7 +37,7 @@ from pipeline.checkpoint.manifest import Manifest, Metrics, read_manifest
 from pipeline.checkpoint.save import rank_save
 from pipeline.checkpoint.save.async_save import AsyncSaver
 from pipeline.checkpoint.save.rank_save import RankTarget, SaveResult, Written
-from pipeline.errors import PipelineError, VerificationError
+from pipeline.errors import PipelineError, ReadFailed, VerificationError
 from pipeline.storage.integrity import FileEntry
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,14 @@ class Agreed:
 
 Write = Callable[[Path], tuple[FileEntry, ...] | Written]
 """A strategy's own save of this rank's files into the staged dir it is given, returning them."""
+
+
+def _floor_or_why(floor: Callable[[], int]) -> int | str:
+    """Rank 0: the durable tier's newest step, or why it cannot be read now (every rank raises it)."""
+    try:
+        return floor()
+    except ReadFailed as e:
+        return str(e)
 
 
 FAILING_LOUD = 3
@@ -286,7 +294,10 @@ class CheckpointSession:
         With ``first`` (a faster tier), rank 0's ``floor()`` (the durable tier's newest step, unverified) goes to
         every rank first, and ``first(floor)`` (every rank) restores a step at least that new or returns None."""
         if first is not None and floor is not None:
-            fast = first(int(self.broadcast(floor() if self.rank == 0 else None)))
+            lowest = self.broadcast(_floor_or_why(floor) if self.rank == 0 else None)
+            if isinstance(lowest, str):  # unknown: never a fast copy older than the durable step for it
+                raise ReadFailed(f"cannot resume: {lowest}")
+            fast = first(int(lowest))
             if fast is not None:
                 return fast
         decided = self.broadcast(decide() if self.rank == 0 else None)
