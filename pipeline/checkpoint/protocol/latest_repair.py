@@ -147,14 +147,14 @@ class LatestRepair:
         if newest is None or newest.step <= self._pointer_step():
             return
         try:
-            self.store.verify_committed(newest.step)
+            manifest_hash = self.store.verify_committed(newest.step)  # latest names the manifest verified
         except VerificationError as e:
             log.warning("step %d is published but does not verify; latest stays (the next start rechecks): %s",
                         newest.step, e)  # fmt: skip
             return
         log.warning("latest was behind published step %d: moved up to it", newest.step)
         self.fence()
-        self.store.move_latest(newest.step, newest.manifest_hash, self.epoch)
+        self.store.move_latest(newest.step, manifest_hash, self.epoch)
 
     def _quarantine(
         self, step: int, attempt: str | None, reason: str, committed: bool, manifest_hash: str | None = None
