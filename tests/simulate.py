@@ -5,12 +5,17 @@
                                                           # small configuration
     python -m tests.simulate --replay 1234 --store posix  # one schedule again, its faults minimized
 
-Each schedule runs a writer, a ghost (a committer that acquired first), a live committer (appointed: it takes
-over) and maybe a newcomer (not appointed), stepped by one seeded scheduler at every store operation, I/O op and
-lease read or write; faults at any of them: a pause of any length, a process killed, ``EIO``, a torn or stale
-lease read, clock skew between processes, damage to a committed file. The invariants (:mod:`tests.sim.world`)
-are checked after every operation that changes something. A failing schedule is printed as the seed that
-replays it and a minimized list of the faults that make it fail. Exit status 1 when any schedule failed.
+Each schedule runs a writer of one or two ranks (which may restart, with a new appointed committer, and save again
+under a new attempt every step above what it resumes from), a ghost (a committer that acquired first), a live
+committer (appointed: it takes over) and maybe a newcomer (not appointed), stepped by one seeded scheduler at every
+store operation, I/O op, lease read or write and read of a record or a data file; faults at any of them: a pause
+of any length, a process killed, ``EIO`` on a write, a torn or stale lease read, clock skew between processes,
+bursts of failed reads (``EIO``/``ESTALE``, a bucket's 5xx and timeouts; some outlast the reads' retries), torn
+and short reads of records, damage to a data file, a manifest, a marker, ``latest``, a lease record or a trash
+record (:mod:`tests.sim.read_faults`, :mod:`tests.sim.damage`). The invariants (:mod:`tests.sim.world`) are
+checked after every operation that changes something. A failing schedule is printed as the seed that replays it
+and a minimized list of the faults that make it fail. The last lines count the faults injected, by class. Exit
+status 1 when any schedule failed.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Tally:
     schedules: int = 0
     steps: int = 0
     faults: Counter[str] = field(default_factory=Counter)
+    resaved: int = 0  # schedules whose restarted writer saved a step again under a new attempt
     failed: list[tuple[int, str, str]] = field(default_factory=list)  # (seed, store, first violation)
 
 
@@ -57,6 +63,7 @@ def _chunk(args: tuple[str, list[int]]) -> Tally:
             t.steps += w.kernel.steps
             for f in w.faults:
                 t.faults[f.split(" ", 1)[0]] += 1
+            t.resaved += bool(w.resaved)
             if w.violations:
                 t.failed.append((seed, store, w.violations[0]))
     finally:
@@ -74,6 +81,7 @@ def _merge(parts: Iterable[Tally]) -> Tally:
         total.schedules += t.schedules
         total.steps += t.steps
         total.faults.update(t.faults)
+        total.resaved += t.resaved
         total.failed += t.failed
     total.failed.sort()
     return total
@@ -112,6 +120,30 @@ def exhaustive(store: str, depth: int, settings: Settings) -> tuple[int, list[tu
             prefix = [c for c, _ in choices] + [last + 1]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+CLASSES = {
+    "read faults (bursts of failed reads)": ("read-",),
+    "torn or short reads of records": ("torn-record", "short-record"),
+    "record damage": ("damage-manifest", "damage-marker", "damage-latest", "damage-lease", "damage-trash"),
+    "data damage": ("damage-data",),
+    "pauses, kills, write EIO, torn/stale lease reads": ("pause", "kill", "eio", "torn", "stale"),
+}
+"""The classes of faults the last lines count (by the first word of each fault, as :class:`World` names them)."""
+
+
+def classes(faults: Counter[str]) -> list[str]:
+    """One line per class of fault: how many were injected, and of which kinds."""
+    lines = []
+    for name, starts in CLASSES.items():
+        kinds = {
+            k: v for k, v in faults.items() if k in starts or k.startswith(tuple(s for s in starts if s[-1] == "-"))
+        }
+        detail = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+        lines.append(f"  {name}: {sum(kinds.values())}" + (f" ({detail})" if detail else ""))
+    outlasting = sum(v for k, v in faults.items() if k.endswith("-outlasting"))
+    lines.append(f"  of the read faults, {outlasting} outlasted the reads' retries (READ_RETRY_S)")
+    return lines
 
 
 def kind_of(violation: str) -> str:
@@ -174,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report(w, args.replay, store))
         return 0
     bad = 0
+    every: Counter[str] = Counter()
     n = args.schedules // len(stores)
     start = time.monotonic()
     # One pool for all of it (each store's exhaustive part and its random chunks), so both cores stay busy to the
@@ -197,10 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         faults = ", ".join(f"{k} {v}" for k, v in sorted(t.faults.items()))
         print(
             f"{store}: {t.schedules} random schedules (seeds {args.first_seed}-{args.first_seed + n - 1}, "
-            f"{t.steps} operations stepped), and {runs} schedules covering every choice of the first {args.depth} "
-            f"of a small configuration (2 committers, 2 steps, a pause); faults injected: {faults}; "
-            f"{len(t.failed) + len(failed)} violations (done {time.monotonic() - start:.0f} s after the start)"
+            f"{t.steps} operations stepped, {t.resaved} with a step saved again under a new attempt), and {runs} "
+            f"schedules covering every choice of the first {args.depth} of a small configuration (2 committers, 2 "
+            f"steps, a pause); faults injected: {faults}; {len(t.failed) + len(failed)} violations (done "
+            f"{time.monotonic() - start:.0f} s after the start)"
         )
+        every.update(t.faults)
         for choices, what in failed[: args.show]:
             print(f"  exhaustive, choices {choices[: args.depth + 4]}...: {what}")
         kinds = Counter(kind_of(what) for _, _, what in t.failed)
@@ -212,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if pool is not None:
         pool.close()
         pool.join()
+    print(f"faults injected, by class ({', '.join(stores)}):")
+    print("\n".join(classes(every)))
     print(f"{bad} violations")
     return 1 if bad else 0
 

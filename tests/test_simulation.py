@@ -5,9 +5,13 @@ every operation; and a small configuration explored exhaustively to a stated dep
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
+from tests.sim import damage as harm
+from tests.sim.directed import committed_before, plan, run
+from tests.sim.world import Settings
 from tests.simulate import STORES, exhaustive, explore, small
 
 SCHEDULES = int(os.environ.get("SIM_PYTEST_SCHEDULES", "500"))
@@ -52,3 +56,60 @@ def test_schedules_that_found_a_gap_now_pass(seed: int, store: str) -> None:
 
     w = run_one(seed, store)
     assert not w.violations, w.violations
+
+
+# -- found by the read faults and record damage of issue 48 (tests.sim.read_faults, tests.sim.damage) ----------------
+
+
+@pytest.mark.parametrize("garbage", [True, False], ids=["garbage", "wrong hash"])
+@pytest.mark.parametrize("record", ["manifest", "latest"])
+@pytest.mark.parametrize("store", STORES)
+def test_a_damaged_manifest_or_latest_is_repaired_and_latest_falls_back_no_further(
+    tmp_path: Path, store: str, record: str, garbage: bool
+) -> None:
+    """Steps 2 and 4 committed, then step 4's manifest or ``latest`` overwritten in place (garbage, or a recorded
+    hash changed): positive damage. A committer repairs it: a damaged manifest's copy is quarantined and ``latest``
+    falls back to 2; a damaged ``latest`` is rebuilt at 4 (nothing else was damaged). Found as seeds 59, 67, 125,
+    146 (a manifest) and 1611 (``latest``, a wrong hash; posix): ``latest_repair._repair_pointer`` asked
+    ``store.newest()``, which for a directory raises the same VerificationError (``latest`` names a step whose
+    manifest differs), so every committer, the rerun's too, ended on it and nothing was ever repaired."""
+    where = 4 if record == "manifest" else str(latest_of(store, tmp_path))
+    w = plan(
+        Settings(store=store, steps=(), ghost=False, live_at=1.0),
+        tmp_path,
+        run("live", then=lambda w: (harm.damage(w, record, where, garbage), w.finish_writer())),
+        prepare=committed_before(2, 4),
+    )
+    assert not w.violations, w.violations
+    assert w.ended.get("live") == "done", w.ended
+    assert w.final_reader[:2] == ("ok", 2 if record == "manifest" else 4), w.final_reader
+
+
+def latest_of(store: str, tmp_path: Path) -> str:
+    """Where ``latest`` is in a world built in ``tmp_path`` (a key of the bucket, or a path)."""
+    return f"{harm.ROOT}/latest" if store == "bucket" else str(tmp_path / "run" / "checkpoints" / "latest")
+
+
+def test_a_quarantine_of_a_damaged_committed_copy_leaves_a_new_attempt_staged_beside_it(tmp_path: Path) -> None:
+    """A bucket: step 6's committed copy (attempt a1) has a damaged manifest, and the restarted job saved step 6
+    again as attempt a2 (its reader skipped the damaged manifest and resumed from 4). A resuming trainer waits for
+    a2, the committer quarantines the a1 copy and commits a2: a reader then resumes from 6. Found as seed 827
+    (bucket), two gaps: ``stores.uncommitted`` counts step 6 as committed (a manifest is there, damaged), so a
+    resuming trainer starts from 4 and never waits for a2; and ``BucketRemoval.quarantine`` of the committed step
+    moved every attempt under ``step_6/`` to quarantine, the a2 copy no one had verified or damaged with it, so
+    readers went back to 4 for good."""
+    w = plan(
+        Settings(store="bucket", steps=(), ghost=False, live_at=1.0, world=2),
+        tmp_path,
+        run(
+            "live",
+            then=lambda w: (
+                harm.damage(w, "manifest", 6, True),
+                w.stage_now(6, attempt="a2"),
+                w.finish_writer(),
+            ),
+        ),
+        prepare=committed_before(2, 4, 6),
+    )
+    assert not w.violations, w.violations
+    assert w.final_reader[:2] == ("ok", 6), w.final_reader

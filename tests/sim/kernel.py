@@ -44,7 +44,7 @@ class Stuck(Exception):
 
 @dataclass
 class Fault:
-    kind: str  # pause | eio | kill | torn | stale | damage
+    kind: str  # pause | eio | kill | torn | stale | damage | readfail | short (tests.sim.read_faults)
     arg: Any = None
 
     def __str__(self) -> str:
@@ -123,6 +123,7 @@ class Kernel:
         self.trace: list[str] = []
         self.free = False
         self.looking = 0  # the simulation's own looks in progress inside an actor: no point, no fault there
+        self._beside: dict[Any, Actor] = {}  # a greenlet running aside (a pool's work): the actor it works for
 
     # -- building -------------------------------------------------------------------------------------------
 
@@ -156,6 +157,15 @@ class Kernel:
     def current(self) -> Actor | None:
         return self._by_glet.get(greenlet.getcurrent())
 
+    def owner(self) -> Actor | None:
+        """The actor whose process does what runs now: :meth:`current`, or the one a pool's work runs aside for
+        (:meth:`aside`: no point there, but its process's reads still meet the faults of its mount); None for the
+        simulation's own looks (:meth:`outside`) and the scheduler."""
+        if self.looking:
+            return None
+        glet = greenlet.getcurrent()
+        return self._by_glet.get(glet) or self._beside.get(glet)
+
     # -- what an actor calls ----------------------------------------------------------------------------------
 
     def point(self, at: str) -> Fault | None:
@@ -179,10 +189,13 @@ class Kernel:
         (:meth:`current` is None), so its points are no choices, its sleeps are real and brief."""
         glet = greenlet.getcurrent()
         a = self._by_glet.pop(glet, None)
+        if a is not None:
+            self._beside[glet] = a
         try:
             yield
         finally:
             if a is not None:
+                self._beside.pop(glet, None)
                 self._by_glet[glet] = a
 
     @contextmanager

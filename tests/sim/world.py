@@ -31,29 +31,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.manifest import Marker, read_newest
-from pipeline.checkpoint.protocol import committer, ownership, retention
+from pipeline.checkpoint.manifest import Marker, marker_path, read_newest, write_marker
+from pipeline.checkpoint.protocol import committer, ownership, retention, trash
 from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
-from pipeline.checkpoint.stores import bucket_store, posix_store, remote, stores
+from pipeline.checkpoint.stores import bucket_store, bucket_trash, posix_store, remote, stores
 from pipeline.checkpoint.stores.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
 from pipeline.checkpoint.stores.remote import Remote
 from pipeline.errors import PipelineError, VerificationError
-from pipeline.storage import settle, waiting
+from pipeline.storage import reads, settle, waiting
+from pipeline.storage.atomic import clear_file, write_bytes_atomic
 from pipeline.storage.backend import PosixStorage
 from pipeline.storage.integrity import describe
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.s3 import S3Url
 from pipeline.storage.s3_probe import StoreError
-from tests.seed_helpers import TEST_FORMAT, shard_bytes
+from tests.seed_helpers import TEST_FORMAT
+from tests.sim import damage as harm
 from tests.sim.kernel import Actor, Chooser, Fault, Kernel, Killed, Proc, Stuck, patched, raise_eio
 from tests.sim.memory_s3 import MemoryBucket
+from tests.sim.read_faults import BURST_S, READ_POINTS, RECORD_AT, S3_READS, TEAR_S, ReadFaults, burst_errors, installed
 
-PATCHED = [ownership, committer, posix_store, bucket_store, retention, waiting, settle]
-FAULT_POINTS = ("io ", "s3.", "lease.", "store.")
-"""Where a fault may be injected: every operation on the store (not a sleep or a lock of the process itself)."""
+PATCHED = [ownership, committer, posix_store, bucket_store, retention, waiting, settle, reads, trash, bucket_trash]
+FAULT_POINTS = ("io ", "s3.", "lease.", "store.", "read ")
+"""Where a fault may be injected: every operation on the store, every read (not a sleep or a lock of the process
+itself)."""
 MUTATIONS = ("io ", "s3.put", "s3.delete", "s3.copy", "lease.put", "lease.delete")
 LEASE_S = 30.0
+KIND_WEIGHTS = {"readfail": 3}
+"""How often a kind of fault is drawn where it applies, relative to the others (reads fail as often as the rest)."""
 
 
 def visible(at: str) -> bool:
@@ -67,6 +73,11 @@ def visible(at: str) -> bool:
     kind = at.split(" ", 2)[1]
     placed = kind in ("create", "write") and ".tmp-" not in at  # a file written where it stays
     return kind in ("rename", "unlink", "rmtree", "link", "mkdir") or placed
+
+
+def payload(step: int, rank: int, name: str, attempt: str) -> bytes:
+    """A staged file's bytes: its attempt's own, so that bytes of one attempt never pass for another's."""
+    return f"step={step} rank={rank} file={name} attempt={attempt}\n".encode() * 256
 
 
 class Violation(AssertionError):
@@ -89,7 +100,11 @@ class Settings:
     hosts: dict[str, str] = field(default_factory=dict)
     fault_rate: float = 0.0
     max_faults: int = 3
-    kinds: tuple[str, ...] = ("pause", "eio", "kill", "torn", "stale", "damage")
+    kinds: tuple[str, ...] = ("pause", "eio", "kill", "torn", "stale", "damage", "readfail", "short")
+    world: int = 1  # the writer's ranks (each stages its own files and marker)
+    restart_at: float | None = None  # after its steps, the training job restarts once its last step is committed
+    # or this many seconds later (a new appointed committer starts), and saves again, under a new attempt, every
+    # step above what it resumes from; None: it does not restart
 
     @staticmethod
     def draw(seed: int, store: str) -> Settings:
@@ -107,6 +122,8 @@ class Settings:
         same = r.random() < 0.2
         s.hosts = {"ghost": "node1", "live": "node1" if same else "node2", "newcomer": "node3" if not same else "node1"}
         s.fault_rate = r.choice((0.01, 0.03, 0.06, 0.1))
+        s.world = r.choice((1, 2))
+        s.restart_at = r.choice((None, None, 10.0, 30.0))
         return s
 
 
@@ -127,15 +144,23 @@ class World:
         if settings.store == "bucket":
             self.remote = Remote(root=S3Url("sim", "runs/r1"), cache_dir=self.layout.run_dir)
         self.policy = CommitPolicy(
-            world_size=1, marker_deadline_s=5.0, poll_interval_s=2.0, keep_last=settings.keep_last, lease_s=LEASE_S
+            world_size=settings.world,
+            marker_deadline_s=5.0,
+            poll_interval_s=2.0,
+            keep_last=settings.keep_last,
+            lease_s=LEASE_S,
         )
         self.faults: list[str] = []
         self.faults_off = False
-        self.damaged: set[int] = set()
-        self.staged_done: list[int] = []
+        self.readf = ReadFaults(self)
+        self.damaged_copies: set[harm.Copy] = set()  # copies of steps (step, attempt) the schedule damaged
+        self.garbled: dict[str, harm.Copy] = {}  # a record damaged in place -> the copy it belongs to
+        self.garbled_bytes: dict[str, bytes] = {}  # a record damaged in place -> the bytes written there
+        self.staged_copies: list[harm.Copy] = []  # copies staged whole, in order
+        self.resaved: list[harm.Copy] = []  # copies the restarted job saved again
         self.writer_done = False
-        self.ever_ok: set[int] = set()
-        self.retired: set[int] = set()
+        self.ever_ok: set[harm.Copy] = set()
+        self.retired: set[harm.Copy] = set()
         self.last_ok = 0
         self.max_epoch = 0
         self.lease_history: dict[str, list[bytes]] = {}
@@ -150,6 +175,8 @@ class World:
         self._dirty = False
         self._verified: dict[Any, bool] = {}
         self.waits = 0
+        self.damages = 0
+        self.recovered: set[str] = set()
         self.acquired: dict[str, float] = {}
         self.final_ok: list[int] = []
         self.final_reader: tuple[str, int, str] = ("none", 0, "")
@@ -167,7 +194,10 @@ class World:
 
     def _s3_point(self, op: str, key: str) -> None:
         at = f"{op} {key}"
-        self._apply(self.kernel.point(at), at)
+        f = self.kernel.point(at)
+        if op in S3_READS:
+            self.readf.s3(op, key)  # a burst begun here (or before) fails it, as the client's spent retries do
+        self._apply(f, at)
 
     def _apply(self, f: Fault | None, at: str) -> None:
         if f is None:
@@ -196,24 +226,85 @@ class World:
     def _writer(self) -> None:
         for step in self.s.steps:
             self.kernel.sleep(self.s.write_every)
-            self.stage(step)
-            self.staged_done.append(step)
+            self.save(step, "a1")
+        if self.s.restart_at is not None:
+            self._restart(self.s.restart_at)
         self.writer_done = True
 
-    def stage(self, step: int, attempt: str = "a1") -> None:
-        if self.remote is not None:  # what a rank's save does in a bucket (rank_save.finish), without torch
-            scratch = self.tmp / "upload" / f"step_{step}-{attempt}"
-            shutil.rmtree(scratch, ignore_errors=True)
-            scratch.mkdir(parents=True)
-            name = "__0_0.distcp"
-            (scratch / name).write_bytes(shard_bytes(step, 0, name))
-            entry = describe(scratch, name)
-            marker = Marker(step=step, rank=0, world_size=1, format=TEST_FORMAT, attempt=attempt, files=(entry,))
-            self.remote.upload_rank(scratch, marker)
-        else:
-            from tests.seed_helpers import stage_rank  # noqa: PLC0415
+    def _restart(self, after: float) -> None:
+        """The training job restarts: its rank 0's committer (appointed) starts and recovers, the trainer then
+        resumes from what a resuming trainer decides and saves every step above it again, as attempt ``a2`` (a
+        fall-back meanwhile: the steps it lost are saved anew)."""
+        k = self.kernel
+        newest = self.s.steps[-1]
+        k.block("restart.after", ready=lambda: any(c[0] == newest for c in self.ever_ok), until=k.now + after)
+        ok = self.ok_steps()
+        if ok and self.damages < 2 and not self.faults_off and self.chooser.chance(0.8):  # what made it restart
+            kinds = [t for t in ("data", "manifest") if f"damage-{t}" not in os.environ.get("SIM_SKIP", "")]
+            target = kinds[self.chooser.choose(len(kinds))]
+            what = harm.damage(self, target, ok[-1], garbage=self.chooser.choose(2) == 1)
+            self.damages += 1
+            self.faults.append(f"damage-{target} {what} at t={k.now:.1f} (before the training job restarts)")
+        p = k.proc("restart", "node0")
+        k.spawn(p, "", lambda: self._committer("restart", takeover=True, start=0.0))
+        k.block("restart.recovered", ready=lambda: "restart" in self.recovered or "restart" in self.ended,
+                until=k.now + 3 * LEASE_S)  # fmt: skip
+        with k.outside():
+            floor = self.resume_floor()
+        if floor is None:
+            return  # the trainer cannot resume (the reader fails): it stops, in one line
+        for step in [s for s in self.s.steps if s > floor]:
+            self.kernel.sleep(self.s.write_every)
+            self.save(step, "a2")
+            self.resaved.append((step, "a2"))
 
-            stage_rank(self.layout, step, 0, world=1, attempt=attempt)  # type: ignore[arg-type]
+    def resume_floor(self) -> int | None:
+        """The step a resuming trainer starts from (the newest committed step, or a staged one it waits for);
+        None when it cannot resume."""
+        kind, step, _ = self.reader()
+        if kind == "fail":
+            return None
+        try:
+            waits = stores.uncommitted(self.raw_store(), self.policy.world_size)
+        except (OSError, PipelineError):
+            return None
+        return max([step if kind == "ok" else 0, *waits])
+
+    def save(self, step: int, attempt: str) -> None:
+        """Every rank stages its files of ``step`` and then its marker, the ranks in an order the schedule picks;
+        the copy counts as staged whole once the last marker is written."""
+        ranks = list(range(self.s.world))
+        if len(ranks) > 1 and self.chooser.choose(2):
+            ranks.reverse()
+        for rank in ranks:
+            self.stage_rank(step, rank, attempt)
+        self.staged_copies.append((step, attempt))
+
+    def stage(self, step: int, attempt: str = "a1") -> None:
+        for rank in range(self.s.world):
+            self.stage_rank(step, rank, attempt)
+
+    def stage_rank(self, step: int, rank: int, attempt: str) -> None:
+        """What one rank's save does, without torch: its files (bytes of this attempt's own) and then its marker, in
+        the staged step (a directory) or uploaded from a scratch dir (a bucket: ``rank_save.finish``)."""
+        world = self.s.world
+        rels = [f"__{rank}_0.distcp"] + ([".metadata"] if rank == 0 and self.remote is None else [])
+        if self.remote is not None:
+            where = self.tmp / "upload" / f"step_{step}-{attempt}-{rank}"
+            shutil.rmtree(where, ignore_errors=True)
+            where.mkdir(parents=True)
+        else:
+            where = self.layout.staged_step(step)
+            where.mkdir(parents=True, exist_ok=True)  # idempotent mkdir of a planned dir: safe from every rank
+            clear_file(marker_path(where, rank))  # its own marker of an older attempt
+        for rel in rels:
+            write_bytes_atomic(where / rel, payload(step, rank, rel, attempt))
+        entries = tuple(describe(where, rel) for rel in rels)
+        marker = Marker(step=step, rank=rank, world_size=world, format=TEST_FORMAT, attempt=attempt, files=entries)
+        if self.remote is not None:
+            self.remote.upload_rank(where, marker)
+        else:
+            write_marker(where, marker)
 
     def _committer(self, name: str, *, takeover: bool, start: float, passes: int | None = None) -> str:
         if start:
@@ -228,6 +319,7 @@ class World:
                     with self.kernel.outside():
                         self._check_admission(name)
                 c.recover()
+                self.recovered.add(name)
                 if passes is not None:
                     for _ in range(passes):
                         c.commit_ready()
@@ -271,7 +363,7 @@ class World:
             return True
         if not a.at.startswith(FAULT_POINTS) or not self.chooser.chance(self.s.fault_rate):
             return True
-        kinds = [x for x in self.s.kinds if self._applies(x, a)]
+        kinds = [x for x in self.s.kinds for _ in range(KIND_WEIGHTS.get(x, 1)) if self._applies(x, a)]
         if not kinds:
             return True
         kind = kinds[self.chooser.choose(len(kinds))]
@@ -280,15 +372,19 @@ class World:
     def _applies(self, kind: str, a: Actor) -> bool:
         at = a.at
         if kind == "torn":
-            return at.startswith("lease.get")
+            return at.startswith(("lease.get", RECORD_AT))
+        if kind == "short":
+            return at.startswith(RECORD_AT)
+        if kind == "readfail":
+            return at.startswith(READ_POINTS)
         if kind == "stale":
             return at.startswith(("lease.get", "lease.names"))
-        if kind == "eio":
-            return at.startswith(("io ", "s3.", "lease."))
+        if kind == "eio":  # a failed write (a bucket's requests fail as StoreError: readfail)
+            return at.startswith(("io ", "lease.")) or (at.startswith("s3.") and not at.startswith(S3_READS))
         if kind == "kill":
             return not any(f.startswith("kill") for f in self.faults)
-        if kind == "damage":
-            return len(self.damaged) < 2 and bool(self.ok_steps())
+        if kind == "damage":  # once a step is committed (the ranks' markers, a lease record, too)
+            return self.damages < 2 and bool(self.ok_steps())
         return True
 
     def inject(self, kind: str, a: Actor) -> bool:
@@ -307,24 +403,64 @@ class World:
             self.faults.append(f"kill {a.proc.name} at t={k.now:.1f}: {where}")
             return True
         if kind == "damage":
-            steps = self.ok_steps()
-            step = steps[self.chooser.choose(len(steps))]
-            self.damage(step)
-            self.faults.append(f"damage step {step} at t={k.now:.1f} (while {where})")
+            found = [(t, x) for t in harm.TARGETS for _ in range(harm.WEIGHTS[t]) if (x := harm.targets(self, t))]
+            if not found:
+                return True
+            target, options = found[self.chooser.choose(len(found))]
+            what = harm.damage(self, target, options[self.chooser.choose(len(options))], self.chooser.choose(2) == 1)
+            self.damages += 1
+            self.faults.append(f"damage-{target} {what} at t={k.now:.1f} (while {where})")
+            return True
+        if kind == "readfail":
+            self.begin_read_fault(a, a.at)
+            return True
+        if kind in ("torn", "short") and a.at.startswith(RECORD_AT):
+            length = TEAR_S[self.chooser.choose(len(TEAR_S))]
+            self.readf.begin_tear(a.proc.name, a.at[len(RECORD_AT) :], length, short=kind == "short")
+            self.faults.append(f"{kind}-record {length:g} s at t={k.now:.1f}: {where}")
             return True
         a.fault = Fault(kind)
         self.faults.append(f"{kind} at t={k.now:.1f}: {where}")
         return True
 
-    def damage(self, step: int) -> None:
-        """Flip a byte of ``step``'s data file (a disk's or an operator's doing, not the protocol's)."""
-        self.damaged.add(step)
+    def begin_read_fault(self, a: Actor, at: str, aside: bool = False) -> None:
+        """A burst of failed reads of ``a``'s process begins at ``at`` (:mod:`tests.sim.read_faults`)."""
+        if at.startswith("lease."):  # the lease store's whole mount, or connection
+            errs: tuple[str, ...] = ("timeout",) if self.remote is not None else ("EIO",)
+        else:
+            errs = burst_errors(at)
+        err = errs[self.chooser.choose(len(errs))]
+        length = BURST_S[self.chooser.choose(len(BURST_S))]
+        path = None
+        if err in ("ESTALE", "5xx"):  # one path's, one key's
+            path = at.split(" ", 2)[2] if at.startswith("read ") else at.split(" ", 1)[1]
+        self.readf.begin_burst(a.proc.name, err, length, path)
+        outlasts = "-outlasting" if length >= reads.READ_RETRY_S else ""
+        shown = at.replace(str(self.layout.checkpoints), "")
+        self.faults.append(f"read-{err}{outlasts} {length:g} s at t={self.kernel.now:.1f}: {a.name} at {shown}"
+                           + (" (aside)" if aside else ""))  # fmt: skip
+
+    def draw_aside(self, a: Actor, at: str) -> None:
+        """A read run aside for ``a`` (a pool's transfer): no point, but a burst may begin there."""
+        if self.faults_off or len(self.faults) >= self.s.max_faults or "readfail" not in self.s.kinds:
+            return
+        if self.chooser.chance(self.s.fault_rate):
+            self.begin_read_fault(a, at, aside=True)
+
+    def touched(self) -> None:
+        """The world was changed from outside the processes (damage): every invariant looks again."""
         self._checked = None
         self._dirty = True
         self._verified.clear()
+
+    def damage(self, step: int) -> None:
+        """Flip a byte of ``step``'s data file (a disk's or an operator's doing, not the protocol's)."""
+        copy = harm.copy_at(self, step) or (step, "a1")
+        self.damaged_copies.add(copy)
+        self.touched()
         if self.remote is not None:
             objs = self.bucket.objects.setdefault("sim", {})
-            key = f"runs/r1/step_{step}/a1/__0_0.distcp"
+            key = f"runs/r1/step_{step}/{copy[1]}/__0_0.distcp"
             data, etag = objs[key]
             objs[key] = (bytes([data[0] ^ 0xFF]) + data[1:], etag + "x")
             return
@@ -343,8 +479,18 @@ class World:
         """Stage ``steps`` at once (from outside the processes: the writer of a directed plan)."""
         for step in steps:
             self.stage(step, attempt)
-            self.staged_done.append(step)
-            self.damaged.discard(step)  # a new copy of the step
+            self.staged_copies.append((step, attempt))
+            self.damaged_copies.discard((step, attempt))  # a new copy of the step
+
+    @property
+    def staged_done(self) -> list[int]:
+        """The steps staged whole (any attempt), in order."""
+        return [s for s, _ in self.staged_copies]
+
+    @property
+    def damaged(self) -> set[int]:
+        """The steps a copy of which the schedule damaged."""
+        return {s for s, _ in self.damaged_copies}
 
     # -- the invariants ---------------------------------------------------------------------------------------
 
@@ -461,44 +607,62 @@ class World:
         kind, step, why = self.reader()
         listed = self.present()
         ok = [s for s in listed if self.verifies(s)]
+        copies = {s: harm.copy_at(self, s) for s in listed}
         trashed = self.trashed()
         if kind == "fail" and step in trashed:
             self.waits += 1  # told to resume again once the committer brings the step back: an error, never a regress
-        elif kind == "fail" and step not in self.damaged:
-            self.violate(f"a reader cannot resume: {why}")
+        elif kind == "fail" and not self._may_fail(step, copies.get(step)):
+            self.violate(f"a reader cannot resume: {why}{self._read_faults_note()}")
         if kind == "none" and ok and "none" not in os.environ.get("SIM_SKIP", ""):
-            self.violate(f"a reader finds no latest, yet committed step(s) {ok} verify")
+            self.violate(f"a reader finds no latest, yet committed step(s) {ok} verify{self._read_faults_note()}")
         self._check_resume(kind, step, trashed)
         if kind == "ok":
-            between = [s for s in self.ever_ok if step < s <= self.last_ok]
-            if step < self.last_ok and not all(s in self.damaged or s in self.retired for s in between):
+            between = sorted(c for c in self.ever_ok if step < c[0] <= self.last_ok)
+            if step < self.last_ok and not all(c in self.damaged_copies or c in self.retired for c in between):
                 self.violate(
                     f"latest went back from step {self.last_ok} to {step}, and nothing damaged or retired the "
-                    f"step(s) between ({between})"
+                    f"cop(ies) between ({_shown(between)}){self._read_faults_note()}"
                 )
             self.last_ok = step
         present = set(listed)
-        for s in sorted(self.ever_ok - self.damaged - self.retired - trashed):
-            if s in present:
+        for c in sorted(self.ever_ok - self.damaged_copies - self.retired):
+            s = c[0]
+            if s in trashed:
+                continue
+            if copies.get(s) == c:
                 if s not in ok:
                     self.violate(
-                        f"step {s} verified, is still committed, and no longer verifies though nothing damaged it"
+                        f"step {s} ({c[1]}) verified, is still committed, and no longer verifies though nothing "
+                        "damaged it"
                     )
                 continue
             newer = [t for t in present if t > s]  # damaged ones too: retention does not verify (the committer does)
             if len(newer) < self.s.keep_last:
                 self.violate(
-                    f"step {s} verified and was removed, but retention keeps it (committed steps newer than it: "
-                    f"{newer}, keep_last={self.s.keep_last})"
+                    f"step {s} ({c[1]}) verified and was removed, but retention keeps it (committed steps newer than "
+                    f"it: {newer}, keep_last={self.s.keep_last}){self._read_faults_note()}"
                 )
-            self.retired.add(s)
-        self.ever_ok |= set(ok)
+            self.retired.add(c)
+        self.ever_ok |= {c for s, c in copies.items() if c is not None and s in ok}
+
+    def _may_fail(self, step: int, copy: harm.Copy | None) -> bool:
+        """Whether a reader may fail at ``step``: the copy committed there was damaged, or ``latest`` is."""
+        if harm.latest_garbled(self):
+            return True
+        return copy in self.damaged_copies if copy is not None else step in self.damaged
+
+    def _read_faults_note(self) -> str:
+        """The read faults injected so far, for a violation's message: what made an act happen, if one of them."""
+        met = [f for f in self.faults if f.startswith(("read-", "torn-", "short-"))]
+        return f" [read faults so far: {'; '.join(met)}]" if met else ""
 
     def _check_resume(self, kind: str, step: int, trashed: set[int]) -> None:
         if kind == "fail":
             return  # the reader's own invariant judges it
-        gone = self.damaged | self.retired | trashed  # a step in the trash: the committer's next pass brings it back
-        whole = [s for s in self.staged_done if s not in gone]
+        gone = self.damaged_copies | self.retired  # a step in the trash: the committer's next pass brings it back
+        whole = [c[0] for c in self.staged_copies if c not in gone and c[0] not in trashed]
+        if max(whole, default=0) <= (step if kind == "ok" else 0):
+            return  # what it resumes from is new enough, whatever it would wait for
         try:
             waits = stores.uncommitted(self.raw_store(), self.policy.world_size)
         except (OSError, PipelineError, StoreError):
@@ -507,10 +671,12 @@ class World:
         if floor < max(whole, default=0):
             self.violate(
                 f"a resuming trainer would start from step {floor} ({kind} {step}, waiting for {waits}), yet step "
-                f"{max(whole)} was staged whole and nothing damaged it"
+                f"{max(whole)} was staged whole and nothing damaged it{self._read_faults_note()}"
             )
 
     def _check_lease(self) -> None:
+        if harm.lease_garbled(self):
+            return  # a record damaged: the lease's own invariants wait until its holder writes it again
         epoch = self._lease_epoch()
         if epoch is not None:
             if epoch < self.max_epoch:
@@ -518,6 +684,16 @@ class World:
                     f"the lease went back from epoch {self.max_epoch} to {epoch} (a newer holder's record overwritten)"
                 )
             self.max_epoch = max(self.max_epoch, epoch)
+
+    def _check_quarantine(self) -> None:
+        """No copy of a step that verifies is in quarantine unless the schedule damaged it (judged once the
+        schedule is over: a committer may move a copy there and back, finding it was not the one found bad)."""
+        for copy, good, where in harm.quarantined(self):
+            if good and copy not in self.damaged_copies:
+                self.violate(
+                    f"step {copy[0]} ({copy[1]}) verifies, nothing damaged it, and it is in {where}"
+                    f"{self._read_faults_note()}"
+                )
 
     def _lease_epoch(self) -> int | None:
         try:
@@ -538,6 +714,8 @@ class World:
         else:
             held = ownership.CommitterLease(self.raw_store().lease_store(), LEASE_S).current()
             top = held.rank() if held is not None else None
+        if harm.lease_garbled(self):
+            return  # a record damaged: who holds the lease is unknown to everyone until it is written again
         for other, lease in self.holders.items():
             if other == name or self.kernel.procs[other].dead or (lease.epoch, lease.token) != top:
                 continue
@@ -558,7 +736,11 @@ class World:
     def run(self) -> None:
         with _remote_store(self.bucket, self.kernel):
             self.before()
-        with patched(self.kernel, self.seed, PATCHED, ownership, self._apply), _remote_store(self.bucket, self.kernel):
+        with (
+            patched(self.kernel, self.seed, PATCHED, ownership, self._apply),
+            _remote_store(self.bucket, self.kernel),
+            installed(self.readf),
+        ):
             self.build()
             try:
                 self.kernel.run()
@@ -589,13 +771,23 @@ class World:
         self.check()
         if self.ended.get("rerun") != "done":
             self.violate(f"a rerun did not finish: {self.ended.get('rerun')}")
-        expected = [s for s in self.staged_done if s not in self.damaged and s not in self.retired]
+        expected = [c[0] for c in self.staged_copies if c not in self.damaged_copies and c not in self.retired]
         kind, step, why = self.reader()
         want = max(expected, default=0)
         # A retired step whose purge was cut short keeps its objects: committed again, it is the newest that verifies
-        back = kind == "ok" and step in self.retired and step > want and self.verifies(step)
+        back = kind == "ok" and any(c[0] == step for c in self.retired) and step > want and self.verifies(step)
+        # A copy damaged where its verification does not look (a committed step's marker in a bucket) still verifies
+        back = back or (kind == "ok" and step > want and harm.copy_at(self, step) in self.damaged_copies)
         if (step if kind == "ok" else 0) != want and not back:
-            self.violate(f"after a rerun a reader resumes from {kind} {step} {why}, expected step {want}")
+            self.violate(
+                f"after a rerun a reader resumes from {kind} {step} {why}, expected step {want}"
+                f"{self._read_faults_note()}"
+            )
+        self._check_quarantine()
+
+
+def _shown(copies: Iterable[harm.Copy]) -> str:
+    return ", ".join(f"{s} ({a})" for s, a in copies)
 
 
 class _PointStore:
@@ -637,6 +829,8 @@ class _PointLease:
         armed = self._w.lease_fault(a.proc.name) if a is not None and f is None else None
         if armed == "unreadable":  # the lease cannot be read: a listing fails, a record reads torn
             f = Fault("eio") if at in ("lease.names",) else Fault("torn")
+        elif armed == "stale" and at in ("lease.names", "lease.get"):  # a view that stays stale (a mount's cache)
+            f = Fault("stale")
         if f is not None and f.kind == "eio":
             raise_eio(at)
         return f
