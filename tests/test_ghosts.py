@@ -27,6 +27,13 @@ def either(*conds: Callable[[World], bool]) -> Callable[[World], bool]:
     return lambda w: any(c(w) for c in conds)
 
 
+def graced(w: World) -> bool:
+    """What was retired at the start has stayed in the trash for its grace (virtual time)."""
+    from pipeline.checkpoint.protocol.trash import GRACE_S  # noqa: PLC0415
+
+    return w.kernel.now > GRACE_S + 5
+
+
 def again(w: World) -> None:
     """The writer after a repair: step 4 saved again (a new attempt), then step 6."""
     w.stage_now(4, attempt="a2")
@@ -179,19 +186,21 @@ def test_a_ghosts_late_fall_back_in_a_bucket_takes_no_reader_back(tmp: Path) -> 
 # 6b. In a bucket, a ghost paused just before writing step 4's manifest wrote it after the live committer had
 #     committed 4 and 6 and retired 4 (its objects purged): with step 6 damaged, readers fell back to a step 4
 #     whose objects were gone (found by the 100,000-schedule run). Retention's purge deletes the rank 0 marker
-#     first and a manifest counts only beside it; the ghost takes its late manifest back.
+#     first and a manifest counts only beside it; the ghost takes its late manifest back. (A retired step is
+#     purged once it has stayed in the trash for the grace: the live committer purges step 4 when it commits 8.)
 def test_a_ghosts_late_manifest_of_a_purged_step_commits_nothing(tmp: Path) -> None:
     w = plan(
         Settings(store="bucket", steps=(), keep_last=1, live_at=1.0, newcomer_at=5.0),
         tmp,
         run("ghost", until=at("ghost", "s3.put", "step_4/manifest.json"), then=lambda w: w.stage_now(2, 4)),
-        run("live", until=both(at("live", "sleep 2"), latest_is(6)), then=lambda w: w.stage_now(6)),
-        run("ghost", until=ended("ghost"), then=lambda w: w.damage(6)),
+        run("live", until=both(at("live", "sleep 2"), latest_is(6), graced), then=lambda w: w.stage_now(6)),
+        run("live", until=both(at("live", "sleep 2"), latest_is(8)), then=lambda w: w.stage_now(8)),
+        run("ghost", until=ended("ghost"), then=lambda w: w.damage(8)),
         run("live", until=ended("live"), then=lambda w: w.finish_writer()),
-        run("newcomer", until=ended("newcomer")),  # quarantines step 6: what do readers fall back to?
+        run("newcomer", until=ended("newcomer")),  # quarantines step 8: what do readers fall back to?
     )
     clean(w)
-    assert w.final_ok == [] and w.final_reader[0] == "none", (w.final_ok, w.final_reader)
+    assert 4 not in w.final_ok and w.final_reader[:2] == ("ok", 6), (w.final_ok, w.final_reader)
 
 
 # 6c. In a bucket, a ghost's late retention left a trash record of step 2; the live committer brought step 2
@@ -276,7 +285,9 @@ def test_any_at_finds_a_heartbeat(tmp: Path) -> None:
 #    (keep_last=1, step 4 committed) and, frozen between its fence and its purge's first act, came back after step 4
 #    was damaged and the appointed committer had quarantined it; its late purge took the retired step the fall-back
 #    needed. A directory: a new holder first renames what lower epochs left in the trash under its own epoch, so the
-#    late purge's rename finds nothing. A bucket: open (no delete conditional on another object).
+#    late purge's rename finds nothing. A bucket: open (no delete conditional on another object). (A retired step is
+#    purged once it has stayed in the trash for the grace: the ghost purges step 2 when it commits 6, and steps 4
+#    and 6 are both damaged.)
 PURGE = {"bucket": ("s3.delete", "trash/step_2"), "posix": ("io rename", ".deleting/.step_2")}
 
 
@@ -285,8 +296,9 @@ def test_a_late_purge_of_a_retired_step_leaves_the_step_a_fall_back_needs(tmp: P
     w = plan(
         Settings(store=store, steps=(), keep_last=1, live_at=1.0),
         tmp,
-        run("ghost", until=at("ghost", *PURGE[store]), then=lambda w: w.stage_now(2, 4)),
-        run("live", until=at("live", "store.trashed"), then=lambda w: w.damage(4)),
+        run("ghost", until=graced, then=lambda w: w.stage_now(2, 4)),
+        run("ghost", until=at("ghost", *PURGE[store]), then=lambda w: w.stage_now(6)),
+        run("live", until=at("live", "store.trashed"), then=lambda w: (w.damage(4), w.damage(6))),
         run("ghost", until=ended("ghost")),
         run("live", then=lambda w: w.finish_writer()),
     )

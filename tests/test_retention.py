@@ -279,10 +279,12 @@ def test_a_half_deleted_step_left_in_the_trash_is_finished(tmp_path: Path) -> No
     assert _steps(layout.checkpoints) == ["step_8"]
 
 
-def test_a_claimed_trash_entry_keeps_its_grace_and_an_own_one_goes_at_once(tmp_path: Path) -> None:
+def test_a_claimed_trash_entry_and_an_own_one_keep_their_grace(tmp_path: Path) -> None:
     """A new holder claims what lower epochs left in the trash (a late purge by its predecessor then finds nothing),
     but a claimed step is not its own: it stays restorable for the grace period, so a fall-back that could not
-    bring it back at once can do so later. What this epoch moved itself is purged at once."""
+    bring it back at once can do so later. What this epoch moved itself waits out the grace too (a committer may be
+    a ghost whatever its fence says: issue 48, suspicion (c)), then goes; a higher epoch's entry is never a lower
+    one's own (suspicion (b))."""
     from pipeline.checkpoint.protocol import trash  # noqa: PLC0415
 
     layout = _run(tmp_path, [8])
@@ -292,9 +294,13 @@ def test_a_claimed_trash_entry_keeps_its_grace_and_an_own_one_goes_at_once(tmp_p
     trash.claim(layout, 3)
     names = sorted(os.listdir(bin_))
     assert len(names) == 2 and names[0].startswith("step_4.c3.") and names[1] == "step_6.e3.100", names
+    assert trash.own_entry("step_6.e3.100", 3) and not trash.own_entry("step_6.e3.100", 2)
     first_seen: dict[str, float] = {}
     trash.purge(layout, 3, first_seen)
-    assert trash.trashed(layout) == [4]  # the claimed one stays; the own one is gone
+    assert trash.trashed(layout) == [4, 6]  # both stay for the grace
+    first_seen["step_6.e3.100"] -= trash.GRACE_S  # seen (moved) a grace ago
+    trash.purge(layout, 3, first_seen)
+    assert trash.trashed(layout) == [4]  # the claimed one stays; the own one is gone after its grace
     assert trash.restore(layout, 4) and (layout.committed_step(4) / MANIFEST).is_file()
 
 

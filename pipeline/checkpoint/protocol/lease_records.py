@@ -79,8 +79,10 @@ class Holder:
         return start is None or bool(start and self.pid_start and start != self.pid_start)  # 0: not known
 
     def live(self, now: float) -> bool:
-        """Advice (status, a resume deciding whether to wait): not released, not gone from this machine, and a
-        heartbeat younger than its lease by this machine's clock. Exclusion never rests on it."""
+        """Advice for one look (status): not released, not gone from this machine, and a heartbeat younger than
+        its lease by this machine's clock, which compares two nodes' clocks: a holder whose clock is behind by
+        more than its lease looks dead. A caller that polls judges by :class:`Watch` instead. Exclusion never
+        rests on either."""
         if self.released or self.gone_here():
             return False
         return now - self.heartbeat < self.lease_s
@@ -105,6 +107,29 @@ class Holder:
             return None
         ok = type(h.epoch) is int and isinstance(h.token, str) and isinstance(h.heartbeat, int | float)
         return h if ok and isinstance(h.host, str) and type(h.pid) is int else None
+
+
+class Watch:
+    """Whether a lease holder lives, judged by a caller that polls (a resume waiting for a commit, a job's close)
+    on its *own* monotonic clock, never by comparing its wall clock with the holder's: alive while the holder's
+    record changed (each renewal does) within the holder's lease of this observer's time. The first look gives
+    the benefit of the doubt for one lease; a record released, or whose process is gone from this very machine,
+    is dead at once. Advice only (how long to wait), as :meth:`Holder.live`; exclusion never rests on it.
+    Keep one per poll loop (per store)."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[object, ...] | None = None
+        self._since = 0.0
+
+    def live(self, held: Holder | None) -> bool:
+        now = time.monotonic()
+        if held is None or held.released or held.gone_here():
+            self._seen = None
+            return False
+        mark = (held.epoch, held.token, held.beat, held.heartbeat)
+        if mark != self._seen:
+            self._seen, self._since = mark, now
+        return now - self._since < held.lease_s
 
 
 def machine_id() -> str:

@@ -1,13 +1,15 @@
 """Retention's removal of a committed step from a directory, in two phases, so that a late removal can be undone.
 
 Phase one moves ``checkpoints/step_N`` in one rename to ``checkpoints/.deleting/step_N.e<epoch>.<stamp>`` (the
-epoch of the committer that moved it); phase two (:func:`purge`) deletes it. A committer purges at once what it
-moved itself under its own epoch; what anyone else moved (a ghost's retention that acted after a pause, a
-committer before it) stays for :data:`GRACE_S` on the purger's own clock, counted from when it first saw the entry.
-Meanwhile :func:`restore` brings a step back when ``latest`` needs it: a fall-back to the newest step that
-verifies finds it there. A new holder first renames what lower epochs left there as claimed by its own epoch
-(:func:`claim`, ``step_N.c<epoch>.<stamp>``): a late purge by its predecessor then finds nothing to delete, and
-the entry keeps its grace. Before moving a step,
+epoch of the committer that moved it); phase two (:func:`purge`) deletes it once it has stayed for :data:`GRACE_S`
+on the purger's own clock, counted from when it first saw the entry (for what it moved itself: from the move). That
+holds for what a committer moved itself too: a committer under a lease may be a ghost whatever its fence says (a
+view of the lease can stay stale), and its own move may have landed late, after the holder fell back to that very
+step (issue 48, suspicion (c)). Only a caller that holds no lease (epoch 0: a test, a tool alone with the run dir)
+purges what it moved at once. Meanwhile :func:`restore` brings a step back when ``latest`` needs it: a fall-back
+to the newest step that verifies finds it there. A new holder first renames what lower epochs left there as
+claimed by its own epoch (:func:`claim`, ``step_N.c<epoch>.<stamp>``): a late purge by its predecessor then finds
+nothing to delete, and the entry keeps its grace. Before moving a step,
 :func:`retire_step` re-reads ``latest`` and the newest committed step at the act: neither, nor anything above
 them, is ever moved.
 """
@@ -46,10 +48,17 @@ def parse_entry(name: str) -> tuple[int, int] | None:
 
 
 def own_entry(name: str, epoch: int) -> bool:
-    """Whether the entry ``name`` was moved to the trash by the committer of ``epoch`` (or a later one) itself,
-    not claimed: purged at once. A bucket's records are named alike, plus ``.json``."""
+    """Whether the entry ``name`` was moved to the trash by the committer of ``epoch`` itself, not claimed. Never a
+    higher epoch's: a ghost of a lower epoch took what the holder after it moved for its own, and purged at once
+    what that holder may still need (issue 48, suspicion (b)). A bucket's records are named alike, plus ``.json``."""
     m = _ENTRY.match(name)
-    return m is not None and m.group(2) == "e" and int(m.group(3)) >= epoch
+    return m is not None and m.group(2) == "e" and int(m.group(3)) == epoch
+
+
+def at_once(name: str, epoch: int) -> bool:
+    """Whether the trash entry ``name`` may be purged without waiting out :data:`GRACE_S`: only what a caller
+    without a lease (``epoch`` 0) moved itself. A bucket's records are named alike, plus ``.json``."""
+    return epoch == 0 and own_entry(name, 0)
 
 
 def retire_step(layout: CheckpointLayout, step: int, epoch: int) -> bool:
@@ -95,7 +104,7 @@ def purge(layout: CheckpointLayout, epoch: int, first_seen: dict[str, float]) ->
         return
     now = time.monotonic()
     for entry in sorted(trash.iterdir()):
-        if parse_entry(entry.name) is not None and not own_entry(entry.name, epoch):  # another's, or claimed: a grace
+        if parse_entry(entry.name) is not None and not at_once(entry.name, epoch):  # restorable for a grace
             seen = first_seen.setdefault(entry.name, now)
             if now - seen < GRACE_S:
                 continue
@@ -111,11 +120,11 @@ def purge(layout: CheckpointLayout, epoch: int, first_seen: dict[str, float]) ->
 
 def claim(layout: CheckpointLayout, epoch: int) -> None:
     """A new holder's first act on the trash, before any repair: each entry a lower epoch moved there is renamed
-    under ``epoch`` (``step_N.c<epoch>.<t>``). The committer that moved it purges it at once; frozen between its
-    fence and that purge's first act (a rename of the entry's name), it comes back to find the name gone, and
-    deletes nothing this holder's fall-back may need (the newer step damaged meanwhile). A claimed entry is still
-    not this holder's own: it keeps its :data:`GRACE_S` before this holder purges it, so a fall-back that could
-    not bring it back now (an I/O error) can still do so on the next pass or after a rerun."""
+    under ``epoch`` (``step_N.c<epoch>.<t>``). The committer that moved it purges it once its grace is over; frozen
+    between its fence and that purge's first act (a rename of the entry's name), it comes back to find the name
+    gone, and deletes nothing this holder's fall-back may need (the newer step damaged meanwhile). A claimed entry
+    is still not this holder's own: it keeps its :data:`GRACE_S` before this holder purges it, so a fall-back that
+    could not bring it back now (an I/O error) can still do so on the next pass or after a rerun."""
     trash = trash_dir(layout)
     if not is_real_dir(trash):
         return

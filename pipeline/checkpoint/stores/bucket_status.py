@@ -42,6 +42,9 @@ def remote_checkpoints(remote: Remote) -> Status:
             attempt, _, leaf = rest.partition("/")
             by_step.setdefault(step, {}).setdefault(attempt, []).append(leaf)
     for step, attempts in sorted(by_step.items()):
+        manifest_info = listing.get(remote.manifest_key(step))
+        if manifest_info is not None and not manifest_info.size:  # taken back by its writer: commits nothing
+            attempts.pop("manifest.json", None)
         if "manifest.json" in attempts:
             entry: Status = {"step": step, "latest": step == latest_step}
             try:

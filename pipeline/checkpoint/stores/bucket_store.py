@@ -32,6 +32,7 @@ from pipeline.checkpoint.stores.bucket_status import remote_checkpoints
 from pipeline.checkpoint.stores.remote import (
     LATEST,
     QUARANTINE,
+    WITHDRAWN,
     Remote,
     digest,
     is_marker_name,
@@ -148,11 +149,12 @@ class BucketCheckpoints(BucketRemoval):
         return self.remote.committed()
 
     def is_published(self, step: int) -> bool:
-        return self.remote.store.head(self.remote.manifest_key(step)) is not None
+        info = self.remote.store.head(self.remote.manifest_key(step))
+        return info is not None and info.size > 0  # an empty one was taken back by its writer: it commits nothing
 
     def manifest_hash(self, step: int) -> str | None:
         got = self.remote.store.get(self.remote.manifest_key(step))
-        return digest(got[0]) if got is not None else None
+        return digest(got[0]) if got is not None and got[0] != WITHDRAWN else None
 
     def verify_committed(self, step: int) -> str:
         found = self.remote.read_manifest(step)
@@ -299,23 +301,27 @@ def create_manifest(remote: Remote, manifest: Manifest) -> str:
     data = record_bytes(manifest.to_json())
     key = remote.manifest_key(manifest.step)
     try:
-        remote.store.put(key, data, if_none_match=True)
+        etag = remote.store.put(key, data, if_none_match=True)
     except Conflict:
         got = remote.store.get(key)
-        if got is not None and got[0] != data and not _marked(remote, manifest.step, got[0]):
-            # a stale committer's late manifest of a step retired since (its rank 0 marker gone): commits nothing,
-            # and is replaced only as that very object (If-Match)
-            remote.store.put(key, data, if_match=got[1])
+        if got is not None and got[0] != data and (got[0] == WITHDRAWN or not _marked(remote, manifest.step, got[0])):
+            # a manifest its writer took back, or a stale committer's late manifest of a step retired since (its
+            # rank 0 marker gone): commits nothing, and is replaced only as that very object (If-Match)
+            etag = remote.store.put(key, data, if_match=got[1])
         elif got is None or got[0] != data:
             raise Conflict(
                 f"{remote.url(key)} already exists and is not this commit's manifest (another committer committed the "
                 "step, or an object was planted there)"
             ) from None
+        else:
+            etag = got[1]
     # A committer paused before that write lands it late: if retention purged the step meanwhile (its rank 0 marker
-    # goes first), the manifest commits nothing (readers require the marker), and it is taken back.
+    # goes first), or a quarantine took its attempt, the manifest commits nothing (readers require the marker), and
+    # it is taken back: only the object this write made (If-Match), never whatever is there now (by then another
+    # committer may have committed the step again, a newer attempt: found as suspicion (a) of issue 48).
     attempt = remote.attempt_prefix(manifest.step, manifest.attempt)
     if remote.marker_key(manifest.step, manifest.attempt, 0) not in remote.store.listing(attempt):
-        remote.store.delete([key])
+        remote.withdraw_manifest(manifest.step, etag)
         raise Conflict(
             f"step {manifest.step}'s objects ({remote.url(attempt)}) were removed while this committer was paused "
             "before committing it: not committed"

@@ -13,11 +13,12 @@ the objects while another record of the step (a ghost's late retention) lists th
 0 marker before the rest: a manifest written after that (a ghost's late commit) commits nothing
 (:meth:`~pipeline.checkpoint.stores.remote.Remote.committed`).
 
-A committer purges at once the records it wrote under its own epoch; anyone else's (a ghost's late retention, a
-committer before it) and the copies it claimed after :data:`~pipeline.checkpoint.protocol.trash.GRACE_S` on the
-purger's own clock, counted from when it first saw the record. A new holder first claims the older epochs' records
-(:func:`claim`): a predecessor frozen before its purge then finds a record it did not write listing the step, and
-leaves its objects.
+A committer purges a record after :data:`~pipeline.checkpoint.protocol.trash.GRACE_S` on its own clock, counted
+from when it first saw the record (from its write, for its own): anyone else's (a ghost's late retention, a
+committer before it), the copies it claimed, and the records it wrote itself, since it may be a ghost whatever its
+fence says (issue 48, suspicion (c)); only a caller without a lease (epoch 0) purges its own at once. A new holder
+first claims the older epochs' records (:func:`claim`): a predecessor frozen before its purge then finds a record it
+did not write listing the step, and leaves its objects.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import logging
 import time
 
 from pipeline.checkpoint.manifest import Manifest
-from pipeline.checkpoint.protocol.trash import GRACE_S, own_entry, parse_entry
-from pipeline.checkpoint.stores.remote import TRASH, Remote, parse_record
+from pipeline.checkpoint.protocol.trash import GRACE_S, at_once, own_entry, parse_entry
+from pipeline.checkpoint.stores.remote import TRASH, WITHDRAWN, Remote, parse_record
 from pipeline.errors import VerificationError
 from pipeline.storage.s3 import Conflict
 
@@ -87,7 +88,7 @@ def read_record(remote: Remote, key: str) -> Manifest | None:
 def retire_step(remote: Remote, step: int, epoch: int) -> bool:
     """Phase one for ``step``; returns whether its manifest was there to move."""
     got = remote.store.get(remote.manifest_key(step))
-    if got is None:
+    if got is None or got[0] == WITHDRAWN:
         return False
     key = remote.key(TRASH, f"step_{step}.e{epoch}.{int(time.time())}.json")  # the stamp only names it
     remote.store.put(key, got[0])
@@ -101,12 +102,13 @@ def purge(remote: Remote, epoch: int, first_seen: dict[str, float]) -> list[str]
     now = time.monotonic()
     pieces: list[str] = []
     for step, _, key in entries(remote):
-        if not own_entry(_name(key), epoch) and now - first_seen.setdefault(key, now) < GRACE_S:
-            continue  # another epoch's, or claimed: restorable for the grace period
+        if not at_once(_name(key), epoch) and now - first_seen.setdefault(key, now) < GRACE_S:
+            continue  # restorable for the grace period (its own too: this committer may be a ghost)
         manifest = read_record(remote, key)
         remote.store.delete([key])  # first: a restore that reads it again after this withdraws
         first_seen.pop(key, None)
-        if manifest is None or remote.store.get(remote.manifest_key(step)) is not None:
+        there = remote.store.get(remote.manifest_key(step))
+        if manifest is None or (there is not None and there[0] != WITHDRAWN):
             continue  # brought back (or committed again): its objects are the step's
         if any(s == step and k != key for s, _, k in entries(remote)):
             continue  # another record (a ghost's late retention) lists them: a fall-back may still bring it back
@@ -128,12 +130,17 @@ def restore(remote: Remote, step: int) -> bool:
         return False
     manifest_key = remote.manifest_key(step)
     try:
-        remote.store.put(manifest_key, got[0], if_none_match=True)
+        etag = remote.store.put(manifest_key, got[0], if_none_match=True)
     except Conflict:  # back already (another committer's restore: the same bytes), or committed again
         now = remote.store.get(manifest_key)
-        return now is not None and now[0] == got[0]
+        if now is None or now[0] != WITHDRAWN:
+            return now is not None and now[0] == got[0]
+        try:  # a manifest its writer took back: commits nothing, replaced as that very object
+            etag = remote.store.put(manifest_key, got[0], if_match=now[1])
+        except Conflict:
+            return False
     if remote.store.get(found[-1]) is None:  # purged meanwhile: its objects may be going
-        remote.store.delete([manifest_key])
+        remote.withdraw_manifest(step, etag)  # this write only: another's commit of the step since stays
         log.warning("step %d was being purged from the trash: not brought back", step)
         return False
     log.warning("step %d brought back from the trash (%s): latest needs it", step, remote.url(found[-1]))

@@ -8,7 +8,9 @@ Under the checkpoints root ``s3://<bucket>/<prefix>`` (the app adds ``<experimen
 * ``step_N/manifest.json``: written by the one committer with ``If-None-Match: *`` once every file verified.
   **The commit point**: a step is committed exactly when its manifest exists beside its attempt's rank 0 marker
   and verifies; two committers can never both write it. The manifest names the attempt whose files it lists
-  (retention's purge deletes that marker first, so a stale committer's manifest landing later commits nothing);
+  (retention's purge deletes that marker first, so a stale committer's manifest landing later commits nothing).
+  An empty object there is a manifest its writer took back (:meth:`Remote.withdraw_manifest`): it commits nothing,
+  and the next commit of the step replaces it (``If-Match``);
 * ``latest``: ``{"step", "dir", "manifest_hash"}``, moved only forward by compare-and-swap (``If-Match``), and
   only after the manifest exists;
 * ``quarantine/step_N-<attempt>/``: a refused attempt's objects (server-side copies), with ``reason.txt``;
@@ -55,6 +57,10 @@ _HASH_RE = re.compile(r"^[0-9a-f]{32}$")
 _PART_RE = re.compile(r"^[A-Za-z0-9_.=+-][A-Za-z0-9_.=+ -]*$")
 TRANSFER_THREADS = 4
 """Objects uploaded, verified or downloaded at once (each with its own ranged requests)."""
+
+
+WITHDRAWN = b""
+"""What a manifest object its writer took back holds (:meth:`Remote.withdraw_manifest`): no step is committed by it."""
 
 
 def safe_key_path(rel: str, where: str) -> str:
@@ -122,6 +128,21 @@ class Remote:
 
     def url(self, key: str) -> str:
         return f"s3://{self.root.bucket}/{key}"
+
+    def withdraw_manifest(self, step: int, etag: str) -> bool:
+        """Take back the manifest of ``step`` this process wrote (``etag``: what its write returned): replaced by
+        :data:`WITHDRAWN`, which commits nothing, only while it is still that very object (``If-Match``). Never a
+        plain delete: a delete cannot be conditional on every server this store accepts (S3 and Ceph take
+        ``If-Match`` on DELETE now; a server that ignores it deletes unconditionally), and between any look and a
+        plain delete another committer may commit the step again (a newer attempt), whose manifest the delete
+        would take. Returns whether the object was still this process's."""
+        try:
+            self.store.put(self.manifest_key(step), WITHDRAWN, if_match=etag)
+        except Conflict:
+            log.warning("%s is no longer the manifest this committer wrote: left as it is",
+                        self.url(self.manifest_key(step)))  # fmt: skip
+            return False
+        return True
 
     def pieces_prefix(self) -> str:
         return self.key(PIECES) + "/"
@@ -200,7 +221,7 @@ class Remote:
     def read_manifest(self, step: int) -> tuple[Manifest, bytes] | None:
         key = self.manifest_key(step)
         got = self.store.get(key)
-        if got is None:
+        if got is None or got[0] == WITHDRAWN:
             return None
         manifest = Manifest.from_json(parse_record(got[0], "manifest", self.url(key)), self.url(key))
         if manifest.step != step:
@@ -353,8 +374,10 @@ class Remote:
     def committed(self) -> list[int]:
         """Steps whose manifest object exists beside a rank 0 marker (listing nominates, each manifest is read by
         its user). A manifest whose step has no marker left is a stale committer's late write of a step retention
-        purged (the purge deletes the marker first): it commits nothing."""
-        keys = list(self.store.listing(self.root.prefix + "/"))
+        purged (the purge deletes the marker first): it commits nothing; nor does a manifest its writer took back
+        (:data:`WITHDRAWN`, an empty object)."""
+        listing = self.store.listing(self.root.prefix + "/")
+        keys = [k for k, info in listing.items() if info.size or not k.endswith("/" + MANIFEST)]
         marked = set(self._steps_with(keys, "*/rank_0.done.json"))
         return [s for s in self._steps_with(keys, MANIFEST) if s in marked]
 

@@ -7,7 +7,9 @@ committer's, written once for every store.
 * :func:`quarantine_damage`: a damaged step moves to ``quarantine/`` together with every committed step that
   holds one of its damaged files (a piece of an incremental save hard-linked into several steps: one inode, so
   one damage), each note naming the piece (the committer then moves ``latest`` back if its step went);
-* :func:`quarantine`: a path moved aside with the reason beside it.
+* :func:`quarantine`: a path moved aside with the reason beside it;
+* :func:`move_back`: a step a late quarantine moved by mistake (not the copy found bad) goes back, or stays in
+  ``quarantine/`` with a note saying it is not damaged.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from pipeline.checkpoint.manifest import (
     read_manifest,
     staged_world,
     step_markers,
+    verify_committed,
     write_manifest,
 )
 from pipeline.checkpoint.protocol.step_checks import verified_manifest
-from pipeline.errors import ReadFailed, VerificationError
-from pipeline.storage.atomic import is_temp_name, json_bytes
+from pipeline.errors import PipelineError, ReadFailed, VerificationError
+from pipeline.storage.atomic import clear_file, is_temp_name, json_bytes
 from pipeline.storage.backend import Storage
 from pipeline.storage.integrity import (
     MAX_RECORD_BYTES,
@@ -106,6 +109,51 @@ def quarantine(
     storage.write_atomic(note, json_bytes(record))
     log.error("QUARANTINED %s: %s -> %s", path, reason, where)
     return where
+
+
+MOVE_BACK_TRIES = 3
+"""How often :func:`move_back` tries the rename while the step's path is free (a transient I/O error)."""
+
+
+def move_back(storage: Storage, where: Path, path: Path, step: int, why: str) -> bool:
+    """Put the step directory ``where``, which a late quarantine moved there by mistake (``why``: how it is known
+    not to be the copy found bad), back at ``path``; returns whether it went back.
+
+    If it cannot (``path`` was taken meanwhile: another copy of the step committed there since; or the rename
+    keeps failing), the copy is never lost silently: it stays in ``quarantine/`` with a note that says it is not
+    damaged and whether it verifies against its own manifest (``status`` shows it in one line), and the log says
+    so. It is not moved anywhere else: ``checkpoints/step_N`` is the one copy readers and retention see, and a
+    second copy of the step beside it would be a step of its own to both; the user keeps or deletes it by hand."""
+    note = quarantine_note(where, True)
+    problem = ""
+    for attempt in range(MOVE_BACK_TRIES):
+        if storage.kind(path) is not None:
+            problem = f"{path} was taken meanwhile (another copy of step {step} is there now)"
+            break
+        try:
+            clear_file(note)
+            storage.publish(where, path)
+        except (OSError, PipelineError) as e:
+            problem = f"it could not be moved back to {path} ({e})"
+            time.sleep(0.2 * (attempt + 1))
+            continue
+        log.warning("step %d moved back from %s: %s", step, where, why)
+        return True
+    try:
+        verify_committed(where, step)
+        verdict = "it verifies against its own manifest"
+    except (OSError, PipelineError) as e:
+        verdict = f"it was not verified here ({' '.join(str(e).split())[:200]})"
+    reason = (
+        f"NOT DAMAGED: a good copy of step {step} ({why}), moved here by a late quarantine after the step was "
+        f"committed again; {problem}, so it stays here; {verdict}"
+    )
+    try:
+        storage.write_atomic(note, json_bytes({"path": str(path), "reason": reason, "step": step, "good": True}))
+    except (OSError, PipelineError) as e:
+        log.error("cannot write %s: %s", note, e)
+    log.error("step %d: %s stays in quarantine: %s", step, where, reason)
+    return False
 
 
 def _linked_files(step_dir: Path) -> dict[str, int]:

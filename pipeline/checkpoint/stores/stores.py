@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from pipeline.checkpoint.manifest import complete_markers
+from pipeline.checkpoint.protocol.lease_records import Watch
 from pipeline.checkpoint.protocol.ownership import Holder, newest_holder
 from pipeline.checkpoint.stores.bucket_store import BucketCheckpoints
 from pipeline.checkpoint.stores.posix_store import PosixCheckpoints
@@ -90,12 +91,18 @@ def uncommitted(store: CheckpointStore, world_size: int, upto: int | None = None
     return sorted({*pending, *finishing})
 
 
-def live_holder(store: CheckpointStore) -> Holder | None:
-    """The committer of ``store`` whose lease heartbeat is fresh, on any node (None: no live one)."""
+def live_holder(store: CheckpointStore, watch: Watch | None = None) -> Holder | None:
+    """The committer of ``store`` that looks alive, on any node (None: no live one). ``watch``: a caller that polls
+    keeps one across its looks and is told by whether the record changes on its own clock (a holder's clock
+    skewed by more than its lease misleads nothing); without it, one look compares the heartbeat with this
+    machine's clock (:meth:`Holder.live`: status)."""
     held = newest_holder(store.lease_store())
+    if watch is not None:
+        return held if watch.live(held) else None
     return held if held is not None and held.live(time.time()) else None
 
 
-def committer_running(store: CheckpointStore) -> bool:
-    """Whether a committer of ``store`` runs: the node-local lock held here, or a live lease anywhere."""
-    return held_elsewhere(store.layout.committer_lock) or live_holder(store) is not None
+def committer_running(store: CheckpointStore, watch: Watch | None = None) -> bool:
+    """Whether a committer of ``store`` runs: the node-local lock held here, or a live lease anywhere (``watch``:
+    see :func:`live_holder`; a caller that polls passes the same one every time)."""
+    return held_elsewhere(store.layout.committer_lock) or live_holder(store, watch) is not None
