@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.sim import damage as harm
-from tests.sim.directed import committed_before, plan, run
+from tests.sim.directed import at, committed_before, plan, run
 from tests.sim.world import Settings
 from tests.simulate import STORES, exhaustive, explore, small
 
@@ -113,3 +113,23 @@ def test_a_quarantine_of_a_damaged_committed_copy_leaves_a_new_attempt_staged_be
     )
     assert not w.violations, w.violations
     assert w.final_reader[:2] == ("ok", 6), w.final_reader
+
+
+@pytest.mark.parametrize(("store", "err"), [("bucket", "timeout"), ("bucket", "5xx"), ("posix", "EIO")])
+def test_a_store_that_fails_the_resumes_reads_stops_the_trainer_in_one_line(
+    tmp_path: Path, store: str, err: str
+) -> None:
+    """A restarted training job's rank 0 decides where to resume (``resume.decide``) while its reads of the store
+    fail for 25 s (a bucket: a timeout of every request, or a 5xx: the client's own retries spent; a directory:
+    ``EIO`` of the mount). It must not resume from an older step, nor raise: rank 0 returns why it cannot decide,
+    which every rank raises (a rank 0 that raises instead leaves the other ranks waiting in the broadcast). Found
+    as seeds 55 and 133 (bucket, with SIM_SKIP=damage-manifest): the ``StoreError`` of the LIST in
+    ``stores.uncommitted`` escaped ``resume.decide``, whose wait catches only ``DeadlineError`` and ``ReadFailed``."""
+    w = plan(
+        Settings(store=store, steps=(2,), ghost=False, live_at=None, restart_at=0.0, write_every=1.0),
+        tmp_path,
+        run("writer", "restart", until=at("writer", "restart.recovered")),
+        run("restart", "writer", then=lambda w: w.readf.begin_burst("writer", err, 25.0, None)),
+    )
+    assert not w.violations, w.violations
+    assert len(w.resumes) == 1 and w.resumes[0].startswith("cannot resume"), w.resumes

@@ -26,7 +26,7 @@ a burst may begin there too (:meth:`World.draw_aside`).
   bytes cut, the size whole), for one of :data:`TEAR_S` of virtual time: a re-read then gets it whole, as the
   FUSE mounts measured did within a second.
 
-The writer's own reads (a rank's) and the simulation's looks meet no fault.
+The writer's own reads (a rank's) and the simulation's looks meet no fault; the restarted trainer's resume does.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class ReadFaults:
 
     def _reader(self) -> Any:
         a = self.w.kernel.owner()
-        if a is None or a.proc.name == "writer" or self.w.faults_off:
+        if a is None or (a.proc.name == "writer" and not self.w.resuming):
             return None
         return a
 
@@ -119,7 +119,9 @@ class ReadFaults:
         if a is None:
             return None
         at = f"read {what} {path}"
-        if what == "record" and self.w.kernel.current() is a:
+        if self.w.faults_off:  # no fault begins (a directed plan's, or the rerun): one begun before still counts
+            pass
+        elif what == "record" and self.w.kernel.current() is a:
             self.w.kernel.point(at)  # World.inject begins a burst or a tear here
         else:  # a file hashed (a pool's read, or many per act): no point, a burst may still begin here
             self.w.draw_aside(a, at)

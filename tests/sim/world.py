@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.checkpoint import resume
 from pipeline.checkpoint.manifest import Marker, marker_path, read_newest, write_marker
 from pipeline.checkpoint.protocol import committer, ownership, retention, trash
 from pipeline.checkpoint.protocol.committer import CommitPolicy, Committer, CommitterBusy, CommitterLost
@@ -58,6 +59,8 @@ FAULT_POINTS = ("io ", "s3.", "lease.", "store.", "read ")
 itself)."""
 MUTATIONS = ("io ", "s3.put", "s3.delete", "s3.copy", "lease.put", "lease.delete")
 LEASE_S = 30.0
+RESUME_S = 60.0
+"""The restarted trainer's deadline for the staged steps it waits for (``resume.decide``)."""
 KIND_WEIGHTS = {"readfail": 3}
 """How often a kind of fault is drawn where it applies, relative to the others (reads fail as often as the rest)."""
 
@@ -175,6 +178,8 @@ class World:
         self._dirty = False
         self._verified: dict[Any, bool] = {}
         self.waits = 0
+        self.resuming = False  # the restarted trainer decides where it resumes from: its reads meet faults too
+        self.resumes: list[str] = []  # what it decided (a step, or why it could not)
         self.damages = 0
         self.recovered: set[str] = set()
         self.acquired: dict[str, float] = {}
@@ -224,17 +229,21 @@ class World:
             k.spawn(n, "", lambda: self._committer("newcomer", takeover=False, start=s.newcomer_at or 0.0))
 
     def _writer(self) -> None:
-        for step in self.s.steps:
-            self.kernel.sleep(self.s.write_every)
-            self.save(step, "a1")
-        if self.s.restart_at is not None:
-            self._restart(self.s.restart_at)
-        self.writer_done = True
+        try:
+            for step in self.s.steps:
+                self.kernel.sleep(self.s.write_every)
+                self.save(step, "a1")
+            if self.s.restart_at is not None:
+                self._restart(self.s.restart_at)
+        finally:
+            self.writer_done = True
 
     def _restart(self, after: float) -> None:
         """The training job restarts: its rank 0's committer (appointed) starts and recovers, the trainer then
-        resumes from what a resuming trainer decides and saves every step above it again, as attempt ``a2`` (a
-        fall-back meanwhile: the steps it lost are saved anew)."""
+        decides where it resumes from (the library's :func:`~pipeline.checkpoint.resume.decide`, through its own
+        view of the store, where reads fail too) and saves every step above it again, as attempt ``a2`` (a
+        fall-back meanwhile: the steps it lost are saved anew). It never resumes from a step older than the newest
+        copy staged whole and not damaged; a resume it cannot decide stops it in one line."""
         k = self.kernel
         newest = self.s.steps[-1]
         k.block("restart.after", ready=lambda: any(c[0] == newest for c in self.ever_ok), until=k.now + after)
@@ -249,14 +258,34 @@ class World:
         k.spawn(p, "", lambda: self._committer("restart", takeover=True, start=0.0))
         k.block("restart.recovered", ready=lambda: "restart" in self.recovered or "restart" in self.ended,
                 until=k.now + 3 * LEASE_S)  # fmt: skip
+        self.resuming = True
+        try:
+            floor = resume.decide(self.layout, self.policy.world_size, deadline_s=RESUME_S, remote=self.remote,
+                                  committer_alive=lambda: "restart" not in self.ended)  # fmt: skip
+        finally:
+            self.resuming = False
+        if isinstance(floor, str):
+            self.resumes.append(floor)
+            return  # the trainer cannot resume (a read that keeps failing, a damaged step): it stops, in one line
+        self.resumes.append(f"step {floor}")
         with k.outside():
-            floor = self.resume_floor()
-        if floor is None:
-            return  # the trainer cannot resume (the reader fails): it stops, in one line
+            self._check_trainer(floor)
         for step in [s for s in self.s.steps if s > floor]:
             self.kernel.sleep(self.s.write_every)
             self.save(step, "a2")
             self.resaved.append((step, "a2"))
+
+    def _check_trainer(self, floor: int) -> None:
+        """The restarted trainer resumes from ``floor``: never older than the newest copy staged whole (or committed)
+        and not damaged or retired since."""
+        trashed = self.trashed()
+        gone = self.damaged_copies | self.retired
+        whole = [c[0] for c in self.staged_copies if c not in gone and c[0] not in trashed]
+        if floor < max(whole, default=0):
+            self.violate(
+                f"the restarted trainer resumes from step {floor} (resume.decide), yet step {max(whole)} was staged "
+                f"whole and nothing damaged it{self._read_faults_note()}"
+            )
 
     def resume_floor(self) -> int | None:
         """The step a resuming trainer starts from (the newest committed step, or a staged one it waits for);
@@ -359,11 +388,15 @@ class World:
 
     def _fault(self, k: Kernel, a: Actor) -> bool:
         """Maybe inject a fault where ``a`` stands; whether ``a`` runs now."""
-        if self.faults_off or a.proc.name == "writer" or len(self.faults) >= self.s.max_faults:
+        if self.faults_off or len(self.faults) >= self.s.max_faults:
+            return True
+        if a.proc.name == "writer" and not self.resuming:
             return True
         if not a.at.startswith(FAULT_POINTS) or not self.chooser.chance(self.s.fault_rate):
             return True
         kinds = [x for x in self.s.kinds for _ in range(KIND_WEIGHTS.get(x, 1)) if self._applies(x, a)]
+        if a.proc.name == "writer":  # the trainer's resume: its reads fail, nothing else happens to it there
+            kinds = [x for x in kinds if x in ("readfail", "torn", "short")]
         if not kinds:
             return True
         kind = kinds[self.chooser.choose(len(kinds))]
