@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from pipeline.checkpoint.manifest import read_newest, verify_committed
+from pipeline.checkpoint.protocol.lease_records import Watch
 from pipeline.checkpoint.stores.remote import Remote
 from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.checkpoint.stores.stores import committer_running, store_for, uncommitted
@@ -84,12 +85,13 @@ def decide_with(
     one, which counts as alive while it holds the dir, or for :data:`EXTERNAL_START_S` while it may still start."""
     start = time.monotonic()
     store = store_for(layout, remote)
+    watch = Watch()  # a committer judged by its record changing on this node's clock, not by comparing clocks
 
     def alive() -> bool:
         if thread_alive is not None:
             return thread_alive()
         try:
-            if committer_running(store):  # the lease where the store keeps it (a bucket's in the bucket)
+            if committer_running(store, watch):  # the lease where the store keeps it (a bucket's in the bucket)
                 return True
         except (ReadFailed, OSError):
             return True  # the lease cannot be read now: unknown, so the deadline decides

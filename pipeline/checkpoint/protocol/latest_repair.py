@@ -143,7 +143,10 @@ class LatestRepair:
     def _catch_up_latest(self) -> None:
         """``latest`` behind the newest published step (a stale committer elsewhere moved it back, or a commit
         was interrupted before moving it): verified, then ``latest`` moves up to it."""
-        newest = self.store.newest()
+        try:
+            newest = self.store.newest()
+        except VerificationError:  # latest names a step a late retention retired: the next recheck restores it
+            return
         if newest is None or newest.step <= self._pointer_step():
             return
         try:

@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pipeline.checkpoint.protocol.lease_records import Watch
 from pipeline.checkpoint.stores import stores
 from pipeline.checkpoint.stores.remote import Remote
 from pipeline.checkpoint.stores.store import CheckpointStore
@@ -83,9 +84,17 @@ def await_external_commit(
     last_seen: float | None = None  # monotonic time a committer was last seen running
     start = time.monotonic()
 
+    watch = Watch()  # a committer judged by its record changing on this node's clock, not by comparing clocks
+
+    def seen_now() -> bool:
+        try:
+            return stores.committer_running(store, watch)
+        except (PipelineError, OSError):  # the lease cannot be read now: unknown, the deadline decides
+            return last_seen is not None
+
     def running() -> bool:
         nonlocal last_seen
-        if stores.committer_running(store):
+        if seen_now():
             last_seen = time.monotonic()
             return True
         return time.monotonic() - (last_seen if last_seen is not None else start) < wait_s
@@ -126,7 +135,7 @@ def await_external_commit(
         return
     if not final.missing:
         return
-    _warn(final, where, layout, deadline_s, last_seen, running_now=stores.committer_running(store))
+    _warn(final, where, layout, deadline_s, last_seen, running_now=seen_now())
 
 
 def _steps(steps: list[int]) -> str:

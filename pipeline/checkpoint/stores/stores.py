@@ -18,6 +18,7 @@ from pipeline.storage import atomic
 from pipeline.storage.backend import held_elsewhere
 from pipeline.storage.integrity import read_record_json
 from pipeline.storage.layout import CheckpointLayout
+from pipeline.storage.reads import failed, is_transient
 from pipeline.storage.s3 import S3Url
 
 STORE_RECORD = "storage.json"
@@ -71,7 +72,9 @@ def uncommitted(store: CheckpointStore, world_size: int, upto: int | None = None
     none above it."""
     try:
         newest = store.newest()
-    except (VerificationError, OSError, ValueError):
+    except (VerificationError, OSError, ValueError) as e:
+        if is_transient(e):  # unknown: never a resume that skips a staged step for it
+            raise failed(e, "latest pointer", store.latest_where()) from e
         return []  # the committer repairs latest first; resuming then reports what it found
     done = newest.step if newest is not None else 0
     pending = []
