@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from pipeline.checkpoint.manifest import Manifest, Marker, marker_path
-from pipeline.errors import CheckpointFormatError, VerificationError, plural
+from pipeline.checkpoint.manifest import Manifest, Marker, marker_path, step_markers
+from pipeline.errors import CheckpointFormatError, ReadFailed, VerificationError, plural
 from pipeline.formats.registry import FORMATS, Format
 from pipeline.storage.integrity import FileEntry, verify_entries
 
@@ -106,3 +106,24 @@ def verified_manifest(step: int, markers: list[Marker], step_dir: Path, run_id: 
         files=files,
         metrics=dict(first.metrics),
     )
+
+
+def not_as_verified(moved: Path, manifest: Manifest) -> str:
+    """Why the staged dir just moved to ``moved`` is not what ``manifest`` was verified from ("" when it is:
+    every rank's marker there, of the verified attempt, listing the same files). A ghost that verified attempt
+    a1 and froze may rename a dir the ranks have since filled (or are filling) with a2; no rank writes a file of
+    a new attempt before removing its old marker, so the same markers after the rename mean the same files.
+    A dir moved that fails this stays a step without a manifest, which no reader counts and the next pass
+    verifies for what it holds."""
+    try:
+        markers = step_markers(moved, manifest.step, manifest.world_size)
+    except (VerificationError, ReadFailed) as e:
+        return f"the markers moved to {moved} cannot be checked against attempt {manifest.attempt} ({e})"
+    files = tuple(f for m in markers if m is not None for f in m.files)
+    if any(m is None or m.attempt != manifest.attempt for m in markers) or files != manifest.files:
+        got, found = sorted({m.attempt for m in markers if m is not None}), sum(m is not None for m in markers)
+        return (
+            f"the staged dir moved to {moved} is not attempt {manifest.attempt} as verified (it holds markers of "
+            f"{got or 'no attempt'}, {found} of {manifest.world_size}: saved again since?)"
+        )
+    return ""

@@ -50,11 +50,11 @@ from pipeline.checkpoint.manifest import (
 from pipeline.checkpoint.protocol import trash
 from pipeline.checkpoint.protocol.lease_records import newest_holder
 from pipeline.checkpoint.protocol.ownership import LEASE, CommitterBusy, FileLease, LeaseStore
-from pipeline.checkpoint.protocol.step_checks import verified_manifest
+from pipeline.checkpoint.protocol.step_checks import not_as_verified, verified_manifest
 from pipeline.checkpoint.stores import posix_status, repair
 from pipeline.checkpoint.stores.repair import step_entries
 from pipeline.checkpoint.stores.store import ANY, RACES, Quarantined, Taken
-from pipeline.errors import PipelineError, ReadFailed, VerificationError
+from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.backend import POSIX, Storage
 from pipeline.storage.faults import inject
@@ -252,7 +252,9 @@ class PosixCheckpoints:
             inject("verify.before_publish", step=step)
             self.storage.publish(staged, final)
             inject("verify.before_manifest", step=step)
-            self._still_verified(final, manifest)
+            why = not_as_verified(final, manifest)  # the act bound to what was verified: else no manifest
+            if why:
+                raise Taken(f"step {step}: {why}; its manifest is not written, the next pass verifies what it holds")
             manifest_hash = write_manifest(final, manifest)
         except Taken:
             raise
@@ -264,30 +266,6 @@ class PosixCheckpoints:
                 raise
             return None
         return manifest_hash
-
-    def _still_verified(self, moved: Path, manifest: Manifest) -> None:
-        """The act bound to what was verified: the dir just moved into place holds exactly the markers whose
-        files were verified (one attempt, every rank, the same files), else its manifest is not written. A ghost
-        that verified attempt a1 and froze may rename a dir the ranks have since filled (or are filling) with
-        a2; no rank writes a file of a new attempt before removing its old marker, so the same markers after
-        the rename mean the same files. What it moved stays a step without a manifest, which no reader counts
-        and the next pass verifies for what it holds (:func:`repair.finish_unmanifested`)."""
-        try:
-            markers = step_markers(moved, manifest.step, manifest.world_size)
-        except (VerificationError, ReadFailed) as e:
-            markers, why = [], str(e)
-        else:
-            why = "its markers are not the ones verified"
-        files = tuple(f for m in markers if m is not None for f in m.files)
-        if (
-            len(markers) != manifest.world_size
-            or any(m is None or m.attempt != manifest.attempt for m in markers)
-            or files != manifest.files
-        ):
-            raise Taken(
-                f"step {manifest.step}: the staged dir moved to {moved} is not attempt {manifest.attempt} as "
-                f"verified ({why}: saved again since?); its manifest is not written, the next pass verifies it"
-            )
 
     def taken_by_another(self, step: int, wait: bool) -> bool:
         staged, final = self.layout.staged_step(step), self.layout.committed_step(step) / MANIFEST
