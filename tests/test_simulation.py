@@ -133,3 +133,26 @@ def test_a_store_that_fails_the_resumes_reads_stops_the_trainer_in_one_line(
     )
     assert not w.violations, w.violations
     assert len(w.resumes) == 1 and w.resumes[0].startswith("cannot resume"), w.resumes
+
+
+def test_one_failed_read_of_latests_manifest_stops_no_resume_with_a_traceback(tmp_path: Path) -> None:
+    """Step 2 committed (and staged again by the restarted writer); rank 0 of the restarted job decides where to
+    resume, and the second time it hashes ``step_2/manifest.json`` (after the wait for staged steps) the read fails
+    once with ``ESTALE``. A read that fails is retried, or the resume fails in one line; it never raises. Found as seed
+    6222 (posix; 6473 in a bucket, the pulled copy's manifest): ``manifest.read_latest`` hashes the manifest with
+    ``hash_file``, outside ``reads.retrying``, and ``resume.decide`` catches only ``PipelineError`` there: the
+    ``OSError`` escaped rank 0's decision."""
+    manifest = str(tmp_path / "run" / "checkpoints" / "step_2" / "manifest.json")
+    w = plan(
+        Settings(store="posix", steps=(2,), ghost=False, live_at=None, restart_at=0.0, write_every=1.0),
+        tmp_path,
+        run("writer", "restart", until=at("writer", "restart.recovered")),
+        run(
+            "restart",
+            "writer",
+            then=lambda w: w.readf.begin_burst("writer", "ESTALE", 0.0, manifest, skip=1, only="data"),
+        ),
+        prepare=committed_before(2),
+    )
+    assert not w.violations, w.violations
+    assert w.resumes == ["step 2"] or w.resumes[0].startswith("cannot resume"), w.resumes

@@ -65,9 +65,18 @@ class Burst:
     path: str | None  # None: every read of the process (its mount, its connection)
     tries: int
     fresh: bool = True  # the read it begins at fails, whatever its length
+    skip: int = 0  # reads it lets through first (a directed plan's: the Nth read of a path fails)
+    only: str | None = None  # only reads of this kind (record, data, meta; a directed plan's), else every one
 
-    def covers(self, path: str, now: float) -> bool:
-        return self.tries > 0 and (self.fresh or now < self.until) and self.path in (None, path)
+    def covers(self, path: str, now: float, what: str) -> bool:
+        if self.tries <= 0 or not (self.fresh or now < self.until) or self.path not in (None, path):
+            return False
+        if self.only not in (None, what):
+            return False
+        if self.skip > 0:
+            self.skip -= 1
+            return False
+        return True
 
 
 @dataclass
@@ -96,9 +105,13 @@ class ReadFaults:
 
     # -- begun by the schedule (World.inject) --------------------------------------------------------------------
 
-    def begin_burst(self, proc: str, err: str, length_s: float, path: str | None) -> None:
+    def begin_burst(
+        self, proc: str, err: str, length_s: float, path: str | None, skip: int = 0, only: str | None = None
+    ) -> None:
+        """``skip``, ``only``: a directed plan's (the ``skip+1``-th read of ``path``, of kind ``only``, fails)."""
         tries = 1 if length_s <= 0 else BURST_TRIES
-        self.bursts.setdefault(proc, []).append(Burst(err, self.w.kernel.now + length_s, path, tries))
+        burst = Burst(err, self.w.kernel.now + length_s, path, tries, skip=skip, only=only)
+        self.bursts.setdefault(proc, []).append(burst)
 
     def begin_tear(self, proc: str, path: str, length_s: float, short: bool) -> None:
         tries = 1 if length_s <= 0 else TEAR_TRIES
@@ -125,7 +138,7 @@ class ReadFaults:
             self.w.kernel.point(at)  # World.inject begins a burst or a tear here
         else:  # a file hashed (a pool's read, or many per act): no point, a burst may still begin here
             self.w.draw_aside(a, at)
-        self.meet(a.proc.name, path, "posix")
+        self.meet(a.proc.name, path, "posix", what)
         if what != "record":
             return None
         tear = self.tears.get((a.proc.name, path))
@@ -141,7 +154,7 @@ class ReadFaults:
             return
         a = self._reader()
         if a is not None:
-            self.meet(a.proc.name, os.fspath(path) if not isinstance(path, int) else "", "posix")
+            self.meet(a.proc.name, os.fspath(path) if not isinstance(path, int) else "", "posix", "meta")
 
     def s3(self, op: str, key: str) -> None:
         """A bucket request (after its point): a request run aside (a pool's transfer) may begin a burst here; a
@@ -151,12 +164,12 @@ class ReadFaults:
             return
         if self.w.kernel.current() is not a:
             self.w.draw_aside(a, f"{op} {key}")
-        self.meet(a.proc.name, key, op)
+        self.meet(a.proc.name, key, op, "record")
 
-    def meet(self, proc: str, path: str, op: str) -> None:
+    def meet(self, proc: str, path: str, op: str, what: str) -> None:
         now = self.w.kernel.now
         for b in self.bursts.get(proc, ()):
-            if b.covers(path, now):
+            if b.covers(path, now, what):
                 b.tries -= 1
                 b.fresh = False
                 raise _error(b.err, path, op)
