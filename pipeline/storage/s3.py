@@ -126,14 +126,11 @@ def _code(e: Exception) -> tuple[str, int]:
     return str(resp.get("Error", {}).get("Code", "")), int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
 
 
-_READS = ("GET", "HEAD", "LIST")
-
-
 def _failed(what: str, url: str, e: Exception) -> StoreError:
     """The one-line error of a failed request; a read's is :class:`StoreReadFailed` (unknown, not damage)."""
     code, status = _code(e)
     why = f"{code} (HTTP {status})" if code else f"{type(e).__name__}: {e}"
-    if what in _READS:
+    if what in ("GET", "HEAD", "LIST"):
         return StoreReadFailed(f"{what} {url} failed: {why}: unknown, not damage (nothing is quarantined or rolled "
                                "back for it); check the object store, then rerun")  # fmt: skip
     return StoreError(f"{what} {url} failed: {why}")

@@ -137,11 +137,9 @@ class PosixCheckpoints:
         return epoch if type(epoch) is int else None
 
     def newest(self) -> Latest | None:
-        """What a reader resumes from (:func:`read_newest`). A ``latest`` naming a step dir whose manifest this
-        mount does not show, or shows changing (replaced through another mount: identical bytes, but missing or
-        partly read for a moment), may be another mount's commit half visible through this mount's cache: looked
-        at again for up to :data:`VISIBILITY_S` before the error stands. A manifest that reads the same twice
-        and still differs is damage at once (the committer repairs it)."""
+        """What a reader resumes from (:func:`read_newest`). A ``latest`` naming a step whose manifest this mount
+        does not show whole yet (another mount's commit, half visible through this mount's cache) is looked at
+        again for up to :data:`VISIBILITY_S`; a manifest read the same twice that still differs is damage."""
         deadline = time.monotonic() + VISIBILITY_S
         last: bytes | None = None
         while True:
@@ -244,21 +242,18 @@ class PosixCheckpoints:
         written last, as in a bucket. No committer writes into a directory that another may be renaming (a
         FUSE mount can lose an entry written into a directory another mount renames): the rename moves only
         the ranks' finished files, and a step published without its manifest is no committed step to any reader
-        (a crash between the two: the next pass verifies it and writes the manifest, :meth:`tidy`). Two
-        committers write the same manifest bytes (a function of the staged attempt)."""
+        (a crash between the two: the next pass verifies it and writes the manifest, :meth:`tidy`). Two committers
+        write the same manifest bytes (a function of the staged attempt)."""
         step = manifest.step
         staged, final = self.layout.staged_step(step), self.layout.committed_step(step)
         try:
             inject("verify.before_publish", step=step)
             self.storage.publish(staged, final)
             inject("verify.before_manifest", step=step)
-            why = not_as_verified(final, manifest)  # the act bound to what was verified: else no manifest
-            if why:
+            if why := not_as_verified(final, manifest):  # the act bound to what was verified: else no manifest
                 raise Taken(f"step {step}: {why}; its manifest is not written, the next pass verifies what it holds")
             manifest_hash = write_manifest(final, manifest)
-        except Taken:
-            raise
-        except (OSError, PipelineError) as e:
+        except (OSError, PipelineError) as e:  # a Taken is no race: raised
             # Another committer published this step first? The same attempt, so the same manifest bytes. An I/O
             # error (EIO, ENOSPC: a failed fsync) fails the commit even then: it is never retried into success.
             raced = isinstance(e, OSError) and e.errno in RACES or type(e) is PipelineError
