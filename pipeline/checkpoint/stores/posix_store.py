@@ -13,7 +13,8 @@ that a partition froze past its lease) can act once more before its fence stops 
 such an act leaves:
 
 * a staged step that vanished, or a publish that failed with a race's errno, while the step is (or soon shows
-  as) published: the other's publish, accepted (:meth:`PosixCheckpoints.taken_by_another`);
+  as) published: the other's publish, accepted (:meth:`PosixCheckpoints.taken_by_another`); a late publish of
+  a step saved again since: no manifest (:func:`~pipeline.checkpoint.protocol.step_checks.not_as_verified`);
 * ``latest`` never moved below a newer published step (readers check it against the newest published manifest);
 * a complete staged step at or below ``latest`` left unpublished, or a step moved into place without its
   manifest (a commit interrupted between its two acts): verified and committed;
@@ -58,7 +59,7 @@ from pipeline.errors import PipelineError, VerificationError
 from pipeline.storage.atomic import clear_file
 from pipeline.storage.backend import POSIX, Storage
 from pipeline.storage.faults import inject
-from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind, read_record_json
+from pipeline.storage.integrity import hash_file, is_real_dir, lstat_kind
 from pipeline.storage.layout import CheckpointLayout
 
 if TYPE_CHECKING:
@@ -129,12 +130,7 @@ class PosixCheckpoints:
         return repair.latest_step_name(self.layout)
 
     def latest_epoch(self) -> int | None:
-        try:
-            obj = read_record_json(self.layout.latest, "latest pointer")
-        except (OSError, VerificationError):
-            return None
-        epoch = obj.get("epoch") if isinstance(obj, dict) else None
-        return epoch if type(epoch) is int else None
+        return repair.latest_epoch(self.layout)
 
     def newest(self) -> Latest | None:
         """What a reader resumes from (:func:`read_newest`). A ``latest`` naming a step whose manifest this mount
@@ -372,8 +368,8 @@ class PosixCheckpoints:
         write_marker(staged, marker)
         pieces.remember(self.layout, marker.rank, marker.step, marker.files)
 
-    def release(self, staged: Path) -> None:
-        """Nothing: the staged step is the checkpoint's own."""
+    def release(self, staged: Path) -> None:  # nothing: the staged step is the checkpoint's own
+        pass
 
     @property
     def poll_s(self) -> float:

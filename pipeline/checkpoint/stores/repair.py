@@ -301,6 +301,16 @@ def latest_step_name(layout: CheckpointLayout) -> int | None:
     return step if type(step) is int and step >= 0 and obj.get("dir") == step_name(step) else None
 
 
+def latest_epoch(layout: CheckpointLayout) -> int | None:
+    """The lease epoch of the committer that wrote ``latest`` (None: unknown, or no ``latest``)."""
+    try:
+        obj = read_record_json(layout.latest, "latest pointer")
+    except (OSError, VerificationError):
+        return None
+    epoch = obj.get("epoch") if isinstance(obj, dict) else None
+    return epoch if type(epoch) is int else None
+
+
 def unmanifested(storage: Storage, layout: CheckpointLayout) -> list[tuple[int, Path]]:
     """Step dirs of ``checkpoints/`` without their manifest: moved into place, not committed (yet)."""
     kind = storage.kind
