@@ -1,21 +1,33 @@
-"""One simulated world: a checkpoints root (a real directory, or a bucket in memory), a writer, a ghost, a live
-committer and a newcomer, the faults a schedule injects, and the invariants checked after every operation.
+"""One simulated world: a checkpoints root (a real directory, or a bucket in memory), a writer (one or two ranks; a
+training job that may restart and save again), a ghost, a live committer and a newcomer, the faults a schedule
+injects, and the invariants checked after every operation.
 
 The committers are the real :class:`~pipeline.checkpoint.protocol.committer.Committer` over the real stores; only the
-world around them is simulated (:mod:`tests.sim.kernel`). The invariants are what a user relies on:
+world around them is simulated (:mod:`tests.sim.kernel`); reads fail as a shared filesystem's and a bucket's do
+(:mod:`tests.sim.read_faults`), and damage hits data and records (:mod:`tests.sim.damage`). The invariants are what
+a user relies on, judged per copy of a step (its number and the attempt that saved it: a copy damaged exempts no
+other copy of the same step):
 
-* **reader**: what a reader resumes from (``read_newest`` of a directory, ``verified_latest`` of a bucket)
-  names a step whose every file verifies; it fails only where a step was damaged (by the schedule);
-* **no regress**: it never goes back, except past steps that were damaged;
-* **kept**: a step that verified is never removed (nor changed) unless retention, judged at the removal,
+* **reader**: what a reader resumes from (``read_newest`` of a directory, ``newest_manifest`` of a bucket)
+  names a step whose every file verifies; it fails only where the copy committed there was damaged, or ``latest``
+  itself is (by the schedule);
+* **no regress**: it never goes back, except past copies that were damaged or retired: a read that fails (unknown)
+  never moves it back;
+* **kept**: a copy that verified is never removed (nor changed) unless retention, judged at the removal,
   lets it go; the newest step that verifies always stays;
+* **quarantine**: once the schedule is over, no copy staged whole whose files match its markers is in quarantine
+  unless the schedule damaged it: a read that fails quarantines nothing;
 * **lease**: the lease's highest epoch never goes back (no ghost overwrites a newer holder's record);
 * **one holder**: a newcomer that was not appointed is refused while a holder renews its lease;
 * **resume**: what a resuming trainer decides from (the newest committed step, or else the staged steps it waits
-  for, :func:`~pipeline.checkpoint.stores.stores.uncommitted`) is never older than the newest step staged whole
-  and not damaged: a step saved before a kill is never trained again, whatever the committer is doing then;
-* **rerun**: after the schedule, a committer started afresh finishes and ``latest`` names the newest step that
-  was staged, not damaged and not retired.
+  for, :func:`~pipeline.checkpoint.stores.stores.uncommitted`) is never older than the newest copy staged whole
+  and not damaged: a step saved before a kill is never trained again, whatever the committer is doing then; the
+  restarted trainer's own decision (:func:`~pipeline.checkpoint.resume.decide`, through reads that fail) is either
+  that new or one line saying why it cannot resume, never an exception;
+* **rerun**: after the schedule, a committer started afresh finishes and ``latest`` names the newest step a copy of
+  which was staged, not damaged and not retired.
+
+(A lease record damaged suspends the lease's invariants until its holder writes it again.)
 """
 
 from __future__ import annotations
@@ -126,7 +138,7 @@ class Settings:
         s.hosts = {"ghost": "node1", "live": "node1" if same else "node2", "newcomer": "node3" if not same else "node1"}
         s.fault_rate = r.choice((0.01, 0.03, 0.06, 0.1))
         s.world = r.choice((1, 2))
-        s.restart_at = r.choice((None, None, 10.0, 30.0))
+        s.restart_at = r.choice((None, None, None, 5.0, 20.0))
         return s
 
 
