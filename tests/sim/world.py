@@ -380,11 +380,16 @@ class World:
 
     # -- the scheduler's choices -------------------------------------------------------------------------------
 
-    def _pick(self, k: Kernel, ready: list[Actor]) -> Actor:
+    def _pick(self, k: Kernel, ready: list[Actor]) -> Actor | None:
         runnable = [a for a in ready if self.paused_until.get(a.proc.name, -1.0) <= k.now or a.proc.dead]
-        if not runnable:  # every runnable actor's process is paused: time passes until one wakes
-            k.now = min(self.paused_until[a.proc.name] for a in ready)
-            runnable = ready
+        if not runnable:  # every runnable actor's process is paused: time passes until the first actor wakes, a
+            # paused one or a sleeping one of another process (not past it: its sleep would end late)
+            wakes = [self.paused_until[a.proc.name] for a in ready]
+            wakes += [
+                a.wake_at for a in k.actors if a.state == "blocked" and a.wake_at is not None and a.wake_at > k.now
+            ]
+            k.now = max(k.now, min(wakes))
+            return None
         return runnable[self.chooser.choose(len(runnable))]
 
     def _on_point(self, k: Kernel, a: Actor) -> bool:
