@@ -130,8 +130,14 @@ def hash_file(path: Path) -> str:
     """xxh3-128 of a file, read in 8 MiB chunks (xxh3 runs far above disk speed; see performance-baselines).
 
     The chunk buffer is allocated once per thread (zeroing 8 MiB costs more than reading a small file), and the
-    kernel is told the file is read sequentially (a larger readahead window).
+    kernel is told the file is read sequentially (a larger readahead window). A read that fails is read again
+    from the start, then :class:`~pipeline.errors.ReadFailed` (:func:`pipeline.storage.reads.retrying`): never
+    a digest of part of the file. ``FileNotFoundError`` passes through.
     """
+    return reads.retrying(functools.partial(_hash_once, path), "file", path)
+
+
+def _hash_once(path: Path) -> str:
     h = xxhash.xxh3_128()
     buf = _chunk_buffer()
     view = memoryview(buf)
@@ -304,7 +310,7 @@ def _hash_batch(paths: list[Path]) -> list[str | Exception]:
     out: list[str | Exception] = []
     for path in paths:
         try:  # looked up when called: a test's patched ``hash_file`` sees every file
-            out.append(reads.retrying(functools.partial(hash_file, path), "file", path))
+            out.append(hash_file(path))
         except FileNotFoundError:
             out.append(_missing_now(path))
             break
