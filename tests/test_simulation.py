@@ -130,6 +130,7 @@ def test_a_store_that_fails_the_resumes_reads_stops_the_trainer_in_one_line(
         tmp_path,
         run("writer", "restart", until=at("writer", "restart.recovered")),
         run("restart", "writer", then=lambda w: w.readf.begin_burst("writer", err, 25.0, None)),
+        prepare=committed_before(2),
     )
     assert not w.violations, w.violations
     assert len(w.resumes) == 1 and w.resumes[0].startswith("cannot resume"), w.resumes
