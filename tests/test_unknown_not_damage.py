@@ -9,6 +9,7 @@ time; if it keeps failing, the act is not taken. Each test here failed on b7e80a
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -240,3 +241,20 @@ def test_a_late_publish_never_takes_another_attempts_bytes(tmp_path: Path, a2_ra
     else:  # half of a2: no committed step; latest stays where it was, nothing good is quarantined
         assert latest is not None and latest.step == 2
     assert os.listdir(layout.checkpoints / "quarantine") == ["step_4.a1"]
+
+
+def test_a_damaged_manifest_of_latests_step_is_damage_and_the_committer_repairs_it(tmp_path: Path) -> None:
+    """Record damage, not only data damage (the simulation's seed 1000027): ``latest`` names step 4, whose
+    manifest was rewritten with a wrong hash; the starting committer stopped with a VerificationError instead
+    of repairing it."""
+    layout = _committed(tmp_path, (2, 4))
+    manifest = layout.committed_step(4) / "manifest.json"
+    record = json.loads(manifest.read_text())
+    record["files"][0]["hash"] = "0" * 32
+    manifest.write_text(json.dumps(record))
+    c = Committer(layout, CommitPolicy(world_size=WORLD))
+    with c.hold():
+        c.recover()
+    latest = read_latest(layout)
+    assert latest is not None and latest.step == 2
+    assert _quarantined(layout) and not layout.committed_step(4).exists()

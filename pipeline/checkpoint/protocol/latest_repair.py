@@ -75,7 +75,10 @@ class LatestRepair:
             self.fence()
             if self.store.restore(named):
                 return []  # retired by a late act; verified by the next recheck
-        newest = self.store.newest() if named is not None else None  # garbage: readers refuse it, so rebuild
+        try:  # garbage (named None): readers refuse it, so rebuild
+            newest = self.store.newest() if named is not None else None
+        except VerificationError:  # its step is there with another manifest (damaged): rebuilt from what verifies
+            newest = None
         written = self.store.latest_epoch()
         stale = written is not None and self.epoch is not None and written < self.epoch  # a ghost's late write
         if named is not None and newest is not None and (newest.step > named or (newest.step == named and stale)):
