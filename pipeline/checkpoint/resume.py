@@ -17,7 +17,7 @@ from pipeline.checkpoint.protocol.lease_records import Watch
 from pipeline.checkpoint.stores.remote import Remote
 from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.checkpoint.stores.stores import committer_running, store_for, uncommitted
-from pipeline.errors import DeadlineError, PipelineError, ReadFailed
+from pipeline.errors import PipelineError, ReadFailed
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
 
@@ -57,7 +57,7 @@ def decide(
             alive=committer_alive,
             interval_s=store.poll_s,
         )
-    except (DeadlineError, ReadFailed) as e:  # a read that keeps failing: never a resume from an older step
+    except PipelineError as e:  # a deadline; a read that keeps failing, a bucket refusing: never an older step
         return f"cannot resume: {e}"
     try:
         local = store.local()  # a bucket's latest step: pulled, every file checked while read

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline.storage.s3_probe import StoreError
+from pipeline.storage.s3_probe import StoreReadFailed
 
 if TYPE_CHECKING:
     from tests.sim.world import World
@@ -158,7 +158,8 @@ class ReadFaults:
 
     def s3(self, op: str, key: str) -> None:
         """A bucket request (after its point): a request run aside (a pool's transfer) may begin a burst here; a
-        burst covering it fails it as the real client fails once its own retries are spent (:class:`StoreError`)."""
+        burst covering it fails it as the real client fails once its own retries are spent
+        (:class:`StoreReadFailed`)."""
         a = self._reader()
         if a is None:
             return
@@ -181,7 +182,7 @@ def _error(err: str, path: str, op: str) -> Exception:
         return OSError(code, f"{os.strerror(code)} (simulated read fault)", path)
     verb = {"s3.get": "GET", "s3.head": "HEAD"}.get(op, "LIST")
     why = "InternalError (HTTP 500)" if err == "5xx" else "ReadTimeoutError: Read timeout on endpoint URL"
-    return StoreError(f"{verb} s3://sim/{path} failed: {why} (simulated)")
+    return StoreReadFailed(f"{verb} s3://sim/{path} failed: {why} (simulated)")  # as pipeline.storage.s3 raises it
 
 
 class ReadOs:
