@@ -69,7 +69,8 @@ def test_a_damaged_manifest_or_latest_is_repaired_and_latest_falls_back_no_furth
 ) -> None:
     """Steps 2 and 4 committed, then step 4's manifest or ``latest`` overwritten in place (garbage, or a recorded
     hash changed): positive damage. A committer repairs it: a damaged manifest's copy is quarantined and ``latest``
-    falls back to 2; a damaged ``latest`` is rebuilt at 4 (nothing else was damaged). Found as seeds 59, 67, 125,
+    falls back to 2 (a bucket's garbage manifest alone goes aside, and its intact attempt is committed again: 4);
+    a damaged ``latest`` is rebuilt at 4 (nothing else was damaged). Found as seeds 59, 67, 125,
     146 (a manifest) and 1611 (``latest``, a wrong hash; posix): ``latest_repair._repair_pointer`` asked
     ``store.newest()``, which for a directory raises the same VerificationError (``latest`` names a step whose
     manifest differs), so every committer, the rerun's too, ended on it and nothing was ever repaired."""
@@ -82,7 +83,10 @@ def test_a_damaged_manifest_or_latest_is_repaired_and_latest_falls_back_no_furth
     )
     assert not w.violations, w.violations
     assert w.ended.get("live") == "done", w.ended
-    assert w.final_reader[:2] == ("ok", 2 if record == "manifest" else 4), w.final_reader
+    # a bucket's manifest past reading goes aside alone: its attempt, intact, is verified from its markers and
+    # committed again; a manifest that reads but lists a wrong hash takes its copy to quarantine
+    again = record != "manifest" or (store == "bucket" and garbage)
+    assert w.final_reader[:2] == ("ok", 4 if again else 2), w.final_reader
 
 
 def latest_of(store: str, tmp_path: Path) -> str:

@@ -56,15 +56,22 @@ class BucketRemoval:
         if manifest_hash is not None and self.manifest_hash(step) != manifest_hash:
             log.warning("step %d is not the one found bad (committed again since): not quarantined", step)
             return None
+        found = remote.read_manifest_or_none(step) if committed else None
+        wheres: list[str] = []
         if committed:
-            found = remote.read_manifest_or_none(step)
+            if found is None:  # a manifest past reading: it alone is kept aside; the attempts stay staged and the
+                wheres.append(self._manifest_aside(step, reason))  # next pass verifies them anew
             remote.store.delete([remote.manifest_key(step)])
             files = list(found.files) if found is not None else []
-        attempts = [attempt] if attempt is not None else remote.attempts(step)
-        for a in attempts if not committed else []:
-            with contextlib.suppress(VerificationError):
-                files += [f for m in remote.markers(step, a, 1) if m for f in m.files]
-        wheres = [self._move_to_quarantine(step, a, reason) for a in attempts]
+            # its own attempt only, never a new attempt staged beside it (the trainer's save of the step again
+            # after the fall-back, which the next pass commits)
+            attempts = [found.attempt] if found is not None else []
+        else:
+            attempts = [attempt] if attempt is not None else remote.attempts(step)
+            for a in attempts:
+                with contextlib.suppress(VerificationError):
+                    files += [f for m in remote.markers(step, a, 1) if m for f in m.files]
+        wheres += [self._move_to_quarantine(step, a, reason) for a in attempts]
         return Quarantined(
             ", ".join(wheres) or remote.url(remote.step_prefix(step)), self._holders(files, step, reason)
         )
@@ -81,10 +88,20 @@ class BucketRemoval:
                 continue
             names = ", ".join(f"{remote.url(k)} ({bad[k].path})" for k in keys)
             why = f"lists damaged piece {names}, as step {step} does: {reason}"
+            held = remote.read_manifest_or_none(other)  # its committed attempt only, not one staged beside it
             remote.store.delete([remote.manifest_key(other)])
-            wheres = [self._move_to_quarantine(other, a, why) for a in remote.attempts(other)]
-            out[other] = f"step {other}: {why} (moved to {', '.join(wheres)})"
+            wheres = [self._move_to_quarantine(other, a, why) for a in ([held.attempt] if held else [])]
+            out[other] = f"step {other}: {why} (moved to {', '.join(wheres) or 'nowhere: its manifest was taken back'})"
         return out
+
+    def _manifest_aside(self, step: int, reason: str) -> str:
+        """A committed manifest that cannot be read whole into a manifest, kept in quarantine with the reason."""
+        remote = self.remote
+        dst = remote.key(QUARANTINE, f"step_{step}-manifest-{int(time.time())}") + "/"
+        remote.store.copy(remote.manifest_key(step), dst + "manifest.json")
+        remote.store.put(dst + "reason.txt", (reason + "\n").encode())
+        log.error("quarantined step %d's manifest to %s: %s", step, remote.url(dst), reason)
+        return remote.url(dst)
 
     def _move_to_quarantine(self, step: int, attempt: str, reason: str) -> str:
         remote = self.remote

@@ -152,6 +152,12 @@ class BucketCheckpoints(BucketRemoval):
         info = self.remote.store.head(self.remote.manifest_key(step))
         return info is not None and info.size > 0  # an empty one was taken back by its writer: it commits nothing
 
+    def committed_attempt(self, step: int) -> str | None:
+        if not self.is_published(step):
+            return None
+        found = self.remote.read_manifest_or_none(step)
+        return found.attempt if found is not None else ""
+
     def manifest_hash(self, step: int) -> str | None:
         got = self.remote.store.get(self.remote.manifest_key(step))
         return digest(got[0]) if got is not None and got[0] != WITHDRAWN else None

@@ -192,6 +192,9 @@ class PosixCheckpoints:
     def is_published(self, step: int) -> bool:
         return self.storage.kind(self.layout.committed_step(step)) is not None
 
+    def committed_attempt(self, step: int) -> str | None:
+        return None  # a quarantine moves the committed dir away: a step staged beside a committed one is a hole
+
     def manifest_hash(self, step: int) -> str | None:
         return _bytes_hash(self.layout.committed_step(step) / MANIFEST)
 

@@ -120,6 +120,12 @@ class CheckpointStore(Protocol):
         """Whether anything holds ``step``'s committed name (a published step, or something planted there)."""
         ...
 
+    def committed_attempt(self, step: int) -> str | None:
+        """The attempt ``step``'s committed copy is of, as far as a staged attempt beside it is concerned: a staged
+        attempt other than this one is a save of the step again after its committed copy was found bad (None:
+        the one staged dir of a directory store, or nothing committed; "" a manifest past reading)."""
+        ...
+
     def manifest_hash(self, step: int) -> str | None:
         """The hash of committed ``step``'s manifest as it is now (None: none): what a quarantine names."""
         ...

@@ -78,10 +78,16 @@ def uncommitted(store: CheckpointStore, world_size: int, upto: int | None = None
         return []  # the committer repairs latest first; resuming then reports what it found
     done = newest.step if newest is not None else 0
     pending = []
-    for step in store.staged():
-        if step <= done or (upto is not None and step > upto) or store.is_published(step):
+    # a bucket's step above the newest good one may hold a bad committed copy beside a new attempt (saved again
+    # after the fall-back): that attempt counts (found by tests/simulate.py, seed 827)
+    for step in sorted({*store.staged(), *(s for s in store.committed() if s > done)}):
+        if step <= done or (upto is not None and step > upto):
             continue
+        published = store.is_published(step)
+        committed = store.committed_attempt(step) if published else None
         for attempt in store.attempts(step):
+            if published and attempt == committed:  # a bucket: a new attempt beside a bad committed copy counts
+                continue
             try:
                 if complete_markers(store.markers(step, attempt, world_size), None):
                     pending.append(step)
