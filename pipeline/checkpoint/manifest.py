@@ -330,14 +330,11 @@ def read_newest(layout: CheckpointLayout) -> Latest | None:
         named = _named_step(layout)
         if named is None:
             raise  # not a pointer at all (garbage, a link): no committer wrote it; the committer repairs it loudly
-        newest = _newest_published(layout, -1)  # a pointer behind newer steps, or to a step gone: not damage
-        if newest is not None and newest.step > named:
+        newest = _newest_published(layout, -1)  # a pointer behind newer steps, or to a step gone: not damage;
+        if newest is not None and newest.step >= named:  # or committed again since: its manifest reads as its own
             return newest
         if lstat_kind(layout.committed_step(named)) is not None:
-            again = _committed_again(layout, named)
-            if again is None:
-                raise  # its step is there with a manifest that does not read: damage until the committer repairs it
-            return again  # committed again since (a stale committer's late pointer): verified by the caller
+            raise  # its step is there with a manifest that does not read: damage until the committer repairs it
         if _retired(layout, named):
             raise VerificationError(
                 f"{layout.latest} names step {named}, which a late retention moved to {layout.checkpoints / TRASH}: "
@@ -367,18 +364,6 @@ def _retired(layout: CheckpointLayout, step: int) -> bool:
         return is_real_dir(trash) and any(n.startswith(f"{step_name(step)}.e") for n in os.listdir(trash))
     except OSError:
         return False
-
-
-def _committed_again(layout: CheckpointLayout, step: int) -> Latest | None:
-    """``step`` as its manifest now records it, when that reads whole as a manifest of ``step`` (None: it does not;
-    damage). Whether its files match is the caller's verification, as for every step a reader is given."""
-    manifest_file = layout.committed_step(step) / MANIFEST
-    try:
-        if read_manifest(manifest_file.parent).step == step:
-            return Latest(step=step, manifest_hash=hash_file(manifest_file))
-    except (VerificationError, FileNotFoundError):
-        return None
-    return None
 
 
 def _newest_published(layout: CheckpointLayout, after: int) -> Latest | None:

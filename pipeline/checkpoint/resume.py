@@ -17,7 +17,7 @@ from pipeline.checkpoint.protocol.lease_records import Watch
 from pipeline.checkpoint.stores.remote import Remote
 from pipeline.checkpoint.stores.store import CheckpointStore
 from pipeline.checkpoint.stores.stores import committer_running, store_for, uncommitted
-from pipeline.errors import PipelineError, ReadFailed
+from pipeline.errors import DeadlineError, PipelineError, ReadFailed
 from pipeline.storage.layout import CheckpointLayout
 from pipeline.storage.waiting import wait_until
 
@@ -47,23 +47,34 @@ def decide(
     def pending() -> list[int]:
         return uncommitted(store, world_size, upto)
 
+    start = time.monotonic()
+    while True:
+        try:
+            wait_until(
+                lambda: None if pending() else True,
+                deadline_s=max(0.0, deadline_s - (time.monotonic() - start)),
+                what=lambda: (
+                    f"step(s) {pending()} in {store.where} have every rank's marker but are not committed"
+                    f"{committer_hint}"
+                ),
+                alive=committer_alive,
+                interval_s=store.poll_s,
+            )
+            local = store.local()  # a bucket's latest step: pulled, every file checked while read
+            latest = read_newest(local)
+            # a commit in flight during the read (a step moved into place, its manifest not yet written, while a
+            # repair had removed latest): what was read is not the newest step the run has; look again
+            now, read = store.newest(), latest.step if latest is not None else 0
+            again = time.monotonic() - start < deadline_s and (pending() or (now.step if now else 0) != read)
+        except DeadlineError as e:
+            return f"cannot resume: {e}"
+        except PipelineError as e:  # a damaged step, a read that keeps failing, a bucket refusing: never older
+            return f"cannot resume: {e}{repair_hint}"
+        if not again:
+            break
+    if latest is None:
+        return 0
     try:
-        wait_until(
-            lambda: None if pending() else True,
-            deadline_s=deadline_s,
-            what=lambda: (
-                f"step(s) {pending()} in {store.where} have every rank's marker but are not committed{committer_hint}"
-            ),
-            alive=committer_alive,
-            interval_s=store.poll_s,
-        )
-    except PipelineError as e:  # a deadline; a read that keeps failing, a bucket refusing: never an older step
-        return f"cannot resume: {e}"
-    try:
-        local = store.local()  # a bucket's latest step: pulled, every file checked while read
-        latest = read_newest(local)
-        if latest is None:
-            return 0
         verify_committed(local.committed_step(latest.step), latest.step)
     except PipelineError as e:  # a damaged step, or the bucket refusing (a StoreError): every rank hears why
         return f"cannot resume: {e}{repair_hint}"

@@ -82,6 +82,7 @@ class Committer(LatestRepair):
         self.recovered = False
         """Whether :meth:`recover` completed since the last pass that failed on I/O (else the next pass runs it)."""
         self._outage: tuple[float, str] | None = None  # (since, first error) while passes fail on I/O
+        self._unread_since: dict[int, float] = {}  # steps not committed for a failed read -> first failure
 
     @contextlib.contextmanager
     def hold(self, takeover: bool = False) -> Iterator[None]:
@@ -166,6 +167,7 @@ class Committer(LatestRepair):
         for step in self._candidates() + self.store.holes(self.latest_step()):
             if self.store.is_published(step):
                 continue
+            self.report.unread.pop(step, None)  # judged again this pass
             for attempt in self.store.attempts(step):
                 try:
                     markers = complete_markers(self.store.markers(step, attempt, self.policy.world_size), None)
@@ -173,10 +175,13 @@ class Committer(LatestRepair):
                     continue  # damaged markers: the last pass quarantines the step
                 except ReadFailed as e:
                     log.warning("step %d: its markers cannot be read now, looked at again next pass: %s", step, e)
+                    self._not_read(step, str(e))
                     continue
                 if markers is not None and self._commit_or_quarantine(step, markers):
                     done.append(step)
                     break
+            if self._waits_for(step):  # in order: latest never moves past a step no one could read yet, so
+                break  # nothing sweeps it as superseded (bounded by OUTAGE_S; simulation seed 1004575)
         self._catch_up_latest()
         return done
 
@@ -206,6 +211,16 @@ class Committer(LatestRepair):
             if not running:
                 return
             time.sleep(self.policy.poll_interval_s)
+
+    def _not_read(self, step: int, why: str) -> None:
+        self.report.unread[step] = why
+        self._unread_since.setdefault(step, time.monotonic())
+
+    def _waits_for(self, step: int) -> bool:
+        """Whether newer steps wait for ``step``, not committed because it could not be read, for up to
+        :data:`OUTAGE_S` (then it is passed over, as a step that never completed is)."""
+        since = self._unread_since.get(step)
+        return step in self.report.unread and since is not None and time.monotonic() - since < OUTAGE_S
 
     def _failed_pass(self, e: Exception) -> None:
         """A pass that could not read or write the store: one line when an outage starts, then quiet; past
@@ -248,8 +263,9 @@ class Committer(LatestRepair):
                 continue
             if not self._commit_or_quarantine(step, markers) and step in self.report.unread:
                 self.report.incomplete.append((step, f"step {step} is not committed: {self.report.unread[step]}"))
-        self.fence()
-        self.store.sweep(self.latest_step(), self.policy.world_size)
+        self.fence()  # a step left uncommitted because it could not be read is no leftover: nothing from it up goes
+        upto = min([self.latest_step(), *(s - 1 for s in self.report.unread)])
+        self.store.sweep(upto, self.policy.world_size)
 
     def latest_step(self) -> int:
         """The newest committed step (0: none): ``latest``, or a newer published step when ``latest`` lags."""
@@ -302,7 +318,7 @@ class Committer(LatestRepair):
             return False
         except ReadFailed as e:  # unknown, not damage: no act, the step is looked at again
             log.warning("step %d is not committed now (%s): looked at again next pass", step, e)
-            self.report.unread[step] = str(e)
+            self._not_read(step, str(e))
             return False
         except Taken as e:
             self.report.quarantined.append(f"step {step}: {e}")
@@ -316,6 +332,7 @@ class Committer(LatestRepair):
             return False
         self.report.committed[step] = time.time()
         self.report.unread.pop(step, None)
+        self._unread_since.pop(step, None)
         self.apply_retention()
         return True
 

@@ -193,7 +193,7 @@ class PosixCheckpoints:
         return self.storage.kind(self.layout.committed_step(step)) is not None
 
     def committed_attempt(self, step: int) -> str | None:
-        return None  # a quarantine moves the committed dir away: a step staged beside a committed one is a hole
+        return repair.committed_attempt(self.layout, step)
 
     def manifest_hash(self, step: int) -> str | None:
         return _bytes_hash(self.layout.committed_step(step) / MANIFEST)

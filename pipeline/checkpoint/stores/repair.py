@@ -301,6 +301,16 @@ def latest_step_name(layout: CheckpointLayout) -> int | None:
     return step if type(step) is int and step >= 0 and obj.get("dir") == step_name(step) else None
 
 
+def committed_attempt(layout: CheckpointLayout, step: int) -> str | None:
+    """The attempt committed ``step``'s manifest records (None: not committed; "": a manifest past reading)."""
+    try:
+        return read_manifest(layout.committed_step(step)).attempt
+    except FileNotFoundError:
+        return None
+    except VerificationError:
+        return ""
+
+
 def latest_epoch(layout: CheckpointLayout) -> int | None:
     """The lease epoch of the committer that wrote ``latest`` (None: unknown, or no ``latest``)."""
     try:

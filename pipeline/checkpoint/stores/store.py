@@ -121,9 +121,9 @@ class CheckpointStore(Protocol):
         ...
 
     def committed_attempt(self, step: int) -> str | None:
-        """The attempt ``step``'s committed copy is of, as far as a staged attempt beside it is concerned: a staged
-        attempt other than this one is a save of the step again after its committed copy was found bad (None:
-        the one staged dir of a directory store, or nothing committed; "" a manifest past reading)."""
+        """The attempt ``step``'s committed manifest records: a complete staged attempt other than this one is a
+        save of the step again after its committed copy was found bad, which a resume waits for (None: nothing
+        committed; "": a manifest past reading)."""
         ...
 
     def manifest_hash(self, step: int) -> str | None:

@@ -86,14 +86,14 @@ def uncommitted(store: CheckpointStore, world_size: int, upto: int | None = None
         published = store.is_published(step)
         committed = store.committed_attempt(step) if published else None
         for attempt in store.attempts(step):
-            if published and attempt == committed:  # a bucket: a new attempt beside a bad committed copy counts
-                continue
             try:
-                if complete_markers(store.markers(step, attempt, world_size), None):
-                    pending.append(step)
-                    break
+                markers = complete_markers(store.markers(step, attempt, world_size), None)
             except VerificationError:
                 continue
+            # a new attempt beside a bad committed copy (saved again after the fall-back) counts
+            if markers and not (published and markers[0].attempt == committed):
+                pending.append(step)
+                break
     # Moved into place, its manifest not yet written (a commit between its two acts, or cut there): it is neither
     # staged nor committed to a reader, yet the committer's next act commits it (found by tests/simulate.py).
     finishing = [s for s in store.finishing(world_size) if s > done and (upto is None or s <= upto)]
