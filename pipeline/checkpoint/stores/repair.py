@@ -291,13 +291,19 @@ def read_or_none(path: Path) -> bytes | None:
         return f.read(MAX_RECORD_BYTES)
 
 
-def latest_step_name(layout: CheckpointLayout) -> int | None:
-    """The step a (possibly damaged) ``latest`` names, if it names one; used only to decide what to quarantine."""
+def _latest_record(layout: CheckpointLayout) -> dict[str, object]:
+    """``latest`` as a record ({} when absent, or not one); a read that fails raises (ReadFailed)."""
     try:
         obj = read_record_json(layout.latest, "latest pointer")
     except (OSError, VerificationError):
-        return None
-    step = obj.get("step") if isinstance(obj, dict) else None
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def latest_step_name(layout: CheckpointLayout) -> int | None:
+    """The step a (possibly damaged) ``latest`` names, if it names one; used only to decide what to quarantine."""
+    obj = _latest_record(layout)
+    step = obj.get("step")
     return step if type(step) is int and step >= 0 and obj.get("dir") == step_name(step) else None
 
 
@@ -313,11 +319,7 @@ def committed_attempt(layout: CheckpointLayout, step: int) -> str | None:
 
 def latest_epoch(layout: CheckpointLayout) -> int | None:
     """The lease epoch of the committer that wrote ``latest`` (None: unknown, or no ``latest``)."""
-    try:
-        obj = read_record_json(layout.latest, "latest pointer")
-    except (OSError, VerificationError):
-        return None
-    epoch = obj.get("epoch") if isinstance(obj, dict) else None
+    epoch = _latest_record(layout).get("epoch")
     return epoch if type(epoch) is int else None
 
 
