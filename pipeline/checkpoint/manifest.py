@@ -331,10 +331,10 @@ def read_newest(layout: CheckpointLayout) -> Latest | None:
         if named is None:
             raise  # not a pointer at all (garbage, a link): no committer wrote it; the committer repairs it loudly
         newest = _newest_published(layout, -1)  # a pointer behind newer steps, or to a step gone: not damage;
-        if newest is not None and newest.step >= named:  # or committed again since: its manifest reads as its own
-            return newest
+        if newest is not None and newest.step >= named:  # or to a step committed again since (a ghost's late
+            return newest  # pointer names the old copy): as its manifest records it, verified by the caller
         if lstat_kind(layout.committed_step(named)) is not None:
-            raise  # its step is there with a manifest that does not read: damage until the committer repairs it
+            raise  # its step is there with another manifest: damage until the committer says otherwise
         if _retired(layout, named):
             raise VerificationError(
                 f"{layout.latest} names step {named}, which a late retention moved to {layout.checkpoints / TRASH}: "

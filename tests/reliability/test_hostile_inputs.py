@@ -493,7 +493,11 @@ def test_committed_step_files_are_refused_downstream(baseline: Baseline) -> None
                 m.apply(step_dir)
             after = snapshot(step_dir, names)
             unchanged = after == before
-            family.judge("train resume check", resume_check(baseline, layout), may_accept=unchanged, what=mutations)
+            # latest names step 8 with its old manifest's hash: a reader takes a manifest changed since as the step
+            # committed again (a ghost's late pointer names the old copy), so it may resume where the data is intact
+            data_intact = all(after[n] == before[n] for n in DATA_FILES)
+            out = resume_check(baseline, layout)
+            family.judge("train resume check", out, may_accept=unchanged or data_intact, what=mutations)
             if after[MANIFEST] == before[MANIFEST]:  # verify_committed alone cannot know the manifest's hash
                 out = call(lambda: verify_committed(step_dir, STEP))
                 family.judge("verify_committed", out, may_accept=unchanged, what=mutations)
