@@ -195,7 +195,7 @@ def _await(
     monkeypatch: pytest.MonkeyPatch, store: _Script, saved: list[int], running: bool, deadline_s: float = 0.3
 ) -> None:
     monkeypatch.setattr(stores, "store_for", lambda layout, remote: store)
-    monkeypatch.setattr(stores, "committer_running", lambda s: running)
+    monkeypatch.setattr(stores, "committer_running", lambda s, watch=None: running)
     external_wait.await_external_commit(CheckpointLayout(Path("/ckpt")), None, 1, saved, deadline_s, 0.3)
 
 
