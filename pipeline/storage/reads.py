@@ -63,6 +63,12 @@ def is_transient(e: BaseException) -> TypeGuard[OSError]:
     return isinstance(e, OSError) and e.errno in TRANSIENT
 
 
+def unknown(e: BaseException) -> bool:
+    """Whether ``e`` says only that the storage did not answer (:class:`ReadFailed`, or a transient ``OSError``
+    of a write): no act may follow from it, and a later pass may succeed."""
+    return isinstance(e, ReadFailed) or is_transient(e)
+
+
 def failed(e: OSError, what: str, path: Path | str, tried_s: float | None = None) -> ReadFailed:
     """The one-line :class:`ReadFailed` for reading ``what`` at ``path``."""
     reason = e.strerror or type(e).__name__

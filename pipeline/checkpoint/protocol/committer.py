@@ -40,7 +40,7 @@ from pipeline.checkpoint.stores.store import RACES, CheckpointStore, Taken
 from pipeline.errors import DeadlineError, PipelineError, ReadFailed, VerificationError
 from pipeline.storage.faults import inject
 from pipeline.storage.layout import CheckpointLayout
-from pipeline.storage.reads import is_transient
+from pipeline.storage.reads import unknown
 from pipeline.storage.waiting import wait_until
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class Committer(LatestRepair):
         try:
             self.recover()
         except (ReadFailed, OSError) as e:
-            if isinstance(e, OSError) and not is_transient(e):
+            if not unknown(e):
                 raise
             self._failed_pass(e)
             return False
@@ -193,7 +193,7 @@ class Committer(LatestRepair):
             try:
                 running = alive() and not stop()
             except (ReadFailed, OSError) as e:  # whether the producer runs cannot be told now: it may
-                if isinstance(e, OSError) and not is_transient(e):
+                if not unknown(e):
                     raise
                 running = not stop()
             try:
@@ -201,7 +201,7 @@ class Committer(LatestRepair):
                     self.recover()
                 self.commit_ready()
             except (ReadFailed, OSError) as e:  # no act was taken on what could not be read
-                if isinstance(e, OSError) and not is_transient(e):
+                if not unknown(e):
                     raise
                 self._failed_pass(e)
                 if not running:
